@@ -1,0 +1,61 @@
+"""Process-wide settings, read once from the environment and changeable at run time.
+
+Every rank must use the same settings: they decide which algorithm runs and whether the argument
+agreement runs, and ranks that disagree on them cannot talk to each other.
+"""
+
+import os
+from dataclasses import dataclass
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer number of bytes, got {value!r}") from None
+
+
+# Measured with bench/allreduce.py on the 2-core development machine (bench/RESULTS.md): recursive
+# doubling with the agreement header riding along beats the ring up to about this size at p = 2..4.
+DEFAULT_SMALL_MESSAGE_BYTES = 256 * 1024
+
+
+@dataclass
+class Config:
+    """gflow's settings.
+
+    Attributes:
+        validate: check on every call that all ranks passed the same length, dtype, op and algorithm
+            (GFLOW_VALIDATE, default on). On small messages the check rides along with the data and
+            costs nothing measurable; on ring-sized messages it is one header-only recursive-doubling
+            exchange (log2 p tiny messages). Off, a mismatched call is undefined behaviour: it may hang.
+        small_message_bytes: messages up to this size take the latency path (recursive doubling)
+            under algorithm="auto"; larger ones take the ring (GFLOW_SMALL_MESSAGE_BYTES).
+    """
+
+    validate: bool = True
+    small_message_bytes: int = DEFAULT_SMALL_MESSAGE_BYTES
+
+    @classmethod
+    def from_env(cls) -> "Config":
+        return cls(
+            validate=_env_flag("GFLOW_VALIDATE", True),
+            small_message_bytes=_env_int("GFLOW_SMALL_MESSAGE_BYTES", DEFAULT_SMALL_MESSAGE_BYTES),
+        )
+
+
+config = Config.from_env()

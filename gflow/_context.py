@@ -1,0 +1,93 @@
+"""Per-communicator state: gflow's private duplicate, the fixed schedules, reusable scratch buffers.
+
+One CommContext per user communicator, made on first use and cached on that communicator as an MPI
+attribute, so it is freed with it and a reused handle never finds a stale one. Traffic on the
+private duplicate can never match the user's own messages.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+# Tags inside the private communicator; one per phase, so a protocol bug shows up as a mismatch.
+TAG_AGREE = 11
+TAG_RING_RS = 12
+TAG_RING_AG = 13
+
+
+def rd_schedule(rank: int, size: int):
+    """Recursive-doubling roles for `rank`, with the usual fold for sizes that are not powers of two.
+
+    Returns (fold, rounds): fold is None, ("send", peer) for an even rank below 2*rem that hands its
+    data to rank+1 and waits for the result, or ("recv", peer) for the odd rank that takes it;
+    rounds lists (peer, peer_is_lower) for the exchanges among the remaining power-of-two group.
+    """
+    p2 = 1
+    while p2 * 2 <= size:
+        p2 *= 2
+    rem = size - p2
+    if rank < 2 * rem:
+        if rank % 2 == 0:
+            return ("send", rank + 1), []
+        fold, newrank = ("recv", rank - 1), rank // 2
+    else:
+        fold, newrank = None, rank - rem
+    rounds = []
+    mask = 1
+    while mask < p2:
+        peer_new = newrank ^ mask
+        peer = peer_new * 2 + 1 if peer_new < rem else peer_new + rem
+        rounds.append((peer, peer_new < newrank))
+        mask <<= 1
+    return fold, rounds
+
+
+class CommContext:
+    """gflow's view of one user communicator."""
+
+    def __init__(self, comm: MPI.Intracomm):
+        self.comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.rd_fold, self.rd_rounds = rd_schedule(self.rank, self.size)
+        self._scratch = {}
+
+    def scratch(self, name: str, nbytes: int, ops) -> "np.ndarray":
+        """A reusable uint8 buffer of at least nbytes, one per (name, kind of array); grows, never shrinks."""
+        key = (name, ops.kind)
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < nbytes:
+            buf = ops.empty(max(nbytes, 64), np.uint8)
+            self._scratch[key] = buf
+        return buf
+
+    def free(self):
+        if not MPI.Is_finalized():
+            self.comm.Free()
+
+
+def _delete_context(comm, keyval, ctx):
+    ctx.free()
+
+
+_keyval = None
+_world = None
+
+
+def context(comm=None) -> CommContext:
+    """The CommContext of `comm` (MPI.COMM_WORLD when None)."""
+    global _keyval, _world
+    if comm is None:
+        if _world is None:
+            _world = context(MPI.COMM_WORLD)
+        return _world
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm: expected an mpi4py MPI.Intracomm, got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError("comm: got MPI.COMM_NULL")
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=_delete_context)
+    ctx = comm.Get_attr(_keyval)
+    if ctx is None:
+        ctx = CommContext(comm)
+        comm.Set_attr(_keyval, ctx)
+    return ctx

@@ -1,0 +1,105 @@
+"""Argument checks, and the call signature the ranks compare.
+
+Local checks raise TypeError/ValueError before any data moves. The signature is a short int64 vector
+describing one call (collective, algorithm, element count, dtype, op, one extra field); the agreement
+in collectives/recursive_doubling.py compares it across ranks, so that ranks that called differently
+all raise MismatchError instead of hanging or returning garbage.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+# Codes are part of the wire format: append, never renumber.
+DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64)
+DTYPE_CODE = {np.dtype(t): i + 1 for i, t in enumerate(DTYPES)}
+CODE_DTYPE = {code: dt for dt, code in DTYPE_CODE.items()}
+
+OPS = ("sum", "mean", "max", "min")
+OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
+CODE_OP = {code: name for name, code in OP_CODE.items()}
+_MPI_OPS = ((MPI.SUM, "sum"), (MPI.MAX, "max"), (MPI.MIN, "min"))  # MPI.Op is not hashable
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "lazy", "sparse")
+COLLECTIVE_CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
+CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}
+
+ALGORITHMS = ("recursive_doubling", "ring", "mpi")
+ALGORITHM_CODE = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
+CODE_ALGORITHM = {code: name for name, code in ALGORITHM_CODE.items()}
+
+# A rank whose local checks failed sends this status so its peers fail with it instead of hanging.
+SIG_OK = 0
+SIG_REJECTED = 1
+SIG_LEN = 7  # collective, algorithm, count, dtype, op, extra, status
+
+
+def check_op(op, dtype: np.dtype) -> str:
+    """Return the canonical op name, or raise for unknown ops and mean on integers."""
+    if isinstance(op, MPI.Op):
+        name = next((n for mpi_op, n in _MPI_OPS if op == mpi_op), None)
+        if name is None:
+            raise ValueError(f"op: expected one of {OPS} or MPI.SUM/MAX/MIN, got an unsupported MPI.Op")
+    elif isinstance(op, str) and op in OP_CODE:
+        name = op
+    else:
+        raise ValueError(f"op: expected one of {OPS} or MPI.SUM/MAX/MIN, got {op!r}")
+    if name == "mean" and dtype.kind != "f":
+        raise TypeError(
+            f"op='mean' needs a floating dtype, got {dtype}: use op='sum' and divide as your integers need"
+        )
+    return name
+
+
+def check_dtype(dtype: np.dtype) -> np.dtype:
+    if dtype not in DTYPE_CODE:
+        supported = ", ".join(np.dtype(t).name for t in DTYPES)
+        raise TypeError(f"unsupported dtype {dtype}: expected one of {supported}")
+    return dtype
+
+
+def check_root(root, size: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"root must be an int, got {type(root).__name__}")
+    if not 0 <= root < size:
+        raise ValueError(f"root must be in [0, {size}), got {root}")
+    return int(root)
+
+
+def signature(collective: str, algorithm: str, count: int, dtype: np.dtype, op: str | None, extra: int = 0):
+    """The int64 vector the ranks compare; see describe() for how it reads."""
+    return np.array(
+        [
+            COLLECTIVE_CODE[collective],
+            ALGORITHM_CODE[algorithm],
+            count,
+            DTYPE_CODE[dtype],
+            OP_CODE[op] if op else 0,
+            extra,
+            SIG_OK,
+        ],
+        dtype=np.int64,
+    )
+
+
+def rejected_signature(collective: str):
+    sig = np.zeros(SIG_LEN, dtype=np.int64)
+    sig[0] = COLLECTIVE_CODE[collective]
+    sig[6] = SIG_REJECTED
+    return sig
+
+
+def describe(sig) -> str:
+    """Human-readable form of a signature, for mismatch messages."""
+    collective = CODE_COLLECTIVE.get(int(sig[0]), f"<collective {int(sig[0])}>")
+    if int(sig[6]) == SIG_REJECTED:
+        return f"called {collective} with arguments it rejected (see the error raised on that rank)"
+    dtype = CODE_DTYPE.get(int(sig[3]))
+    text = f"called {collective} with {int(sig[2])} {dtype.name if dtype else '?'} elements"
+    if int(sig[4]):
+        text += f", op={CODE_OP.get(int(sig[4]), '?')}"
+    text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]), '?')}"
+    if collective == "broadcast":
+        text += f", root={int(sig[5])}"
+    elif int(sig[5]):
+        text += f", extra={int(sig[5])}"
+    return text

@@ -1,0 +1,1 @@
+"""The collective algorithms: recursive doubling (latency path and argument agreement) and the ring."""

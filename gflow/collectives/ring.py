@@ -1,0 +1,72 @@
+"""Ring reduce-scatter, ring allgather, and the ring allreduce made of the two.
+
+The flat buffer of N elements is cut into p chunks as np.array_split cuts it (the first N % p chunks
+one element longer); chunk c's bounds are bounds[c]:bounds[c+1]. Each rank talks only to its
+neighbours: it sends to right = r+1 and receives from left = r-1 (mod p).
+
+Reduce-scatter, steps i = 0 .. p-2: rank r sends chunk (r-i-1) mod p and receives chunk (r-i-2) mod p,
+which it reduces into its own copy (received partial first, then its own). After p-1 steps rank r holds
+chunk r fully reduced. Each chunk is reduced in one fixed order along the ring, by one rank at a time,
+so the result does not depend on who looks at it.
+
+Allgather, steps i = 0 .. p-2: rank r sends chunk (r-i) mod p and receives chunk (r-i-1) mod p straight
+into place. After p-1 steps every rank holds every chunk: copies of the reduced ones, bitwise equal.
+
+Traffic: each phase sends (p-1)/p * N elements per rank, so the allreduce sends 2(p-1)/p * N, the
+lower bound for any allreduce (baidu-allreduce, Patarasuk & Yuan 2009); the price is 2(p-1) message
+latencies, which is why small messages take recursive doubling instead.
+"""
+
+from mpi4py import MPI
+
+from .._context import TAG_RING_AG, TAG_RING_RS, CommContext
+
+
+def chunk_bounds(n: int, p: int) -> list[int]:
+    """Offsets of the p chunks of n elements (np.array_split's layout): chunk c is [b[c], b[c+1])."""
+    base, extra = divmod(n, p)
+    bounds = [0]
+    for c in range(p):
+        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    return bounds
+
+
+def reduce_scatter(ctx: CommContext, buf, ops, op: str, bounds: list[int]) -> None:
+    """Ring reduce-scatter of the flat `buf` in place: afterwards chunk `rank` of buf is fully reduced."""
+    p, r = ctx.size, ctx.rank
+    if p == 1:
+        return
+    widest = max(bounds[c + 1] - bounds[c] for c in range(p))
+    tmp = ctx.scratch("ring_tmp", widest * buf.itemsize, ops)[: widest * buf.itemsize].view(buf.dtype)
+    right, left = (r + 1) % p, (r - 1) % p
+    sendrecv = ctx.comm.Sendrecv
+    for i in range(p - 1):
+        s = (r - i - 1) % p
+        c = (r - i - 2) % p
+        dst = buf[bounds[c] : bounds[c + 1]]
+        incoming = tmp[: dst.size]
+        sendrecv([buf[bounds[s] : bounds[s + 1]], MPI.BYTE], right, TAG_RING_RS, [incoming, MPI.BYTE], left, TAG_RING_RS)
+        ops.reduce(dst, incoming, dst, op)
+
+
+def allgather(ctx: CommContext, buf, bounds: list[int]) -> None:
+    """Ring allgather in place: chunk `rank` of `buf` is this rank's; afterwards buf holds all chunks."""
+    p, r = ctx.size, ctx.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    sendrecv = ctx.comm.Sendrecv
+    for i in range(p - 1):
+        s = (r - i) % p
+        c = (r - i - 1) % p
+        sendrecv(
+            [buf[bounds[s] : bounds[s + 1]], MPI.BYTE], right, TAG_RING_AG,
+            [buf[bounds[c] : bounds[c + 1]], MPI.BYTE], left, TAG_RING_AG,
+        )
+
+
+def allreduce(ctx: CommContext, buf, ops, op: str) -> None:
+    """Ring allreduce of the flat `buf` in place. op is "sum", "mean", "max" or "min"."""
+    bounds = chunk_bounds(buf.size, ctx.size)
+    reduce_scatter(ctx, buf, ops, "sum" if op == "mean" else op, bounds)
+    if op == "mean":
+        ops.divide(buf[bounds[ctx.rank] : bounds[ctx.rank + 1]], ctx.size)
+    allgather(ctx, buf, bounds)

@@ -1,0 +1,13 @@
+"""gflow's exceptions.
+
+Argument errors are the builtin TypeError/ValueError, raised before any data moves. GflowError is what
+gflow raises when the ranks of one collective call disagree, or MPI fails underneath it.
+"""
+
+
+class GflowError(RuntimeError):
+    """A collective failed as a whole: raised on every rank of the call."""
+
+
+class MismatchError(GflowError):
+    """The ranks called one collective with different arguments (length, dtype, op, ...)."""
