@@ -20,7 +20,9 @@ def ops_for(x):
             "device arrays (__cuda_array_interface__) are not supported by this build of gflow yet; "
             "pass a NumPy array"
         )
-    raise TypeError(f"expected a NumPy array or an object with __cuda_array_interface__, got {type(x).__name__}")
+    raise TypeError(
+        f"expected a NumPy array or an object with __cuda_array_interface__, got {type(x).__name__}"
+    )
 
 
 def check_array(x, name: str = "x"):
@@ -35,7 +37,9 @@ def check_array(x, name: str = "x"):
 def flat_view(x, name: str = "x"):
     """A 1-D view of x without copying; a clear error when x is not contiguous."""
     if not x.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous to be written in place; got an array with strides {x.strides}")
+        raise ValueError(
+            f"{name} must be C-contiguous to be written in place; got an array with strides {x.strides}"
+        )
     return x.reshape(-1)
 
 

@@ -23,7 +23,9 @@ def _local_checks(ctx: CommContext, collective: str, checks):
     except (TypeError, ValueError):
         if config.validate and ctx.size > 1:
             try:
-                allreduce_with_agreement(ctx, rejected_signature(collective), host, config.small_message_bytes)
+                allreduce_with_agreement(
+                    ctx, rejected_signature(collective), host, config.small_message_bytes
+                )
             except MismatchError:
                 pass
         raise
@@ -82,7 +84,9 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto"):
         if result is not x:
             ops.copy(result, x)
     elif chosen == "recursive_doubling":
-        allreduce_with_agreement(ctx, sig, ops, config.small_message_bytes, x.reshape(-1), flat_out, reduce_op)
+        allreduce_with_agreement(
+            ctx, sig, ops, config.small_message_bytes, x.reshape(-1), flat_out, reduce_op
+        )
         if name == "mean":
             ops.divide(flat_out, ctx.size)
     else:

@@ -45,7 +45,14 @@ def reduce_scatter(ctx: CommContext, buf, ops, op: str, bounds: list[int]) -> No
         c = (r - i - 2) % p
         dst = buf[bounds[c] : bounds[c + 1]]
         incoming = tmp[: dst.size]
-        sendrecv([buf[bounds[s] : bounds[s + 1]], MPI.BYTE], right, TAG_RING_RS, [incoming, MPI.BYTE], left, TAG_RING_RS)
+        sendrecv(
+            [buf[bounds[s] : bounds[s + 1]], MPI.BYTE],
+            right,
+            TAG_RING_RS,
+            [incoming, MPI.BYTE],
+            left,
+            TAG_RING_RS,
+        )
         ops.reduce(dst, incoming, dst, op)
 
 
@@ -58,8 +65,12 @@ def allgather(ctx: CommContext, buf, bounds: list[int]) -> None:
         s = (r - i) % p
         c = (r - i - 1) % p
         sendrecv(
-            [buf[bounds[s] : bounds[s + 1]], MPI.BYTE], right, TAG_RING_AG,
-            [buf[bounds[c] : bounds[c + 1]], MPI.BYTE], left, TAG_RING_AG,
+            [buf[bounds[s] : bounds[s + 1]], MPI.BYTE],
+            right,
+            TAG_RING_AG,
+            [buf[bounds[c] : bounds[c + 1]], MPI.BYTE],
+            left,
+            TAG_RING_AG,
         )
 
 

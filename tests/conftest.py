@@ -1,0 +1,44 @@
+"""Test harness: multi-rank tests run from plain `pytest` through mpi-pytest.
+
+A test marked @pytest.mark.parallel([1, 2, 3, 4]) runs once per world size; for sizes above 1,
+mpi-pytest spawns `mpiexec -n N pytest <that test>` and fails the test if any rank fails. Inside those
+children a watchdog (faulthandler) dumps every thread's stack and kills the rank after
+GFLOW_TEST_DEADLINE seconds (default 60), so a deadlock fails its test instead of hanging CI; the
+parent's pytest-timeout is the backstop.
+"""
+
+import faulthandler
+import os
+import sys
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# mpi-pytest calls plain `mpiexec`: make it the one installed beside this Python (the MPICH wheel's).
+_bindir = os.path.dirname(sys.executable)
+if os.path.exists(os.path.join(_bindir, "mpiexec")):
+    os.environ["PATH"] = _bindir + os.pathsep + os.environ.get("PATH", "")
+
+IN_MPI_CHILD = "_PYTEST_MPI_CHILD_PROCESS" in os.environ
+DEADLINE_S = float(os.environ.get("GFLOW_TEST_DEADLINE", "60"))
+
+# Every rank must draw the same examples, and timing-based health checks would make ranks diverge.
+settings.register_profile(
+    "mpi",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=False,
+    suppress_health_check=list(HealthCheck),
+    max_examples=int(os.environ.get("GFLOW_TEST_EXAMPLES", "30")),
+)
+settings.load_profile("mpi")
+
+
+@pytest.fixture(autouse=True)
+def _deadlock_watchdog():
+    if IN_MPI_CHILD:
+        faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+    yield
+    if IN_MPI_CHILD:
+        faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,91 @@
+"""Helpers for tests that run on every rank at once: collective assertions and references."""
+
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+
+
+def on_all_ranks(fn, label: str = ""):
+    """Run fn() on every rank; if it fails anywhere, fail everywhere with every rank's error.
+
+    Keeps ranks in step: a failure on one rank never leaves the others waiting in the next collective,
+    and hypothesis sees the same outcome on every rank (so every rank shrinks the same way).
+    """
+    try:
+        fn()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported below, with the traceback
+        error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    errors = WORLD.allgather(error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        raise AssertionError(f"{label}: failed on ranks " + ", ".join(f"{r}:\n{e}" for r, e in failed))
+
+
+def assert_same_on_all_ranks(y: np.ndarray) -> None:
+    blobs = WORLD.allgather(y.tobytes())
+    differing = [r for r, b in enumerate(blobs) if b != blobs[0]]
+    assert not differing, f"results differ from rank 0's on ranks {differing}"
+
+
+def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    """Random values of the dtype, never all zeros; integers small enough never to overflow a sum."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return np.asarray(rng.standard_normal(shape) * 4).astype(dtype)
+    return np.asarray(rng.integers(-1000, 1000, size=shape, dtype=dtype))
+
+
+def rank_rng(seed: int) -> np.random.Generator:
+    """A generator that differs per rank and per example."""
+    return np.random.default_rng([seed, WORLD.rank])
+
+
+MPI_OP = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+NP_REDUCE = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
+
+
+def reference_float64(x: np.ndarray, op: str) -> np.ndarray:
+    """The reduction in float64 NumPy over every rank's x (gathered with MPI's own allgather)."""
+    everyone = np.stack(WORLD.allgather(x.astype(np.float64)))
+    return NP_REDUCE[op](everyone, axis=0)
+
+
+def reference_mpi(x: np.ndarray, op: str) -> np.ndarray:
+    """MPI's own Allreduce on the user's communicator."""
+    ref = np.empty_like(x)
+    WORLD.Allreduce(np.ascontiguousarray(x), ref, MPI_OP[op])
+    if op == "mean":
+        ref = ref / ref.dtype.type(WORLD.size)
+    return ref
+
+
+def assert_close_to_reference(y: np.ndarray, x: np.ndarray, op: str) -> None:
+    """Exact for integers and max/min; within the dtype's rounding for float sums and means."""
+    exact64 = reference_float64(x, op)
+    mpi = reference_mpi(x, op)
+    if x.dtype.kind != "f" or op in ("max", "min"):
+        np.testing.assert_array_equal(y, mpi)
+        np.testing.assert_array_equal(y.astype(np.float64), exact64)
+        return
+    eps = float(np.finfo(x.dtype).eps)
+    # p - 1 roundings of partial sums, each bounded by eps * sum of magnitudes.
+    magnitude = reference_float64(np.abs(x.astype(np.float64)), "sum")
+    if op == "mean":
+        magnitude = magnitude / WORLD.size
+    tol = 2 * WORLD.size * eps * magnitude + float(np.finfo(x.dtype).tiny)
+    _assert_within(y, exact64, tol, "float64 NumPy")
+    _assert_within(y, mpi.astype(np.float64), 2 * tol, "MPI's own Allreduce")  # both round
+
+
+def _assert_within(y, ref, tol, name):
+    err = np.abs(y.astype(np.float64) - ref)
+    if err.size and not np.all(err <= tol):
+        worst = np.unravel_index(int(np.argmax(err - tol)), err.shape)
+        raise AssertionError(
+            f"differs from {name} at index {worst}: got {y[worst]}, expected {ref[worst]} "
+            f"(tolerance {tol[worst]})"
+        )

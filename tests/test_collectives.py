@@ -1,0 +1,98 @@
+"""reduce_scatter, allgather and broadcast against MPI's own collectives, at world sizes 1 to 4."""
+
+import numpy as np
+import pytest
+from helpers import MPI_OP, WORLD, assert_same_on_all_ranks, on_all_ranks, random_array, rank_rng
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gflow
+
+SIZES = [1, 2, 3, 4]
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+
+
+@pytest.mark.parallel(SIZES)
+@given(
+    n=st.one_of(st.integers(0, 9), st.integers(10, 5000), st.just(100_003)),
+    dtype=st.sampled_from(DTYPES),
+    op=st.sampled_from(["sum", "max", "min", "mean"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_reduce_scatter_is_this_ranks_shard_of_the_allreduce(n, dtype, op, seed):
+    if op == "mean" and np.dtype(dtype).kind != "f":
+        return
+    x = random_array(rank_rng(seed), n, dtype)
+
+    def check():
+        before = x.copy()
+        shard = gflow.reduce_scatter(x, op)
+        np.testing.assert_array_equal(x, before)
+        full = np.empty_like(x)
+        WORLD.Allreduce(x, full, MPI_OP[op])
+        if op == "mean":
+            full = full / full.dtype.type(WORLD.size)
+        expected = np.array_split(full, WORLD.size)[WORLD.rank]
+        assert shard.dtype == x.dtype and shard.shape == expected.shape
+        if np.dtype(dtype).kind == "f" and op in ("sum", "mean"):
+            eps = float(np.finfo(dtype).eps)
+            scale = np.array_split(np.abs(x.astype(np.float64)), WORLD.size)[WORLD.rank]
+            scale = WORLD.allreduce(scale.sum(), op=MPI_OP["sum"]) if scale.size else 0.0
+            np.testing.assert_allclose(
+                shard.astype(np.float64),
+                expected.astype(np.float64),
+                rtol=0,
+                atol=4 * WORLD.size * eps * scale + 1e-30,
+            )
+        else:
+            np.testing.assert_array_equal(shard, expected)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+@given(
+    rows=st.integers(0, 300),
+    tail=st.sampled_from([(), (3,), (2, 5)]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_allgather_concatenates_in_rank_order(rows, tail, dtype, seed):
+    # Ranks pass different first-axis lengths, as reduce_scatter's shards have.
+    mine = random_array(rank_rng(seed), (max(rows - WORLD.rank, 0),) + tail, dtype)
+
+    def check():
+        before = mine.copy()
+        y = gflow.allgather(mine)
+        np.testing.assert_array_equal(mine, before)
+        expected = np.concatenate(WORLD.allgather(mine), axis=0)
+        assert y.shape == expected.shape and y.dtype == expected.dtype
+        np.testing.assert_array_equal(y, expected)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_allgather_of_reduce_scatter_is_allreduce():
+    x = random_array(rank_rng(21), 100_003, np.int64)
+    on_all_ranks(
+        lambda: np.testing.assert_array_equal(gflow.allgather(gflow.reduce_scatter(x)), gflow.allreduce(x))
+    )
+
+
+@pytest.mark.parallel(SIZES)
+def test_broadcast_from_every_root():
+    for n, dtype in [(0, np.int32), (1, np.float16), (1000, np.int32), (300_001, np.float16)]:
+        x = random_array(rank_rng(n), (n,), dtype)
+        on_all_ranks(lambda: check_broadcast(x), f"n={n} {dtype}")  # noqa: B023 - called at once
+
+
+def check_broadcast(x):
+    for root in range(WORLD.size):
+        before = x.copy()
+        y = gflow.broadcast(x, root=root)
+        np.testing.assert_array_equal(x, before)
+        expected = x.copy()
+        WORLD.Bcast(expected, root=root)
+        np.testing.assert_array_equal(y, expected)
+        assert_same_on_all_ranks(y)

@@ -1,0 +1,147 @@
+"""Bad input gets a clear error before any data moves; ranks that disagree all raise, none hangs."""
+
+import numpy as np
+import pytest
+from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
+from mpi4py import MPI
+
+import gflow
+
+MULTI = [2, 3, 4]
+
+
+def raises_on_this_rank(exc_type, match, fn):
+    with pytest.raises(exc_type, match=match):
+        fn()
+
+
+# Each case: a call with a bad argument, the exception it must raise and what the message must say.
+BAD_INPUT = [
+    (lambda: gflow.allreduce([1.0, 2.0]), TypeError, "expected a NumPy array"),
+    (lambda: gflow.allreduce(np.ones(3, np.complex64)), TypeError, "unsupported dtype complex64"),
+    (lambda: gflow.allreduce(np.ones(3, np.uint8)), TypeError, "unsupported dtype uint8"),
+    (lambda: gflow.allreduce(np.ones(3), op="prod"), ValueError, "op: expected one of"),
+    (lambda: gflow.allreduce(np.ones(3), op=MPI.PROD), ValueError, "unsupported MPI.Op"),
+    (lambda: gflow.allreduce(np.ones(3, np.int32), op="mean"), TypeError, "needs a floating dtype"),
+    (lambda: gflow.allreduce(np.ones(3), out=np.ones(4)), ValueError, "expected 3 elements, got 4"),
+    (lambda: gflow.allreduce(np.ones(3), out=np.ones(3, np.float32)), TypeError, "expected dtype float64"),
+    (lambda: gflow.allreduce(np.ones(3), out=np.ones(6)[::2]), ValueError, "C-contiguous"),
+    (lambda: gflow.allreduce(np.ones(3), algorithm="tree"), ValueError, "algorithm: expected one of"),
+    (lambda: gflow.allreduce(np.ones(10**6), algorithm="recursive_doubling"), ValueError, "at most"),
+    (lambda: gflow.allreduce(np.ones(3), comm="world"), TypeError, "comm: expected an mpi4py"),
+    (lambda: gflow.reduce_scatter(np.ones(3, bool)), TypeError, "unsupported dtype bool"),
+    (lambda: gflow.allgather("abc"), TypeError, "expected a NumPy array"),
+    (lambda: gflow.broadcast(np.ones(3), root=WORLD.size), ValueError, "root must be in"),
+    (lambda: gflow.broadcast(np.ones(3), root=1.0), TypeError, "root must be an int"),
+]
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_bad_input_raises_on_every_rank():
+    # One spawn for all cases (each mpiexec start costs seconds here); each case checked on its own.
+    for call, exc_type, match in BAD_INPUT:
+        on_all_ranks(lambda: raises_on_this_rank(exc_type, match, call), match)  # noqa: B023 - called at once
+        # Nothing was left in flight: the next call works.
+        on_all_ranks(lambda: np.testing.assert_array_equal(gflow.allreduce(np.ones(5)), WORLD.size))
+
+
+# Each case: what rank 0 calls, what every other rank calls, and what the message must name.
+MISMATCHES = {
+    "length": (
+        lambda: gflow.allreduce(np.ones(1024, np.float32)),
+        lambda: gflow.allreduce(np.ones(1000, np.float32)),
+        "1024 float32 elements",
+    ),
+    "dtype": (
+        lambda: gflow.allreduce(np.ones(10, np.float32)),
+        lambda: gflow.allreduce(np.ones(10, np.float64)),
+        "float64",
+    ),
+    "op": (
+        lambda: gflow.allreduce(np.ones(10), "sum"),
+        lambda: gflow.allreduce(np.ones(10), "max"),
+        "op=max",
+    ),
+    "small vs ring-sized": (
+        lambda: gflow.allreduce(np.ones(10)),
+        lambda: gflow.allreduce(np.ones(10**6)),
+        "algorithm=ring",
+    ),
+    "forced algorithm": (
+        lambda: gflow.allreduce(np.ones(10), algorithm="ring"),
+        lambda: gflow.allreduce(np.ones(10)),
+        "algorithm=recursive_doubling",
+    ),
+    "ring lengths": (
+        lambda: gflow.allreduce(np.ones(10**6)),
+        lambda: gflow.allreduce(np.ones(10**6 + 1)),
+        "1000001 float64",
+    ),
+    "collective": (
+        lambda: gflow.allreduce(np.ones(10)),
+        lambda: gflow.broadcast(np.ones(10)),
+        "called broadcast",
+    ),
+    "root": (
+        lambda: gflow.broadcast(np.ones(10), root=0),
+        lambda: gflow.broadcast(np.ones(10), root=1),
+        "root=1",
+    ),
+    "reduce_scatter length": (
+        lambda: gflow.reduce_scatter(np.ones(50)),
+        lambda: gflow.reduce_scatter(np.ones(51)),
+        "51 float64",
+    ),
+    "allgather rows": (
+        lambda: gflow.allgather(np.ones((2, 3))),
+        lambda: gflow.allgather(np.ones((2, 4))),
+        "extra=4",
+    ),
+}
+
+
+def check_mismatch_raises(case):
+    first, others, named = MISMATCHES[case]
+    call = first if WORLD.rank == 0 else others
+    with pytest.raises(gflow.MismatchError, match="ranks disagree") as info:
+        call()
+    message = str(info.value)
+    assert "rank 0" in message and named in message, f"{case}: {message}"
+    assert isinstance(info.value, gflow.GflowError)
+
+
+@pytest.mark.parallel(MULTI)
+def test_ranks_that_disagree_all_raise():
+    x = random_array(rank_rng(1), 300_000, np.float32)
+    for case in MISMATCHES:
+        on_all_ranks(lambda: check_mismatch_raises(case), case)  # noqa: B023 - called at once
+        # The failed call left nothing in flight: the next one is correct.
+        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))
+
+
+@pytest.mark.parallel(MULTI)
+def test_messages_agree_on_every_rank():
+    n = 10 + (WORLD.rank == WORLD.size - 1)
+    with pytest.raises(gflow.MismatchError) as info:
+        gflow.allreduce(np.ones(n))
+    messages = WORLD.allgather(str(info.value))
+    assert len(set(messages)) == 1, messages
+
+
+@pytest.mark.parallel(MULTI)
+@pytest.mark.parametrize("n", [10, 10**6])
+def test_bad_input_on_one_rank_fails_every_rank(n):
+    bad = WORLD.rank == WORLD.size - 1
+    x = np.ones(n, np.complex64 if bad else np.float32)
+
+    def check():
+        if bad:
+            raises_on_this_rank(TypeError, "unsupported dtype complex64", lambda: gflow.allreduce(x))
+        else:
+            raises_on_this_rank(
+                gflow.MismatchError,
+                f"rank {WORLD.size - 1} called allreduce with arguments it rejected",
+                lambda: gflow.allreduce(x),
+            )
+
+    on_all_ranks(check)
