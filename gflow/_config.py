@@ -32,6 +32,9 @@ def _env_int(name: str, default: int) -> int:
 # Measured with bench/allreduce.py on the 2-core development machine (bench/RESULTS.md): recursive
 # doubling with the agreement header riding along beats the ring up to about this size at p = 2..4.
 DEFAULT_SMALL_MESSAGE_BYTES = 256 * 1024
+# The ring's reduce-scatter moves each chunk in segments of this size, so that what a rank has just
+# received is still in cache when it is reduced (bench/RESULTS.md).
+DEFAULT_RING_SEGMENT_BYTES = 1024 * 1024
 
 
 @dataclass
@@ -45,16 +48,20 @@ class Config:
             exchange (log2 p tiny messages). Off, a mismatched call is undefined behaviour: it may hang.
         small_message_bytes: messages up to this size take the latency path (recursive doubling)
             under algorithm="auto"; larger ones take the ring (GFLOW_SMALL_MESSAGE_BYTES).
+        ring_segment_bytes: the ring's reduce-scatter pipelines each chunk in pieces of this size
+            (GFLOW_RING_SEGMENT_BYTES).
     """
 
     validate: bool = True
     small_message_bytes: int = DEFAULT_SMALL_MESSAGE_BYTES
+    ring_segment_bytes: int = DEFAULT_RING_SEGMENT_BYTES
 
     @classmethod
     def from_env(cls) -> "Config":
         return cls(
             validate=_env_flag("GFLOW_VALIDATE", True),
             small_message_bytes=_env_int("GFLOW_SMALL_MESSAGE_BYTES", DEFAULT_SMALL_MESSAGE_BYTES),
+            ring_segment_bytes=_env_int("GFLOW_RING_SEGMENT_BYTES", DEFAULT_RING_SEGMENT_BYTES),
         )
 
 

@@ -91,9 +91,7 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto"):
             ops.divide(flat_out, ctx.size)
     else:
         _agree(ctx, sig, ops)
-        if result is not x:
-            ops.copy(result, x)
-        ring.allreduce(ctx, flat_out, ops, name)
+        ring.allreduce(ctx, x.reshape(-1), flat_out, ops, name)
     return result
 
 
@@ -124,8 +122,7 @@ def reduce_scatter(x, op="sum", *, comm=None):
     _agree(ctx, signature("reduce_scatter", "ring", x.size, dtype, name), ops)
     bounds = ring.chunk_bounds(x.size, ctx.size)
     work = ops.empty(x.size, dtype)
-    ops.copy(work, x.reshape(-1))
-    ring.reduce_scatter(ctx, work, ops, "sum" if name == "mean" else name, bounds)
+    ring.reduce_scatter(ctx, x.reshape(-1), work, ops, "sum" if name == "mean" else name, bounds)
     shard = ops.empty(bounds[ctx.rank + 1] - bounds[ctx.rank], dtype)
     ops.copy(shard, work[bounds[ctx.rank] : bounds[ctx.rank + 1]])
     if name == "mean":

@@ -19,6 +19,7 @@ latencies, which is why small messages take recursive doubling instead.
 
 from mpi4py import MPI
 
+from .._config import config
 from .._context import TAG_RING_AG, TAG_RING_RS, CommContext
 
 
@@ -31,10 +32,17 @@ def chunk_bounds(n: int, p: int) -> list[int]:
     return bounds
 
 
-def reduce_scatter(ctx: CommContext, buf, ops, op: str, bounds: list[int]) -> None:
-    """Ring reduce-scatter of the flat `buf` in place: afterwards chunk `rank` of buf is fully reduced."""
+def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) -> None:
+    """Ring reduce-scatter of the flat `src` into `buf`: afterwards chunk `rank` of buf is fully reduced.
+
+    src is only read, and may be buf itself. No copy of src into buf is needed first: the one chunk a
+    rank sends untouched (step 0) goes straight from src, and every chunk it receives is combined
+    with src's chunk into buf; chunks of buf other than its own are scratch afterwards.
+    """
     p, r = ctx.size, ctx.rank
     if p == 1:
+        if buf is not src:
+            ops.copy(buf, src)
         return
     widest = max(bounds[c + 1] - bounds[c] for c in range(p))
     tmp = ctx.scratch("ring_tmp", widest * buf.itemsize, ops)[: widest * buf.itemsize].view(buf.dtype)
@@ -74,10 +82,10 @@ def allgather(ctx: CommContext, buf, bounds: list[int]) -> None:
         )
 
 
-def allreduce(ctx: CommContext, buf, ops, op: str) -> None:
-    """Ring allreduce of the flat `buf` in place. op is "sum", "mean", "max" or "min"."""
+def allreduce(ctx: CommContext, src, buf, ops, op: str) -> None:
+    """Ring allreduce of the flat `src` into the flat `buf` (may be src). op: sum, mean, max or min."""
     bounds = chunk_bounds(buf.size, ctx.size)
-    reduce_scatter(ctx, buf, ops, "sum" if op == "mean" else op, bounds)
+    reduce_scatter(ctx, src, buf, ops, "sum" if op == "mean" else op, bounds)
     if op == "mean":
         ops.divide(buf[bounds[ctx.rank] : bounds[ctx.rank + 1]], ctx.size)
     allgather(ctx, buf, bounds)
