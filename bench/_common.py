@@ -23,7 +23,8 @@ def launch(script: str, nprocs: int, args: list[str], env=None, timeout=3600) ->
 
 
 def machine() -> dict:
-    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": sys.version.split()[0]}
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    info["python"] = sys.version.split()[0]
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

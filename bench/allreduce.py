@@ -76,8 +76,13 @@ def worker(args) -> None:
         x = np.random.default_rng(rank).random(n, dtype=np.float32)
         y = np.empty_like(x)
         runs = contenders(comm, x, y)
-        for fn in runs.values():  # warm up: page faults, caches, connections
+        expected = np.empty_like(x)
+        comm.Allreduce(x, expected)
+        for name, fn in runs.items():  # warm up (page faults, caches, connections) and check
+            y.fill(np.nan)
             fn()
+            if not np.allclose(y, expected, rtol=1e-5, atol=1e-5 * p):
+                raise SystemExit(f"{name} gave a wrong result at {nbytes} bytes, p={p}")
         times = {name: [] for name in runs}
         for _ in range(repetitions(nbytes, args.quick)):
             for name, fn in runs.items():
@@ -103,8 +108,9 @@ def report(args) -> None:
     summary = {"machine": _common.machine(), "command": " ".join(["python"] + sys.argv), "runs": runs}
     _common.write_json(os.path.join(args.out, "allreduce.json"), summary)
 
+    m = summary["machine"]
     lines = [
-        f"Machine: {summary['machine']['cores']} cores, {summary['machine']['cpu']}, {summary['machine']['mpi']}",
+        f"Machine: {m['cores']} cores, {m['cpu']}, {m['mpi']}",
         "",
         "| p | size | contender | time (ms) | algbw (GB/s) | busbw (GB/s) | busbw / memcpy | vs MPI |",
         "|---|---|---|---|---|---|---|---|",
@@ -116,8 +122,9 @@ def report(args) -> None:
             for name, t in row["median_s"].items():
                 algbw = row["bytes"] / t
                 busbw = algbw * 2 * (p - 1) / p
+                size = _common.human_bytes(row["bytes"])
                 lines.append(
-                    f"| {p} | {_common.human_bytes(row['bytes'])} | {name} | {t * 1e3:.3f} | {algbw / 1e9:.2f} | "
+                    f"| {p} | {size} | {name} | {t * 1e3:.3f} | {algbw / 1e9:.2f} | "
                     f"{busbw / 1e9:.2f} | {busbw / memcpy:.0%} | {mpi / t:.2f}x |"
                 )
     lines.append("")
@@ -141,7 +148,7 @@ def plot(runs, path: str) -> None:
         print("matplotlib not installed: no plot (pip install gflow[bench])")
         return
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), sharey=True, squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    for ax, run in zip(axes[0], runs, strict=True):
         p = run["p"]
         sizes = [row["bytes"] for row in run["rows"]]
         for name in run["rows"][0]["median_s"]:
@@ -160,7 +167,9 @@ def plot(runs, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--min-bytes", type=parse_bytes, default=4 * 2**10)
     parser.add_argument("--max-bytes", type=parse_bytes, default=256 * 2**20)

@@ -1,8 +1,9 @@
 """One adapter over the kinds of array gflow accepts.
 
-as_flat() checks that an argument is an array gflow can communicate and returns its flat view and the
-ops module for its kind (gflow/host.py for NumPy). Everything below the public functions works on
-these flat views and calls the ops module, never NumPy directly.
+check_array() checks that an argument is an array gflow can communicate and returns the ops module for
+its kind (gflow/host.py for NumPy). Everything below the public functions works on flat views and
+calls that module for per-element work, so it never asks what kind of array it holds.
+These checks run on every call, so the common case is kept to a few attribute lookups.
 """
 
 import numpy as np
@@ -27,11 +28,14 @@ def ops_for(x):
 
 def check_array(x, name: str = "x"):
     """Validate an input array; return (ops, dtype)."""
-    try:
-        ops = ops_for(x)
-    except TypeError as exc:
-        raise TypeError(f"{name}: {exc}") from None
-    return ops, check_dtype(np.dtype(x.dtype))
+    if type(x) is np.ndarray:
+        ops = host
+    else:
+        try:
+            ops = ops_for(x)
+        except TypeError as exc:
+            raise TypeError(f"{name}: {exc}") from None
+    return ops, check_dtype(x.dtype)
 
 
 def flat_view(x, name: str = "x"):
@@ -47,10 +51,13 @@ def prepare_out(x, out, ops, dtype, count: int, name: str = "out"):
     """Return the array the result goes into (new, or out after checking it)."""
     if out is None:
         return np.empty(x.shape, dtype=dtype)
-    if ops_for(out) is not ops:
+    if out is x:
+        flat_view(out, name)
+        return out
+    if (host if type(out) is np.ndarray else ops_for(out)) is not ops:
         raise TypeError(f"{name} must be the same kind of array as x")
-    if np.dtype(out.dtype) != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {np.dtype(out.dtype)}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {out.dtype}")
     if out.size != count:
         raise ValueError(f"{name}: expected {count} elements, got {out.size}")
     flat_view(out, name)

@@ -31,7 +31,7 @@ def _env_int(name: str, default: int) -> int:
 
 # Measured with bench/allreduce.py on the 2-core development machine (bench/RESULTS.md): recursive
 # doubling with the agreement header riding along beats the ring up to about this size at p = 2..4.
-DEFAULT_SMALL_MESSAGE_BYTES = 256 * 1024
+DEFAULT_SMALL_MESSAGE_BYTES = 128 * 1024
 # The ring's reduce-scatter moves each chunk in segments of this size, so that what a rank has just
 # received is still in cache when it is reduced (bench/RESULTS.md).
 DEFAULT_RING_SEGMENT_BYTES = 1024 * 1024

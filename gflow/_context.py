@@ -45,11 +45,13 @@ class CommContext:
     """gflow's view of one user communicator."""
 
     def __init__(self, comm: MPI.Intracomm):
+        self.user_handle = comm.handle
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.rd_fold, self.rd_rounds = rd_schedule(self.rank, self.size)
         self._scratch = {}
+        self.rd_plans = {}  # recursive_doubling._Plan by call signature
 
     def scratch(self, name: str, nbytes: int, ops) -> "np.ndarray":
         """A reusable uint8 buffer of at least nbytes, one per (name, kind of array); grows, never shrinks."""
@@ -62,15 +64,22 @@ class CommContext:
 
     def free(self):
         if not MPI.Is_finalized():
+            for plan in self.rd_plans.values():
+                plan.free()
+            self.rd_plans.clear()
             self.comm.Free()
 
 
 def _delete_context(comm, keyval, ctx):
+    _by_handle.pop(ctx.user_handle, None)
     ctx.free()
 
 
 _keyval = None
 _world = None
+# The attribute is the source of truth; this is a faster index of it (Get_attr costs ~1 us),
+# emptied for a communicator when MPI deletes the attribute, i.e. when the communicator is freed.
+_by_handle: dict = {}
 
 
 def context(comm=None) -> CommContext:
@@ -80,6 +89,10 @@ def context(comm=None) -> CommContext:
         if _world is None:
             _world = context(MPI.COMM_WORLD)
         return _world
+    if comm.__class__ is MPI.Intracomm:
+        ctx = _by_handle.get(comm.handle)
+        if ctx is not None:
+            return ctx
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm: expected an mpi4py MPI.Intracomm, got {type(comm).__name__}")
     if comm == MPI.COMM_NULL:
@@ -90,4 +103,5 @@ def context(comm=None) -> CommContext:
     if ctx is None:
         ctx = CommContext(comm)
         comm.Set_attr(_keyval, ctx)
+    _by_handle[ctx.user_handle] = ctx
     return ctx

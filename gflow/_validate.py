@@ -39,7 +39,7 @@ def check_op(op, dtype: np.dtype) -> str:
         name = next((n for mpi_op, n in _MPI_OPS if op == mpi_op), None)
         if name is None:
             raise ValueError(f"op: expected one of {OPS} or MPI.SUM/MAX/MIN, got an unsupported MPI.Op")
-    elif isinstance(op, str) and op in OP_CODE:
+    elif op.__class__ is str and op in OP_CODE:
         name = op
     else:
         raise ValueError(f"op: expected one of {OPS} or MPI.SUM/MAX/MIN, got {op!r}")
@@ -50,8 +50,11 @@ def check_op(op, dtype: np.dtype) -> str:
     return name
 
 
-def check_dtype(dtype: np.dtype) -> np.dtype:
-    if dtype not in DTYPE_CODE:
+_SUPPORTED_STR = {np.dtype(t).str for t in DTYPES}  # '<f4' etc.: hashing strings is cheap
+
+
+def check_dtype(dtype) -> np.dtype:
+    if dtype.str not in _SUPPORTED_STR:
         supported = ", ".join(np.dtype(t).name for t in DTYPES)
         raise TypeError(f"unsupported dtype {dtype}: expected one of {supported}")
     return dtype
@@ -66,26 +69,20 @@ def check_root(root, size: int) -> int:
 
 
 def signature(collective: str, algorithm: str, count: int, dtype: np.dtype, op: str | None, extra: int = 0):
-    """The int64 vector the ranks compare; see describe() for how it reads."""
-    return np.array(
-        [
-            COLLECTIVE_CODE[collective],
-            ALGORITHM_CODE[algorithm],
-            count,
-            DTYPE_CODE[dtype],
-            OP_CODE[op] if op else 0,
-            extra,
-            SIG_OK,
-        ],
-        dtype=np.int64,
+    """The tuple of SIG_LEN ints the ranks compare; see describe() for how it reads."""
+    return (
+        COLLECTIVE_CODE[collective],
+        ALGORITHM_CODE[algorithm],
+        count,
+        DTYPE_CODE[dtype],
+        OP_CODE[op] if op else 0,
+        extra,
+        SIG_OK,
     )
 
 
-def rejected_signature(collective: str):
-    sig = np.zeros(SIG_LEN, dtype=np.int64)
-    sig[0] = COLLECTIVE_CODE[collective]
-    sig[6] = SIG_REJECTED
-    return sig
+def rejected_signature(collective: str) -> tuple:
+    return (COLLECTIVE_CODE[collective], 0, 0, 0, 0, 0, SIG_REJECTED)
 
 
 def describe(sig) -> str:

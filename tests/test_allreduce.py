@@ -21,11 +21,12 @@ DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 OPS = ["sum", "mean", "max", "min"]
 
 # Lengths around the interesting edges: empty, fewer than ranks, primes, and both sides of the
-# small-message crossover (65536 float32 = 256 KiB).
+# small-message crossover (in float32 elements; other dtypes cross it elsewhere).
+CROSSOVER = gflow.config.small_message_bytes // 4
 lengths = st.one_of(
     st.integers(0, 9),
     st.integers(10, 3000),
-    st.sampled_from([997, 65_535, 65_536, 65_537, 100_003]),
+    st.sampled_from([997, CROSSOVER - 1, CROSSOVER, CROSSOVER + 1, 100_003]),
 )
 
 

@@ -3,7 +3,6 @@
 import numpy as np
 from mpi4py import MPI
 
-from .. import host
 from .._array import check_array, flat_view, prepare_out
 from .._config import config
 from .._context import CommContext, context
@@ -15,26 +14,44 @@ from .recursive_doubling import allreduce_with_agreement
 ALGORITHMS = ("auto", "ring", "recursive_doubling")
 
 
-def _local_checks(ctx: CommContext, collective: str, checks):
-    """Run a call's local argument checks. If they fail, first tell the peers (when validating),
-    so they raise MismatchError instead of waiting for this rank forever; then raise the local error."""
-    try:
-        return checks()
-    except (TypeError, ValueError):
-        if config.validate and ctx.size > 1:
-            try:
-                allreduce_with_agreement(
-                    ctx, rejected_signature(collective), host, config.small_message_bytes
-                )
-            except MismatchError:
-                pass
-        raise
+def _reject(ctx: CommContext, collective: str) -> None:
+    """This rank's arguments failed its local checks: tell the peers (when validating), so they raise
+    MismatchError instead of waiting for this rank forever. The caller then raises the local error."""
+    if config.validate and ctx.size > 1:
+        try:
+            allreduce_with_agreement(ctx, rejected_signature(collective), config.small_message_bytes)
+        except MismatchError:
+            pass
 
 
-def _agree(ctx: CommContext, sig, ops) -> None:
+def _agree(ctx: CommContext, sig: tuple) -> None:
     """Header-only agreement before a bandwidth algorithm (skipped when validation is off)."""
     if config.validate and ctx.size > 1:
-        allreduce_with_agreement(ctx, sig, ops, config.small_message_bytes)
+        allreduce_with_agreement(ctx, sig, config.small_message_bytes)
+
+
+def _flat_source(x, flat_buf, ops):
+    """x as a flat array MPI can send from: x itself when contiguous, else copied into flat_buf
+    (which the ring may then reduce in place)."""
+    if x.flags.c_contiguous:
+        return x.reshape(-1)
+    ops.copy(flat_buf.reshape(x.shape), x)
+    return flat_buf
+
+
+def _choose(algorithm: str, nbytes: int) -> str:
+    if algorithm == "auto":
+        return "recursive_doubling" if nbytes <= config.small_message_bytes else "ring"
+    if algorithm == "ring":
+        return algorithm
+    if algorithm == "recursive_doubling":
+        if nbytes > config.small_message_bytes:
+            raise ValueError(
+                f"algorithm='recursive_doubling' takes at most config.small_message_bytes = "
+                f"{config.small_message_bytes} bytes, got {nbytes}"
+            )
+        return algorithm
+    raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
 
 
 def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto"):
@@ -57,41 +74,28 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto"):
         MismatchError: ranks passed different lengths, dtypes, ops or algorithms; raised on every rank.
     """
     ctx = context(comm)
-
-    def checks():
+    try:
         ops, dtype = check_array(x)
         name = check_op(op, dtype)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
-        nbytes = x.size * dtype.itemsize
-        chosen = algorithm
-        if algorithm == "auto":
-            chosen = "recursive_doubling" if nbytes <= config.small_message_bytes else "ring"
-        elif algorithm == "recursive_doubling" and nbytes > config.small_message_bytes:
-            raise ValueError(
-                f"algorithm='recursive_doubling' takes at most config.small_message_bytes = "
-                f"{config.small_message_bytes} bytes, got {nbytes}"
-            )
+        chosen = _choose(algorithm, x.size * dtype.itemsize)
         result = prepare_out(x, out, ops, dtype, x.size)
-        return ops, dtype, name, chosen, result
-
-    ops, dtype, name, chosen, result = _local_checks(ctx, "allreduce", checks)
+    except (TypeError, ValueError):
+        _reject(ctx, "allreduce")
+        raise
     sig = signature("allreduce", chosen, x.size, dtype, name)
-    flat_out = flat_view(result, "out")
-    reduce_op = "sum" if name == "mean" else name
+    flat_out = result.reshape(-1)
 
     if ctx.size == 1:
         if result is not x:
             ops.copy(result, x)
     elif chosen == "recursive_doubling":
-        allreduce_with_agreement(
-            ctx, sig, ops, config.small_message_bytes, x.reshape(-1), flat_out, reduce_op
-        )
+        reduce_op = "sum" if name == "mean" else name
+        allreduce_with_agreement(ctx, sig, config.small_message_bytes, x.reshape(-1), flat_out, reduce_op)
         if name == "mean":
             ops.divide(flat_out, ctx.size)
     else:
-        _agree(ctx, sig, ops)
-        ring.allreduce(ctx, x.reshape(-1), flat_out, ops, name)
+        _agree(ctx, sig)
+        ring.allreduce(ctx, _flat_source(x, flat_out, ops), flat_out, ops, name)
     return result
 
 
@@ -113,16 +117,16 @@ def reduce_scatter(x, op="sum", *, comm=None):
         TypeError, ValueError, MismatchError: as for allreduce.
     """
     ctx = context(comm)
-
-    def checks():
+    try:
         ops, dtype = check_array(x)
-        return ops, dtype, check_op(op, dtype)
-
-    ops, dtype, name = _local_checks(ctx, "reduce_scatter", checks)
-    _agree(ctx, signature("reduce_scatter", "ring", x.size, dtype, name), ops)
+        name = check_op(op, dtype)
+    except (TypeError, ValueError):
+        _reject(ctx, "reduce_scatter")
+        raise
+    _agree(ctx, signature("reduce_scatter", "ring", x.size, dtype, name))
     bounds = ring.chunk_bounds(x.size, ctx.size)
     work = ops.empty(x.size, dtype)
-    ring.reduce_scatter(ctx, x.reshape(-1), work, ops, "sum" if name == "mean" else name, bounds)
+    ring.reduce_scatter(ctx, _flat_source(x, work, ops), work, ops, "sum" if name == "mean" else name, bounds)
     shard = ops.empty(bounds[ctx.rank + 1] - bounds[ctx.rank], dtype)
     ops.copy(shard, work[bounds[ctx.rank] : bounds[ctx.rank + 1]])
     if name == "mean":
@@ -147,10 +151,14 @@ def allgather(x, *, comm=None):
         TypeError, ValueError, MismatchError: as for allreduce.
     """
     ctx = context(comm)
-    ops, dtype = _local_checks(ctx, "allgather", lambda: check_array(x))
+    try:
+        ops, dtype = check_array(x)
+    except (TypeError, ValueError):
+        _reject(ctx, "allgather")
+        raise
     rows = x.reshape(-1) if x.ndim == 0 else x
     row_elems = int(np.prod(rows.shape[1:], dtype=np.int64))
-    _agree(ctx, signature("allgather", "ring", 0, dtype, None, extra=row_elems), ops)
+    _agree(ctx, signature("allgather", "ring", 0, dtype, None, extra=row_elems))
     lengths = ctx.comm.allgather(rows.shape[0]) if ctx.size > 1 else [rows.shape[0]]
     bounds = [0]
     for length in lengths:
@@ -177,13 +185,13 @@ def broadcast(x, root=0, *, comm=None):
         TypeError, ValueError, MismatchError: as for allreduce.
     """
     ctx = context(comm)
-
-    def checks():
+    try:
         ops, dtype = check_array(x)
-        return ops, dtype, check_root(root, ctx.size)
-
-    ops, dtype, root_rank = _local_checks(ctx, "broadcast", checks)
-    _agree(ctx, signature("broadcast", "mpi", x.size, dtype, None, extra=root_rank), ops)
+        root_rank = check_root(root, ctx.size)
+    except (TypeError, ValueError):
+        _reject(ctx, "broadcast")
+        raise
+    _agree(ctx, signature("broadcast", "mpi", x.size, dtype, None, extra=root_rank))
     result = ops.empty(x.size, dtype).reshape(x.shape)
     if ctx.rank == root_rank:
         ops.copy(result, x)

@@ -1,11 +1,11 @@
 """Recursive doubling with an agreement header: the latency path, and the check that ranks agree.
 
-Every message is one byte buffer, [header | payload]. The header carries the sender's call signature
-(gflow/_validate.py) or, once a disagreement has been seen, the record of the first two ranks found to
-disagree. Merging two headers is a reduction like the payload's, so after the log2(p) rounds every rank
-holds the same verdict: all agree, or "rank a called X, rank b called Y". Then every rank raises, or
-none does. Nobody hangs on a mismatch: all ranks run the same schedule whatever they were called with,
-and every receive has room for the largest message a peer may send (header + small_message_bytes).
+Every message is one host byte buffer, [header | payload]. The header carries the sender's call
+signature (gflow/_validate.py) or, once a disagreement has been seen, the record of two ranks found to
+disagree. Merging two headers is a reduction like the payload's, so after the rounds every rank holds
+the same verdict: all agree, or "rank a called X, rank b called Y"; then every rank raises, or none
+does. Nobody hangs on a mismatch: all ranks run the same schedule whatever they were called with, and
+every receive has room for the largest message a peer may send (header + small_message_bytes).
 
 Used two ways:
 - with the data as payload, for messages up to small_message_bytes: the check rides along for free;
@@ -13,137 +13,190 @@ Used two ways:
 
 Schedule (p2 = largest power of two <= p, rem = p - p2): ranks below 2*rem pair up, the even one sends
 its buffer to the odd one and drops out; the p2 survivors exchange with rank ^ 2^k in round k; at the
-end the odd ranks hand the result back to their even partner. Latency: log2(p2) + 2 steps when p is
-not a power of two. Each rank sends N bytes per round: the right choice only while N is small.
+end the odd ranks hand the result back to their even partner. Latency: log2(p2) rounds, + 2 steps
+when p is not a power of two. Each rank sends N bytes per round: right only while N is small.
 The lower-ranked operand always goes first, so every rank computes bitwise the same result.
 """
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import host
 from .._context import TAG_AGREE, CommContext
 from .._validate import SIG_LEN, describe
 from ..errors import GflowError, MismatchError
 
 _MAGIC = 0x67666C6F77  # "gflow"
 _OK, _MISMATCH = 0, 1
-# header words: magic, state, rank_a, sig_a[SIG_LEN], rank_b, sig_b[SIG_LEN]
-_A = slice(2, 3 + SIG_LEN)
-_B = slice(3 + SIG_LEN, 4 + 2 * SIG_LEN)
+# Header words: magic, state, sig_a[SIG_LEN], sig_b[SIG_LEN], rank_a, rank_b. In the OK state sig_a is
+# the signature every rank seen so far agrees on and rank_a the lowest of them; sig_b is zero.
+_SIG_A = slice(2, 2 + SIG_LEN)
+_SIG_B = slice(2 + SIG_LEN, 2 + 2 * SIG_LEN)
+_RANK_A, _RANK_B = 2 + 2 * SIG_LEN, 3 + 2 * SIG_LEN
 HEADER_WORDS = 4 + 2 * SIG_LEN
 HEADER_BYTES = HEADER_WORDS * 8
-_SIG_BYTES = slice(3 * 8, (3 + SIG_LEN) * 8)  # the sig_a part, as bytes
+_SAME = slice(0, _RANK_A * 8)  # equal bytes here: same state and same signature or record
+_RANK_A_BYTES = slice(_RANK_A * 8, _RANK_B * 8)
+_OK_BYTES = np.array([_OK], dtype=np.int64).tobytes()
+_STATE_BYTES = slice(8, 16)
 
 
-def _merge(mine: np.ndarray, theirs: np.ndarray, mine_is_lower: bool) -> bool:
-    """Fold `theirs` into `mine` (int64 headers). Return True when both were OK and agree."""
-    low, high = (mine, theirs) if mine_is_lower else (theirs, mine)
-    if theirs[0] != _MAGIC:
-        # Not a gflow header at all: record it against the sender with an all-zero signature.
-        mine[1] = _MISMATCH
-        mine[_B] = 0
-        mine[_B.start] = -1
-        return False
-    if low[1] == _OK and high[1] == _OK:
-        if np.array_equal(low[3 : 3 + SIG_LEN], high[3 : 3 + SIG_LEN]):
-            mine[2] = low[2]
-            return True
-        record = np.concatenate([low[_A], high[_A]])
-    elif low[1] == _MISMATCH and high[1] == _MISMATCH:
-        record = min(low[2:], high[2:], key=lambda r: (r[0], r[1 + SIG_LEN]))
-    else:
-        record = (low if low[1] == _MISMATCH else high)[2:]
-    mine[1] = _MISMATCH
-    mine[2:] = record
-    return False
+class _Plan:
+    """Everything one shape of call needs, built once and reused: the header, views of the message
+    buffers, and MPI persistent requests for each step of the schedule."""
 
+    def __init__(self, ctx: CommContext, sig: tuple, capacity: int, dtype, count: int):
+        send = ctx.scratch("rd_send", HEADER_BYTES + capacity, host)
+        recv = ctx.scratch("rd_recv", HEADER_BYTES + capacity, host)
+        header = np.zeros(HEADER_WORDS, dtype=np.int64)
+        header[0], header[1], header[_SIG_A], header[_RANK_A] = _MAGIC, _OK, sig, ctx.rank
+        self.header = header.tobytes()
+        nbytes = count * np.dtype(dtype).itemsize if dtype is not None else 0
+        self.send_mv, self.recv_mv = memoryview(send), memoryview(recv)
+        self.send_same, self.recv_same = self.send_mv[_SAME], self.recv_mv[_SAME]
+        self.acc = self.incoming = self.acc_bytes = None
+        if dtype is not None:
+            self.acc = send[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype)
+            self.incoming = recv[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype)
+            self.acc_bytes = self.send_mv[HEADER_BYTES : HEADER_BYTES + nbytes]
+        message = [send[: HEADER_BYTES + nbytes], MPI.BYTE]
+        whole_recv = [recv, MPI.BYTE]
+        comm, fold = ctx.comm, ctx.rd_fold
 
-def _exchange(ctx: CommContext, send, recv, peer: int, mode: str):
-    """One message: Sendrecv, or half of it. Returns False if the peer's message did not fit."""
-    try:
-        if mode == "sendrecv":
-            ctx.comm.Sendrecv([send, MPI.BYTE], peer, TAG_AGREE, [recv, MPI.BYTE], peer, TAG_AGREE)
-        elif mode == "send":
-            ctx.comm.Send([send, MPI.BYTE], peer, TAG_AGREE)
+        def sendrecv(peer):
+            return [comm.Recv_init(whole_recv, peer, TAG_AGREE), comm.Send_init(message, peer, TAG_AGREE)]
+
+        # Steps: (persistent requests, peer, peer_is_lower, what to do with what arrived).
+        self.steps = []
+        if fold is not None and fold[0] == "send":
+            self.steps.append((sendrecv(fold[1]), fold[1], False, "take"))
         else:
-            ctx.comm.Recv([recv, MPI.BYTE], peer, TAG_AGREE)
+            if fold is not None:
+                take_in = [comm.Recv_init(whole_recv, fold[1], TAG_AGREE)]
+                self.steps.append((take_in, fold[1], True, "combine"))
+            self.steps += [(sendrecv(peer), peer, lower, "combine") for peer, lower in ctx.rd_rounds]
+            if fold is not None:
+                self.steps.append(([comm.Send_init(message, fold[1], TAG_AGREE)], fold[1], False, "none"))
+        # The last combine can write straight to the caller's array unless a partner still needs it.
+        self.last_into_dst = fold is None and len(self.steps) > 0
+
+    def free(self) -> None:
+        for requests, *_ in self.steps:
+            for request in requests:
+                request.Free()
+        self.steps = []
+
+
+def _plan(ctx: CommContext, sig: tuple, capacity: int, src) -> _Plan:
+    dtype = None if src is None else src.dtype
+    key = (sig, capacity, dtype)
+    plan = ctx.rd_plans.get(key)
+    if plan is None:
+        if len(ctx.rd_plans) >= 256:  # bounded: a trainer uses a handful of shapes
+            for old in ctx.rd_plans.values():
+                old.free()
+            ctx.rd_plans.clear()
+        plan = ctx.rd_plans[key] = _Plan(ctx, sig, capacity, dtype, 0 if src is None else src.size)
+    return plan
+
+
+def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=None, dst=None, op=None):
+    """Check that every rank passed the same `sig`; allreduce the flat host array `src` into `dst`.
+
+    With src None only the signatures travel. op is "sum", "max" or "min". `capacity` is the largest
+    payload in bytes any rank may send (config.small_message_bytes): receives are sized for it.
+    dst may be src. Raises MismatchError on every rank when any two ranks' signatures differ.
+    """
+    if src is not None and src.nbytes > capacity:
+        raise ValueError(f"payload of {src.nbytes} bytes exceeds the agreement capacity of {capacity} bytes")
+    plan = _plan(ctx, sig, capacity, src)
+    send_mv, acc = plan.send_mv, plan.acc
+    send_mv[:HEADER_BYTES] = plan.header
+    if acc is not None:
+        if src.flags.c_contiguous:
+            plan.acc_bytes[:] = memoryview(src).cast("B")  # cheaper than np.copyto for small arrays
+        else:
+            np.copyto(acc, src)
+    last = len(plan.steps) - 1
+    for i, (requests, peer, peer_is_lower, action) in enumerate(plan.steps):
+        if not _complete(requests, peer, send_mv):
+            continue
+        if action == "combine":
+            _combine(plan, acc, dst if (i == last and plan.last_into_dst) else acc, peer_is_lower, op)
+        elif action == "take":  # the partner's verdict and result, as they are
+            send_mv[:HEADER_BYTES] = plan.recv_mv[:HEADER_BYTES]
+    if send_mv[_STATE_BYTES] != _OK_BYTES:
+        raise MismatchError(_mismatch_message(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64)))
+    if acc is not None and not plan.last_into_dst:
+        np.copyto(dst, plan.incoming if plan.steps[0][3] == "take" else acc)
+
+
+def _complete(requests, peer: int, send_mv) -> bool:
+    """Run one step's persistent requests. False (and a recorded mismatch) when the peer's message
+    did not fit: it came from a rank with other settings."""
+    try:
+        MPI.Prequest.Startall(requests)
+        MPI.Request.Waitall(requests)
     except MPI.Exception as exc:
         if exc.Get_error_class() != MPI.ERR_TRUNCATE:
             raise GflowError(f"MPI failed during the agreement exchange with rank {peer}: {exc}") from exc
+        MPI.Request.Waitall(requests)  # let the send half finish before the buffer is reused
+        mine = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64).copy()
+        if mine[1] == _OK:
+            mine[1], mine[_SIG_B], mine[_RANK_B] = _MISMATCH, 0, peer
+            send_mv[:HEADER_BYTES] = mine.tobytes()
         return False
     return True
 
 
-def _oversized(header: np.ndarray, peer: int) -> None:
-    """Record that `peer` sent more than any agreeing rank would (a rank with other settings)."""
-    if header[1] == _OK:
-        header[1] = _MISMATCH
-        header[_B] = 0
-        header[_B.start] = peer
+def _combine(plan: _Plan, acc, out, peer_is_lower: bool, op) -> None:
+    """Fold the received header and payload into this rank's."""
+    send_mv, recv_mv = plan.send_mv, plan.recv_mv
+    if plan.recv_same == plan.send_same:
+        # The common case: the same state and signature on both sides.
+        if peer_is_lower:
+            send_mv[_RANK_A_BYTES] = recv_mv[_RANK_A_BYTES]
+        if acc is not None:
+            if peer_is_lower:
+                host.reduce(out, plan.incoming, acc, op)
+            else:
+                host.reduce(out, acc, plan.incoming, op)
+        return
+    mine = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64).copy()
+    theirs = np.frombuffer(recv_mv[:HEADER_BYTES], dtype=np.int64)
+    _merge(mine, theirs, peer_is_lower)
+    send_mv[:HEADER_BYTES] = mine.tobytes()
 
 
-def allreduce_with_agreement(ctx: CommContext, sig, ops, capacity: int, src=None, dst=None, op=None):
-    """Check that every rank passed the same `sig`; allreduce the flat `src` into `dst` on the way.
+def _record(header) -> tuple:
+    """(rank_a, sig_a, rank_b, sig_b) of a header in the MISMATCH state."""
+    return (int(header[_RANK_A]), tuple(header[_SIG_A]), int(header[_RANK_B]), tuple(header[_SIG_B]))
 
-    With src None only the signatures travel. op is "sum", "max" or "min". `capacity` is the largest
-    payload in bytes any rank may send (config.small_message_bytes): receives are sized for it.
-    Raises MismatchError on every rank when any two ranks' signatures differ.
-    """
-    payload = src
-    nbytes = 0 if payload is None else payload.nbytes
-    if nbytes > capacity:
-        raise ValueError(f"payload of {nbytes} bytes exceeds the agreement capacity of {capacity} bytes")
-    send = ctx.scratch("rd_send", HEADER_BYTES + capacity, ops)
-    recv = ctx.scratch("rd_recv", HEADER_BYTES + capacity, ops)
-    mine = send[:HEADER_BYTES].view(np.int64)
-    theirs = recv[:HEADER_BYTES].view(np.int64)
-    mine[:] = 0
-    mine[0] = _MAGIC
-    mine[1] = _OK
-    mine[2] = ctx.rank
-    mine[3 : 3 + SIG_LEN] = sig
-    message = send[: HEADER_BYTES + nbytes]
-    acc = recv_payload = None
-    if payload is not None:
-        acc = send[HEADER_BYTES : HEADER_BYTES + nbytes].view(payload.dtype)
-        recv_payload = recv[HEADER_BYTES : HEADER_BYTES + nbytes].view(payload.dtype)
-        ops.copy(acc, payload)
 
-    fold = ctx.rd_fold
-    if fold is not None and fold[0] == "send":
-        _exchange(ctx, message, None, fold[1], "send")
-        if _exchange(ctx, None, recv, fold[1], "recv"):
-            # The final verdict and result computed by the partner: take both as they are.
-            send[: HEADER_BYTES + nbytes] = recv[: HEADER_BYTES + nbytes]
-        else:
-            _oversized(mine, fold[1])
+def _merge(mine, theirs, peer_is_lower: bool) -> None:
+    """Fold header `theirs` into `mine` when they differ; the result is MISMATCH."""
+    if theirs[0] != _MAGIC:
+        # Not a gflow header at all: record it against an unknown sender.
+        if mine[1] == _OK:
+            mine[1], mine[_SIG_B], mine[_RANK_B] = _MISMATCH, 0, -1
+        return
+    low, high = (theirs, mine) if peer_is_lower else (mine, theirs)
+    if low[1] == _OK and high[1] == _OK:
+        record = (int(low[_RANK_A]), tuple(low[_SIG_A]), int(high[_RANK_A]), tuple(high[_SIG_A]))
+    elif low[1] == _MISMATCH and high[1] == _MISMATCH:
+        record = min(_record(low), _record(high), key=lambda r: (r[0], r[2]))
     else:
-        steps = ctx.rd_rounds if fold is None else [(fold[1], True)] + ctx.rd_rounds
-        for i, (peer, peer_is_lower) in enumerate(steps):
-            mode = "recv" if (fold is not None and i == 0) else "sendrecv"
-            if not _exchange(ctx, message, recv, peer, mode):
-                _oversized(mine, peer)
-            elif _merge(mine, theirs, not peer_is_lower) and acc is not None:
-                if peer_is_lower:
-                    ops.reduce(acc, recv_payload, acc, op)
-                else:
-                    ops.reduce(acc, acc, recv_payload, op)
-        if fold is not None:
-            _exchange(ctx, message, None, fold[1], "send")
-
-    if mine[1] != _OK:
-        raise MismatchError(_mismatch_message(mine))
-    if payload is not None:
-        ops.copy(dst, acc)
+        record = _record(low if low[1] == _MISMATCH else high)
+    mine[1] = _MISMATCH
+    mine[_RANK_A], mine[_SIG_A], mine[_RANK_B], mine[_SIG_B] = record
 
 
-def _mismatch_message(header: np.ndarray) -> str:
-    rank_a, sig_a = int(header[_A][0]), header[_A][1:]
-    rank_b, sig_b = int(header[_B][0]), header[_B][1:]
+def _mismatch_message(header) -> str:
+    rank_a, sig_a, rank_b, sig_b = _record(header)
     first = f"rank {rank_a} {describe(sig_a)}"
-    if rank_b < 0 or not sig_b.any():
+    if rank_b < 0 or not any(sig_b):
         who = "a peer" if rank_b < 0 else f"rank {rank_b}"
-        second = f"{who} sent a message this protocol does not accept (different gflow settings or version?)"
+        second = f"{who} sent a message this protocol does not accept (other gflow settings or version?)"
     else:
         second = f"rank {rank_b} {describe(sig_b)}"
     return f"ranks disagree: {first}; {second}"

@@ -45,23 +45,25 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
             ops.copy(buf, src)
         return
     widest = max(bounds[c + 1] - bounds[c] for c in range(p))
-    tmp = ctx.scratch("ring_tmp", widest * buf.itemsize, ops)[: widest * buf.itemsize].view(buf.dtype)
+    seg = max(1, min(widest, config.ring_segment_bytes // buf.itemsize))
+    tmp = ctx.scratch("ring_tmp", seg * buf.itemsize, ops)[: seg * buf.itemsize].view(buf.dtype)
     right, left = (r + 1) % p, (r - 1) % p
     sendrecv = ctx.comm.Sendrecv
     for i in range(p - 1):
         s = (r - i - 1) % p
         c = (r - i - 2) % p
-        dst = buf[bounds[c] : bounds[c + 1]]
-        incoming = tmp[: dst.size]
-        sendrecv(
-            [buf[bounds[s] : bounds[s + 1]], MPI.BYTE],
-            right,
-            TAG_RING_RS,
-            [incoming, MPI.BYTE],
-            left,
-            TAG_RING_RS,
-        )
-        ops.reduce(dst, incoming, dst, op)
+        send_base = (src if i == 0 else buf)[bounds[s] : bounds[s + 1]]
+        dst_base = buf[bounds[c] : bounds[c + 1]]
+        own_base = src[bounds[c] : bounds[c + 1]]
+        # Segments keep what was just received in cache for the reduction. Every rank makes the same
+        # number of exchanges per step (set by the widest chunk), so sends and receives pair up even
+        # where neighbouring chunks differ in length.
+        for lo in range(0, widest, seg):
+            dst = dst_base[lo : lo + seg]
+            incoming = tmp[: dst.size]
+            outgoing = send_base[lo : lo + seg]
+            sendrecv([outgoing, MPI.BYTE], right, TAG_RING_RS, [incoming, MPI.BYTE], left, TAG_RING_RS)
+            ops.reduce(dst, incoming, own_base[lo : lo + seg], op)
 
 
 def allgather(ctx: CommContext, buf, bounds: list[int]) -> None:
