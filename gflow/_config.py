@@ -34,7 +34,7 @@ def _env_int(name: str, default: int) -> int:
 DEFAULT_SMALL_MESSAGE_BYTES = 128 * 1024
 # The ring's reduce-scatter moves each chunk in segments of this size, so that what a rank has just
 # received is still in cache when it is reduced (bench/RESULTS.md).
-DEFAULT_RING_SEGMENT_BYTES = 1024 * 1024
+DEFAULT_RING_SEGMENT_BYTES = 256 * 1024
 
 
 @dataclass
