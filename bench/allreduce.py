@@ -33,7 +33,7 @@ def repetitions(nbytes: int, quick: bool) -> int:
     return max(3, reps // 4) if quick else reps
 
 
-def contenders(comm, x, y):
+def contenders(comm, x, y, gloo: bool):
     """name -> zero-argument callable doing one allreduce of x into y on every rank."""
     from mpi4py import MPI
 
@@ -44,6 +44,8 @@ def contenders(comm, x, y):
         "gflow auto": lambda: gflow.allreduce(x, out=y, comm=comm),
         "MPI Allreduce": lambda: comm.Allreduce(x, y, op=MPI.SUM),
     }
+    if not gloo:
+        return runs
     try:
         import torch
         import torch.distributed as dist
@@ -76,7 +78,7 @@ def worker(args) -> None:
         n = nbytes // 4
         x = np.random.default_rng(rank).random(n, dtype=np.float32)
         y = np.empty_like(x)
-        runs = contenders(comm, x, y)
+        runs = contenders(comm, x, y, not args.no_gloo)
         expected = np.empty_like(x)
         comm.Allreduce(x, expected)
         for name, fn in runs.items():  # warm up (page faults, caches, connections) and check
@@ -175,6 +177,7 @@ def main() -> None:
     parser.add_argument("--min-bytes", type=parse_bytes, default=4 * 2**10)
     parser.add_argument("--max-bytes", type=parse_bytes, default=256 * 2**20)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--no-gloo", action="store_true", help="leave torch.distributed's gloo out")
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
