@@ -73,7 +73,7 @@ def info() -> int:
         "python": sys.version.split()[0],
         "mpi4py": __import__("mpi4py").__version__,
         "MPI library": MPI.Get_library_version().splitlines()[0].strip(),
-        "MPI standard": "%d.%d" % MPI.Get_version(),
+        "MPI standard": "{}.{}".format(*MPI.Get_version()),
         "thread level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "world size": MPI.COMM_WORLD.size,
         "numpy": np.__version__,
