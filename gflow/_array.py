@@ -12,15 +12,19 @@ from . import host
 from ._validate import check_dtype
 
 
+def _is_device(x) -> bool:
+    # The simulator's device arrays (NUMBA_ENABLE_CUDASIM=1) have no __cuda_array_interface__.
+    return hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray"
+
+
 def ops_for(x):
-    """The per-element ops for x's kind of array."""
+    """The per-element ops for x's kind of array (gflow/host.py or gflow/cuda/ops.py)."""
     if isinstance(x, np.ndarray):
         return host
-    if hasattr(x, "__cuda_array_interface__"):
-        raise TypeError(
-            "device arrays (__cuda_array_interface__) are not supported by this build of gflow yet; "
-            "pass a NumPy array"
-        )
+    if _is_device(x):
+        from .cuda import ops
+
+        return ops
     raise TypeError(
         f"expected a NumPy array or an object with __cuda_array_interface__, got {type(x).__name__}"
     )
@@ -29,13 +33,24 @@ def ops_for(x):
 def check_array(x, name: str = "x"):
     """Validate an input array; return (ops, dtype)."""
     if type(x) is np.ndarray:
-        ops = host
-    else:
-        try:
-            ops = ops_for(x)
-        except TypeError as exc:
-            raise TypeError(f"{name}: {exc}") from None
-    return ops, check_dtype(x.dtype)
+        return host, check_dtype(x.dtype)
+    try:
+        ops = ops_for(x)
+    except TypeError as exc:
+        raise TypeError(f"{name}: {exc}") from None
+    if ops is host:
+        return ops, check_dtype(x.dtype)
+    from .cuda import arrays
+
+    return ops, check_dtype(arrays.describe(x, name)[1])
+
+
+def size_of(x) -> int:
+    if type(x) is np.ndarray:
+        return x.size
+    from .cuda import arrays
+
+    return int(np.prod(arrays.describe(x)[0], dtype=np.int64))
 
 
 def flat_view(x, name: str = "x"):
@@ -49,13 +64,19 @@ def flat_view(x, name: str = "x"):
 
 def prepare_out(x, out, ops, dtype, count: int, name: str = "out"):
     """Return the array the result goes into (new, or out after checking it)."""
+    if ops is not host:
+        from .cuda import arrays
+
+        return arrays.prepare_out(x, out, dtype, count, name)
     if out is None:
         return np.empty(x.shape, dtype=dtype)
     if out is x:
         flat_view(out, name)
         return out
     if (host if type(out) is np.ndarray else ops_for(out)) is not ops:
-        raise TypeError(f"{name} must be the same kind of array as x")
+        raise TypeError(
+            f"{name} must be the same kind of array as x (a NumPy array), got {type(out).__name__}"
+        )
     if out.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {out.dtype}")
     if out.size != count:

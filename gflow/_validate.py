@@ -30,7 +30,9 @@ CODE_ALGORITHM = {code: name for name, code in ALGORITHM_CODE.items()}
 # A rank whose local checks failed sends this status so its peers fail with it instead of hanging.
 SIG_OK = 0
 SIG_REJECTED = 1
-SIG_LEN = 7  # collective, algorithm, count, dtype, op, extra, status
+SIG_LEN = 8  # collective, algorithm, count, dtype, op, extra, array kind, status
+KIND_CODE = {"host": 1, "device": 2}
+CODE_KIND = {code: kind for kind, code in KIND_CODE.items()}
 
 
 def check_op(op, dtype: np.dtype) -> str:
@@ -68,7 +70,9 @@ def check_root(root, size: int) -> int:
     return int(root)
 
 
-def signature(collective: str, algorithm: str, count: int, dtype: np.dtype, op: str | None, extra: int = 0):
+def signature(
+    collective: str, algorithm: str, count: int, dtype, op: str | None, extra: int = 0, kind: str = "host"
+):
     """The tuple of SIG_LEN ints the ranks compare; see describe() for how it reads."""
     return (
         COLLECTIVE_CODE[collective],
@@ -77,21 +81,23 @@ def signature(collective: str, algorithm: str, count: int, dtype: np.dtype, op: 
         DTYPE_CODE[dtype],
         OP_CODE[op] if op else 0,
         extra,
+        KIND_CODE[kind],
         SIG_OK,
     )
 
 
 def rejected_signature(collective: str) -> tuple:
-    return (COLLECTIVE_CODE[collective], 0, 0, 0, 0, 0, SIG_REJECTED)
+    return (COLLECTIVE_CODE[collective], 0, 0, 0, 0, 0, 0, SIG_REJECTED)
 
 
 def describe(sig) -> str:
     """Human-readable form of a signature, for mismatch messages."""
     collective = CODE_COLLECTIVE.get(int(sig[0]), f"<collective {int(sig[0])}>")
-    if int(sig[6]) == SIG_REJECTED:
+    if int(sig[7]) == SIG_REJECTED:
         return f"called {collective} with arguments it rejected (see the error raised on that rank)"
     dtype = CODE_DTYPE.get(int(sig[3]))
-    text = f"called {collective} with {int(sig[2])} {dtype.name if dtype else '?'} elements"
+    kind = CODE_KIND.get(int(sig[6]), "?")
+    text = f"called {collective} with {int(sig[2])} {dtype.name if dtype else '?'} elements ({kind} array)"
     if int(sig[4]):
         text += f", op={CODE_OP.get(int(sig[4]), '?')}"
     text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]), '?')}"

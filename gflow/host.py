@@ -11,6 +11,15 @@ kind = "host"
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
+def buffer(a: np.ndarray) -> np.ndarray:
+    """What MPI is handed for a: the array itself."""
+    return a
+
+
+def fence() -> None:
+    """Wait for this module's pending work before MPI reads its output: nothing is pending on the host."""
+
+
 def empty(n: int, dtype) -> np.ndarray:
     return np.empty(n, dtype=dtype)
 
@@ -32,3 +41,50 @@ def reduce(out: np.ndarray, low: np.ndarray, high: np.ndarray, op: str) -> None:
 def divide(x: np.ndarray, divisor: int) -> None:
     """x /= divisor in place (op='mean', floating dtypes only)."""
     np.divide(x, x.dtype.type(divisor), out=x)
+
+
+def cast_scaled(dst: np.ndarray, src: np.ndarray, scale: float) -> bool:
+    """dst = src * scale, cast to dst's dtype. Returns True if any value overflowed dst's range or
+    was NaN/inf (those elements hold inf/NaN in dst)."""
+    scaled = np.multiply(src, np.float32(scale), dtype=np.result_type(src.dtype, np.float32))
+    limit = np.finfo(dst.dtype).max
+    overflow = not bool(np.all(np.abs(scaled) <= limit))
+    with np.errstate(over="ignore"):
+        dst[...] = scaled
+    return overflow
+
+
+def chunk_norms(x: np.ndarray, chunk: int, out=None) -> np.ndarray:
+    """float32 L1 norm of each chunk of the flat x (the last chunk may be short)."""
+    nchunks = (x.size + chunk - 1) // chunk
+    if out is None:
+        out = np.empty(nchunks, dtype=np.float32)
+    if nchunks:
+        np.add.reduceat(np.abs(x, dtype=np.float32), np.arange(0, x.size, chunk), out=out)
+    return out
+
+
+def _chunk_rows(a: np.ndarray, chunk: int):
+    """a's full chunks as rows of a 2-D view, and the short tail (may be empty)."""
+    full = a.size // chunk
+    return a[: full * chunk].reshape(full, chunk), a[full * chunk :]
+
+
+def pack(dst: np.ndarray, src: np.ndarray, ids: np.ndarray, chunk: int) -> None:
+    """Gather chunks ids (ascending) of src into dst, one after another."""
+    rows, tail = _chunk_rows(src, chunk)
+    if ids.size and ids[-1] == rows.shape[0]:  # the short last chunk, selected: it goes last
+        dst[: (ids.size - 1) * chunk].reshape(-1, chunk)[...] = rows[ids[:-1]]
+        dst[(ids.size - 1) * chunk :] = tail
+    else:
+        dst.reshape(-1, chunk)[...] = rows[ids]
+
+
+def scatter_add(dst: np.ndarray, packed: np.ndarray, ids: np.ndarray, chunk: int) -> None:
+    """Add the packed chunks back into dst at chunks ids (unique, ascending)."""
+    rows, tail = _chunk_rows(dst, chunk)
+    if ids.size and ids[-1] == rows.shape[0]:
+        rows[ids[:-1]] += packed[: (ids.size - 1) * chunk].reshape(-1, chunk)
+        tail += packed[(ids.size - 1) * chunk :]
+    else:
+        rows[ids] += packed.reshape(-1, chunk)

@@ -1,6 +1,8 @@
 """Test harness: multi-rank tests run from plain `pytest` through mpi-pytest.
 
-A test marked @pytest.mark.parallel([1, 2, 3, 4]) runs once per world size; for sizes above 1,
+Without GFLOW_TEST_GPU=1, NUMBA_ENABLE_CUDASIM=1 is set here, so the device tests run on Numba's CUDA
+simulator; with it, they run on the GPU and the CuPy tests fail instead of skipping when CuPy or the GPU
+is missing. A test marked @pytest.mark.parallel([1, 2, 3, 4]) runs once per world size; for sizes above 1,
 mpi-pytest spawns `mpiexec -n N pytest <that test>` and fails the test if any rank fails. Inside those
 children a watchdog (faulthandler) dumps every thread's stack and kills the rank after
 GFLOW_TEST_DEADLINE seconds (default 60), so a deadlock fails its test instead of hanging CI; the
@@ -10,6 +12,10 @@ parent's pytest-timeout is the backstop.
 import faulthandler
 import os
 import sys
+
+# Without GFLOW_TEST_GPU=1 the CUDA kernels run on Numba's simulator (set before anything imports numba).
+if os.environ.get("GFLOW_TEST_GPU") != "1":
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import pytest
 from hypothesis import HealthCheck, settings

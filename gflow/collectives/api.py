@@ -1,14 +1,19 @@
-"""The public collectives: argument checks, algorithm choice, and the call into the algorithms."""
+"""The public collectives: argument checks, algorithm choice, and the call into the algorithms.
+
+Each public function checks its arguments, then hands host arrays to the *_flat functions of
+collectives/common.py, and device arrays to collectives/device.py, which moves them to MPI directly
+or through pinned host memory and calls the same *_flat functions with the ops for that memory.
+device.py is imported on the first device array, so host-only users never load Numba's CUDA support.
+"""
 
 import numpy as np
-from mpi4py import MPI
 
-from .._array import check_array, flat_view, prepare_out
+from .._array import check_array, prepare_out, size_of
 from .._config import config
 from .._context import CommContext, context
 from .._validate import check_op, check_root, rejected_signature, signature
 from ..errors import MismatchError
-from . import ring
+from .common import allgather_flat, allreduce_flat, broadcast_flat, reduce_scatter_flat
 from .recursive_doubling import allreduce_with_agreement
 
 ALGORITHMS = ("auto", "ring", "recursive_doubling")
@@ -22,12 +27,6 @@ def _reject(ctx: CommContext, collective: str) -> None:
             allreduce_with_agreement(ctx, rejected_signature(collective), config.small_message_bytes)
         except MismatchError:
             pass
-
-
-def _agree(ctx: CommContext, sig: tuple) -> None:
-    """Header-only agreement before a bandwidth algorithm (skipped when validation is off)."""
-    if config.validate and ctx.size > 1:
-        allreduce_with_agreement(ctx, sig, config.small_message_bytes)
 
 
 def _flat_source(x, flat_buf, ops):
@@ -77,25 +76,18 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto"):
     try:
         ops, dtype = check_array(x)
         name = check_op(op, dtype)
-        chosen = _choose(algorithm, x.size * dtype.itemsize)
-        result = prepare_out(x, out, ops, dtype, x.size)
+        chosen = _choose(algorithm, size_of(x) * dtype.itemsize)
+        result = prepare_out(x, out, ops, dtype, size_of(x))
     except (TypeError, ValueError):
         _reject(ctx, "allreduce")
         raise
-    sig = signature("allreduce", chosen, x.size, dtype, name)
-    flat_out = result.reshape(-1)
+    if ops.kind == "device":
+        from . import device
 
-    if ctx.size == 1:
-        if result is not x:
-            ops.copy(result, x)
-    elif chosen == "recursive_doubling":
-        reduce_op = "sum" if name == "mean" else name
-        allreduce_with_agreement(ctx, sig, config.small_message_bytes, x.reshape(-1), flat_out, reduce_op)
-        if name == "mean":
-            ops.divide(flat_out, ctx.size)
-    else:
-        _agree(ctx, sig)
-        ring.allreduce(ctx, _flat_source(x, flat_out, ops), flat_out, ops, name)
+        return device.allreduce(ctx, x, result, dtype, name, chosen)
+    flat_out = result.reshape(-1)
+    sig = signature("allreduce", chosen, x.size, dtype, name)
+    allreduce_flat(ctx, _flat_source(x, flat_out, ops), flat_out, ops, sig, chosen, name)
     return result
 
 
@@ -123,15 +115,12 @@ def reduce_scatter(x, op="sum", *, comm=None):
     except (TypeError, ValueError):
         _reject(ctx, "reduce_scatter")
         raise
-    _agree(ctx, signature("reduce_scatter", "ring", x.size, dtype, name))
-    bounds = ring.chunk_bounds(x.size, ctx.size)
-    work = ops.empty(x.size, dtype)
-    ring.reduce_scatter(ctx, _flat_source(x, work, ops), work, ops, "sum" if name == "mean" else name, bounds)
-    shard = ops.empty(bounds[ctx.rank + 1] - bounds[ctx.rank], dtype)
-    ops.copy(shard, work[bounds[ctx.rank] : bounds[ctx.rank + 1]])
-    if name == "mean":
-        ops.divide(shard, ctx.size)
-    return shard
+    if ops.kind == "device":
+        from . import device
+
+        return device.reduce_scatter(ctx, x, dtype, name)
+    work = np.empty(x.size, dtype) if not x.flags.c_contiguous else None
+    return reduce_scatter_flat(ctx, _flat_source(x, work, ops), ops, dtype, name)
 
 
 def allgather(x, *, comm=None):
@@ -156,17 +145,14 @@ def allgather(x, *, comm=None):
     except (TypeError, ValueError):
         _reject(ctx, "allgather")
         raise
+    if ops.kind == "device":
+        from . import device
+
+        return device.allgather(ctx, x, dtype)
     rows = x.reshape(-1) if x.ndim == 0 else x
     row_elems = int(np.prod(rows.shape[1:], dtype=np.int64))
-    _agree(ctx, signature("allgather", "ring", 0, dtype, None, extra=row_elems))
-    lengths = ctx.comm.allgather(rows.shape[0]) if ctx.size > 1 else [rows.shape[0]]
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length * row_elems)
-    result = ops.empty(bounds[-1], dtype)
-    ops.copy(result[bounds[ctx.rank] : bounds[ctx.rank + 1]], rows.reshape(-1))
-    ring.allgather(ctx, result, bounds)
-    return result.reshape((sum(lengths),) + rows.shape[1:])
+    result, nrows = allgather_flat(ctx, rows.reshape(-1), rows.shape[0], row_elems, ops, dtype)
+    return result.reshape((nrows,) + rows.shape[1:])
 
 
 def broadcast(x, root=0, *, comm=None):
@@ -191,10 +177,12 @@ def broadcast(x, root=0, *, comm=None):
     except (TypeError, ValueError):
         _reject(ctx, "broadcast")
         raise
-    _agree(ctx, signature("broadcast", "mpi", x.size, dtype, None, extra=root_rank))
-    result = ops.empty(x.size, dtype).reshape(x.shape)
+    if ops.kind == "device":
+        from . import device
+
+        return device.broadcast(ctx, x, dtype, root_rank)
+    result = np.empty(x.shape, dtype)
     if ctx.rank == root_rank:
-        ops.copy(result, x)
-    if ctx.size > 1:
-        ctx.comm.Bcast([flat_view(result, "result"), MPI.BYTE], root_rank)
+        np.copyto(result, x)
+    broadcast_flat(ctx, result.reshape(-1), ops, dtype, root_rank)
     return result

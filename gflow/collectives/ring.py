@@ -48,7 +48,7 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
     seg = max(1, min(widest, config.ring_segment_bytes // buf.itemsize))
     tmp = ctx.scratch("ring_tmp", seg * buf.itemsize, ops)[: seg * buf.itemsize].view(buf.dtype)
     right, left = (r + 1) % p, (r - 1) % p
-    sendrecv = ctx.comm.Sendrecv
+    sendrecv, buffer = ctx.comm.Sendrecv, ops.buffer
     for i in range(p - 1):
         s = (r - i - 1) % p
         c = (r - i - 2) % p
@@ -62,23 +62,31 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
             dst = dst_base[lo : lo + seg]
             incoming = tmp[: dst.size]
             outgoing = send_base[lo : lo + seg]
-            sendrecv([outgoing, MPI.BYTE], right, TAG_RING_RS, [incoming, MPI.BYTE], left, TAG_RING_RS)
+            sendrecv(
+                [buffer(outgoing), MPI.BYTE],
+                right,
+                TAG_RING_RS,
+                [buffer(incoming), MPI.BYTE],
+                left,
+                TAG_RING_RS,
+            )
             ops.reduce(dst, incoming, own_base[lo : lo + seg], op)
+            ops.fence()  # the next send may read dst
 
 
-def allgather(ctx: CommContext, buf, bounds: list[int]) -> None:
+def allgather(ctx: CommContext, buf, ops, bounds: list[int]) -> None:
     """Ring allgather in place: chunk `rank` of `buf` is this rank's; afterwards buf holds all chunks."""
     p, r = ctx.size, ctx.rank
     right, left = (r + 1) % p, (r - 1) % p
-    sendrecv = ctx.comm.Sendrecv
+    sendrecv, buffer = ctx.comm.Sendrecv, ops.buffer
     for i in range(p - 1):
         s = (r - i) % p
         c = (r - i - 1) % p
         sendrecv(
-            [buf[bounds[s] : bounds[s + 1]], MPI.BYTE],
+            [buffer(buf[bounds[s] : bounds[s + 1]]), MPI.BYTE],
             right,
             TAG_RING_AG,
-            [buf[bounds[c] : bounds[c + 1]], MPI.BYTE],
+            [buffer(buf[bounds[c] : bounds[c + 1]]), MPI.BYTE],
             left,
             TAG_RING_AG,
         )
@@ -90,4 +98,5 @@ def allreduce(ctx: CommContext, src, buf, ops, op: str) -> None:
     reduce_scatter(ctx, src, buf, ops, "sum" if op == "mean" else op, bounds)
     if op == "mean":
         ops.divide(buf[bounds[ctx.rank] : bounds[ctx.rank + 1]], ctx.size)
-    allgather(ctx, buf, bounds)
+        ops.fence()
+    allgather(ctx, buf, ops, bounds)

@@ -1,0 +1,68 @@
+"""What every kind of array shares once its arguments are checked: the agreement before a bandwidth
+algorithm, and each collective on flat contiguous buffers given the ops for their kind of memory."""
+
+from mpi4py import MPI
+
+from .._config import config
+from .._context import CommContext
+from .._validate import signature
+from . import ring
+from .recursive_doubling import allreduce_with_agreement
+
+
+def _agree(ctx: CommContext, sig: tuple) -> None:
+    """Header-only agreement before a bandwidth algorithm (skipped when validation is off)."""
+    if config.validate and ctx.size > 1:
+        allreduce_with_agreement(ctx, sig, config.small_message_bytes)
+
+
+def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, name: str) -> None:
+    """Allreduce the flat contiguous src into dst (may be src), after the checks have passed."""
+    if ctx.size == 1:
+        if dst is not src:
+            ops.copy(dst, src)
+    elif chosen == "recursive_doubling":
+        allreduce_with_agreement(
+            ctx, sig, config.small_message_bytes, src, dst, "sum" if name == "mean" else name
+        )
+        if name == "mean":
+            ops.divide(dst, ctx.size)
+    else:
+        _agree(ctx, sig)
+        ring.allreduce(ctx, src, dst, ops, name)
+
+
+def reduce_scatter_flat(ctx: CommContext, src, ops, dtype, name: str, kind: str = "host"):
+    """This rank's shard of the reduction of the flat contiguous src, as a new flat array."""
+    _agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, kind=kind))
+    bounds = ring.chunk_bounds(src.size, ctx.size)
+    work = ops.empty(src.size, dtype)
+    ring.reduce_scatter(ctx, src, work, ops, "sum" if name == "mean" else name, bounds)
+    shard = ops.empty(bounds[ctx.rank + 1] - bounds[ctx.rank], dtype)
+    ops.copy(shard, work[bounds[ctx.rank] : bounds[ctx.rank + 1]])
+    if name == "mean":
+        ops.divide(shard, ctx.size)
+    return shard
+
+
+def allgather_flat(ctx: CommContext, rows, nrows: int, row_elems: int, ops, dtype, kind: str = "host"):
+    """Concatenate the ranks' flat `rows` (nrows rows of row_elems elements each, nrows may differ
+    between ranks); returns the flat result and the total number of rows."""
+    _agree(ctx, signature("allgather", "ring", 0, dtype, None, extra=row_elems, kind=kind))
+    lengths = ctx.comm.allgather(nrows) if ctx.size > 1 else [nrows]
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length * row_elems)
+    result = ops.empty(bounds[-1], dtype)
+    ops.copy(result[bounds[ctx.rank] : bounds[ctx.rank + 1]], rows)
+    ops.fence()
+    ring.allgather(ctx, result, ops, bounds)
+    return result, sum(lengths)
+
+
+def broadcast_flat(ctx: CommContext, buf, ops, dtype, root: int, kind: str = "host") -> None:
+    """Overwrite the flat buf with root's, on every rank."""
+    _agree(ctx, signature("broadcast", "mpi", buf.size, dtype, None, extra=root, kind=kind))
+    if ctx.size > 1:
+        ops.fence()
+        ctx.comm.Bcast([ops.buffer(buf), MPI.BYTE], root)

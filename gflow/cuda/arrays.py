@@ -1,0 +1,152 @@
+"""Device arrays: recognising them, viewing them through Numba, making results of the same kind.
+
+gflow accepts CuPy arrays, Numba device arrays, PyTorch CUDA tensors and anything else exposing
+__cuda_array_interface__. Inside, every one is a zero-copy Numba view; results are made as the caller's
+kind (CuPy for CuPy; a Numba device array otherwise).
+
+Streams: before MPI or a kernel of gflow's reads a caller's device buffer, gflow synchronizes the stream
+named in its __cuda_array_interface__ ("stream", version 3), or the whole device when none is named.
+gflow's own kernels run on the default stream and have finished when a gflow call returns.
+
+Under NUMBA_ENABLE_CUDASIM=1 (tests without a GPU) "device memory" is host memory: simulator arrays
+wrap NumPy arrays, and a bare __cuda_array_interface__ object's pointer is read as a host address.
+"""
+
+import os
+
+import numpy as np
+from numba import cuda
+
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+def is_device_array(x) -> bool:
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    return SIMULATED and type(x).__name__ == "FakeCUDAArray"
+
+
+class _HostPointer:
+    """Exposes a pointer from __cuda_array_interface__ as a NumPy array (simulator only)."""
+
+    def __init__(self, cai: dict):
+        self.__array_interface__ = {
+            "shape": tuple(cai["shape"]),
+            "typestr": cai["typestr"],
+            "data": cai["data"],
+            "strides": cai.get("strides"),
+            "version": 3,
+        }
+
+
+def _c_strides(shape, itemsize: int) -> tuple:
+    strides, step = [], itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return tuple(reversed(strides))
+
+
+def describe(x, name: str = "x"):
+    """(shape, dtype, C-contiguous) of a device array, read from its __cuda_array_interface__."""
+    if SIMULATED and type(x).__name__ == "FakeCUDAArray":
+        return tuple(x.shape), np.dtype(x.dtype), bool(x._ary.flags.c_contiguous)
+    cai = x.__cuda_array_interface__
+    shape, dtype = tuple(cai["shape"]), np.dtype(cai["typestr"])
+    strides = cai.get("strides")
+    contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize) or 0 in shape
+    return shape, dtype, contiguous
+
+
+def flat_view(x, name: str = "x"):
+    """A flat zero-copy Numba view of a C-contiguous device array; a clear error otherwise."""
+    shape, _, contiguous = describe(x, name)
+    if not contiguous:
+        raise ValueError(
+            f"{name}: device arrays must be C-contiguous; got one with shape {shape} and other strides"
+        )
+    return device_view(x).reshape(-1) if len(shape) != 1 else device_view(x)
+
+
+def prepare_out(x, out, dtype, count: int, name: str = "out"):
+    """The device array a result goes into: a new one of x's kind, or `out` after checking it."""
+    if out is None:
+        return new_like(x, describe(x)[0], dtype)
+    if not is_device_array(out):
+        raise TypeError(f"{name} must be a device array like x, got {type(out).__name__}")
+    shape, out_dtype, contiguous = describe(out, name)
+    if out_dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {out_dtype}")
+    if int(np.prod(shape, dtype=np.int64)) != count:
+        raise ValueError(f"{name}: expected {count} elements, got {int(np.prod(shape, dtype=np.int64))}")
+    if not contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    return out
+
+
+def device_view(x):
+    """A zero-copy Numba device array over x."""
+    if SIMULATED:
+        if type(x).__name__ == "FakeCUDAArray":
+            return x
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(np.asarray(_HostPointer(x.__cuda_array_interface__)))
+    if cuda.is_cuda_array(x) and not isinstance(x, cuda.cudadrv.devicearray.DeviceNDArray):
+        return cuda.as_cuda_array(x, sync=False)
+    return x
+
+
+def sync_producer(x) -> None:
+    """Wait for the work that produced x (see the module docstring for the rule)."""
+    if SIMULATED:
+        return
+    cai = getattr(x, "__cuda_array_interface__", None)
+    stream = cai.get("stream") if cai else None
+    if stream:
+        cuda.external_stream(stream).synchronize()
+    else:
+        cuda.synchronize()
+
+
+def new_like(x, shape, dtype):
+    """A new device array of x's kind: CuPy for CuPy, a Numba device array for anything else."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy.empty(shape, dtype=dtype)
+    return cuda.device_array(shape, dtype=dtype)
+
+
+def mpi_buffer(view):
+    """What to hand MPI for a device view: the view itself, whose __cuda_array_interface__ a
+    CUDA-aware MPI reads (in the simulator, the host array underneath)."""
+    return view._ary if SIMULATED else view
+
+
+def to_host(host, view) -> None:
+    """Copy a contiguous device view into a host array of the same size."""
+    if view.size:
+        if SIMULATED:
+            np.copyto(host, view._ary.reshape(-1))
+        else:
+            view.copy_to_host(host)
+
+
+def from_host(view, host) -> None:
+    """Copy a host array into a contiguous device view of the same size."""
+    if view.size:
+        if SIMULATED:
+            np.copyto(view._ary.reshape(-1), host)
+        else:
+            view.copy_to_device(host)
+
+
+class pinned:  # noqa: N801 - used like the ops modules: pinned.kind, pinned.empty(...)
+    """Allocator of page-locked host memory for staging (plain memory under the simulator)."""
+
+    kind = "pinned"
+
+    @staticmethod
+    def empty(n: int, dtype):
+        return cuda.pinned_array(n, dtype=dtype)

@@ -1,0 +1,119 @@
+"""Numba CUDA kernels for gflow's per-element work.
+
+Each kernel is a grid-stride loop, so any launch size covers any length. gflow/cuda/ops.py launches them
+and gflow/host.py holds their NumPy twins (same names, same meaning); tests run these under
+NUMBA_ENABLE_CUDASIM=1 against the twins.
+"""
+
+from numba import cuda, float32
+
+# Threads per block for the chunk-norm reduction (a power of two: the tree reduction halves it).
+NORM_THREADS = 128
+
+
+@cuda.jit
+def add(out, a, b):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < out.size:
+        out[i] = a[i] + b[i]
+        i += stride
+
+
+@cuda.jit
+def maximum(out, a, b):
+    # NaN wins, as in np.maximum.
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < out.size:
+        x, y = a[i], b[i]
+        out[i] = x if (x >= y or x != x) else y
+        i += stride
+
+
+@cuda.jit
+def minimum(out, a, b):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < out.size:
+        x, y = a[i], b[i]
+        out[i] = x if (x <= y or x != x) else y
+        i += stride
+
+
+@cuda.jit
+def copy(out, a):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < out.size:
+        out[i] = a[i]
+        i += stride
+
+
+@cuda.jit
+def divide(x, divisor):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < x.size:
+        x[i] = x[i] / divisor
+        i += stride
+
+
+@cuda.jit
+def cast_scaled(dst, src, scale, limit, flag):
+    """dst = src * scale in dst's dtype; flag[0] = 1 if any scaled value is NaN, inf, or beyond
+    +-limit (dst's largest finite value), so an overflow is reported instead of stored silently."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < dst.size:
+        v = src[i] * scale
+        if not abs(v) <= limit:
+            flag[0] = 1
+        dst[i] = v
+        i += stride
+
+
+@cuda.jit
+def chunk_norms(out, x, chunk):
+    """out[c] = sum(|x[c*chunk : (c+1)*chunk]|), one block per chunk at a time; the last chunk may
+    be short. Launch with NORM_THREADS threads per block."""
+    partial = cuda.shared.array(NORM_THREADS, float32)
+    tid = cuda.threadIdx.x
+    c = cuda.blockIdx.x
+    while c < out.size:
+        lo = c * chunk
+        hi = min(lo + chunk, x.size)
+        acc = float32(0)
+        i = lo + tid
+        while i < hi:
+            acc += abs(float32(x[i]))
+            i += cuda.blockDim.x
+        partial[tid] = acc
+        cuda.syncthreads()
+        half = cuda.blockDim.x // 2
+        while half > 0:
+            if tid < half:
+                partial[tid] += partial[tid + half]
+            cuda.syncthreads()
+            half //= 2
+        if tid == 0:
+            out[c] = partial[0]
+        cuda.syncthreads()
+        c += cuda.gridDim.x
+
+
+@cuda.jit
+def pack(dst, src, ids, chunk):
+    """dst[k*chunk + j] = src[ids[k]*chunk + j]: gather the listed chunks into one buffer, in list
+    order. Only the chunk with the highest index may be short, so list ids in ascending order."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < dst.size:
+        s = ids[i // chunk] * chunk + i % chunk
+        if s < src.size:
+            dst[i] = src[s]
+        i += stride
+
+
+@cuda.jit
+def scatter_add(dst, packed, ids, chunk):
+    """dst[ids[k]*chunk + j] += packed[k*chunk + j]: the inverse of pack, adding. ids must be unique."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < packed.size:
+        d = ids[i // chunk] * chunk + i % chunk
+        if d < dst.size:
+            dst[d] += packed[i]
+        i += stride

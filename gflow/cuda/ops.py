@@ -1,0 +1,91 @@
+"""Per-element operations on device arrays: the CUDA twins of gflow/host.py (same names, same meaning).
+
+Arguments are Numba device arrays (gflow/cuda/arrays.py turns CuPy arrays and other
+__cuda_array_interface__ objects into zero-copy Numba views). Kernels run on the default stream;
+functions whose result the host needs (an overflow flag) synchronize before returning.
+"""
+
+import numpy as np
+from numba import cuda
+
+from . import kernels
+from .arrays import SIMULATED, mpi_buffer
+
+kind = "device"
+buffer = mpi_buffer
+
+_THREADS = 256
+_MAX_BLOCKS = 4096
+_REDUCE = {"sum": kernels.add, "max": kernels.maximum, "min": kernels.minimum}
+
+
+def _grid(n: int) -> tuple[int, int]:
+    if SIMULATED:  # every simulated thread is a Python thread: keep launches small
+        return 1, 32
+    return max(1, min(_MAX_BLOCKS, (n + _THREADS - 1) // _THREADS)), _THREADS
+
+
+def fence() -> None:
+    """Wait for the kernels launched so far (default stream) before MPI reads their output."""
+    cuda.synchronize()
+
+
+def empty(n: int, dtype):
+    return cuda.device_array(n, dtype=dtype)
+
+
+def copy(dst, src) -> None:
+    """dst[...] = src (flat, same length)."""
+    if dst.size:
+        blocks, threads = _grid(dst.size)
+        kernels.copy[blocks, threads](dst, src)
+
+
+def reduce(out, low, high, op: str) -> None:
+    """out = low op high, elementwise; out may alias either operand. Lower ranks' operand first."""
+    if out.size:
+        blocks, threads = _grid(out.size)
+        _REDUCE[op][blocks, threads](out, low, high)
+
+
+def divide(x, divisor: int) -> None:
+    if x.size:
+        blocks, threads = _grid(x.size)
+        kernels.divide[blocks, threads](x, x.dtype.type(divisor))
+
+
+def cast_scaled(dst, src, scale: float) -> bool:
+    """dst = src * scale, cast to dst's dtype. Returns True if any value overflowed dst's range or
+    was NaN/inf (those elements hold inf/NaN in dst)."""
+    flag = cuda.to_device(np.zeros(1, dtype=np.int32))
+    if dst.size:
+        blocks, threads = _grid(dst.size)
+        limit = float(np.finfo(dst.dtype).max)
+        kernels.cast_scaled[blocks, threads](dst, src, np.float32(scale), limit, flag)
+    return bool(flag.copy_to_host()[0])
+
+
+def chunk_norms(x, chunk: int, out=None):
+    """float32 L1 norm of each chunk of the flat x (the last chunk may be short)."""
+    nchunks = (x.size + chunk - 1) // chunk
+    if out is None:
+        out = cuda.device_array(nchunks, dtype=np.float32)
+    if nchunks:
+        blocks = 1 if SIMULATED else min(nchunks, 65535)
+        threads = 32 if SIMULATED else kernels.NORM_THREADS
+        kernels.chunk_norms[blocks, threads](out, x, chunk)
+    return out
+
+
+def pack(dst, src, ids, chunk: int) -> None:
+    """Gather chunks ids (ascending, device int64 array) of src into dst, one after another."""
+    if dst.size:
+        blocks, threads = _grid(dst.size)
+        kernels.pack[blocks, threads](dst, src, ids, chunk)
+
+
+def scatter_add(dst, packed, ids, chunk: int) -> None:
+    """Add the packed chunks back into dst at chunks ids (unique, ascending)."""
+    if packed.size:
+        blocks, threads = _grid(packed.size)
+        kernels.scatter_add[blocks, threads](dst, packed, ids, chunk)

@@ -1,0 +1,65 @@
+"""How device buffers reach MPI: directly (CUDA-aware MPI) or staged through pinned host memory.
+
+Direct when GFLOW_CUDA_AWARE_MPI=1, or when it is unset and the MPI library says it supports CUDA
+(Open MPI's MPIX_Query_cuda_support, MPICH's MPIX_GPU_query_support). GFLOW_CUDA_AWARE_MPI=0 forces
+staging. When staging was chosen without the variable being set, the first staged call warns once,
+naming it. Either way the result is the same; staging costs a device-host copy each way.
+"""
+
+import ctypes
+import os
+import warnings
+
+_ENV = "GFLOW_CUDA_AWARE_MPI"
+_decided = None
+_warned = False
+
+
+def _library_reports_cuda() -> bool:
+    """Ask the loaded MPI library, where it has a way to tell; False when it has none."""
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:
+        return False
+    query = getattr(process, "MPIX_Query_cuda_support", None)  # Open MPI
+    if query is not None:
+        query.restype = ctypes.c_int
+        return bool(query())
+    query = getattr(process, "MPIX_GPU_query_support", None)  # MPICH >= 4
+    if query is not None:
+        supported = ctypes.c_int(0)
+        query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        if query(0, ctypes.byref(supported)) == 0:  # 0 = MPIX_GPU_SUPPORT_CUDA
+            return bool(supported.value)
+    return False
+
+
+def cuda_aware() -> bool:
+    """True when device buffers may go to MPI as they are (decided once per process)."""
+    global _decided
+    if _decided is None:
+        value = os.environ.get(_ENV, "")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{_ENV} must be 0 or 1, got {value!r}")
+        _decided = value == "1" if value else _library_reports_cuda()
+    return _decided
+
+
+def note_staging() -> None:
+    """Warn once that device buffers are being staged, unless the user chose that explicitly."""
+    global _warned
+    if not _warned and os.environ.get(_ENV, "") == "":
+        _warned = True
+        warnings.warn(
+            f"gflow: the MPI library does not report CUDA support, so device buffers are staged through "
+            f"pinned host memory. If your MPI is CUDA-aware, set {_ENV}=1 to pass device buffers directly; "
+            f"set {_ENV}=0 to silence this warning.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def describe() -> str:
+    if cuda_aware():
+        return "direct (CUDA-aware MPI)"
+    return "staged through pinned host memory"

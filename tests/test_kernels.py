@@ -1,0 +1,132 @@
+"""Every CUDA kernel against its NumPy twin in gflow/host.py, on random data with poisoned outputs.
+
+Runs on Numba's CUDA simulator unless GFLOW_TEST_GPU=1 (see conftest.py); the simulator runs about
+10k threads a second, so arrays stay small.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from gflow import host
+from gflow.cuda import ops as dev
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+LENGTHS = [0, 1, 37, 300]
+
+
+def rand(rng, n, dtype):
+    if np.dtype(dtype).kind == "f":
+        return (rng.standard_normal(n) * 3).astype(dtype)
+    return rng.integers(-1000, 1000, n).astype(dtype)
+
+
+def poisoned(n, dtype):
+    """A device array full of a value no correct kernel writes."""
+    fill = np.nan if np.dtype(dtype).kind == "f" else np.iinfo(dtype).min
+    return cuda.to_device(np.full(n, fill, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_reduce_matches_numpy(dtype, op):
+    rng = np.random.default_rng(1)
+    for n in LENGTHS:
+        a, b = rand(rng, n, dtype), rand(rng, n, dtype)
+        if n > 2 and np.dtype(dtype).kind == "f":
+            a[1] = np.nan  # NaN propagates, as in NumPy
+        out = poisoned(n, dtype)
+        dev.reduce(out, cuda.to_device(a), cuda.to_device(b), op)
+        expected = np.empty(n, dtype)
+        host.reduce(expected, a, b, op)
+        np.testing.assert_array_equal(out.copy_to_host(), expected, err_msg=f"n={n}")
+
+
+def test_reduce_in_place_and_copy_and_divide():
+    rng = np.random.default_rng(2)
+    a, b = rand(rng, 200, np.float32), rand(rng, 200, np.float32)
+    d_a = cuda.to_device(a)
+    dev.reduce(d_a, cuda.to_device(b), d_a, "sum")
+    dev.divide(d_a, 3)
+    expected = a.copy()
+    host.reduce(expected, b, expected, "sum")
+    host.divide(expected, 3)
+    np.testing.assert_array_equal(d_a.copy_to_host(), expected)
+    out = poisoned(200, np.float32)
+    dev.copy(out, d_a)
+    np.testing.assert_array_equal(out.copy_to_host(), expected)
+
+
+@pytest.mark.parametrize(("src_dtype", "dst_dtype"), [(np.float32, np.float16), (np.float16, np.float32)])
+@pytest.mark.parametrize("scale", [1.0, 1 / 64, 1e5])
+def test_cast_scaled_matches_numpy_and_reports_overflow(src_dtype, dst_dtype, scale):
+    rng = np.random.default_rng(3)
+    src = rand(rng, 300, src_dtype)
+    out = poisoned(300, dst_dtype)
+    overflow = dev.cast_scaled(out, cuda.to_device(src), scale)
+    expected = np.empty(300, dst_dtype)
+    expected_overflow = host.cast_scaled(expected, src, scale)
+    np.testing.assert_array_equal(out.copy_to_host(), expected)
+    assert overflow == expected_overflow
+    # float16 tops out at 65504: 1e5 * N(0, 3) values overflow it, the others do not.
+    assert overflow == (dst_dtype == np.float16 and scale == 1e5)
+
+
+def test_cast_scaled_reports_nan_and_inf():
+    for bad in (np.nan, np.inf, -np.inf):
+        src = np.ones(50, np.float32)
+        src[17] = bad
+        out = poisoned(50, np.float16)
+        assert dev.cast_scaled(out, cuda.to_device(src), 1.0)
+        assert host.cast_scaled(np.empty(50, np.float16), src, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize(("n", "chunk"), [(0, 4), (1, 4), (20, 1), (90, 7), (256, 64), (250, 64)])
+def test_chunk_norms_match_numpy(dtype, n, chunk):
+    x = rand(np.random.default_rng(n + chunk), n, dtype)
+    nchunks = (n + chunk - 1) // chunk
+    out = poisoned(nchunks, np.float32)
+    dev.chunk_norms(cuda.to_device(x), chunk, out=out)
+    expected = host.chunk_norms(x, chunk)
+    assert expected.shape == (nchunks,)
+    exact = [np.abs(x[c * chunk : (c + 1) * chunk].astype(np.float64)).sum() for c in range(nchunks)]
+    np.testing.assert_allclose(out.copy_to_host(), exact, rtol=1e-5)
+    np.testing.assert_allclose(expected, exact, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "chunk"), [(300, 7), (256, 64), (250, 64), (10, 10), (9, 10)])
+def test_pack_and_scatter_add_match_numpy(n, chunk):
+    rng = np.random.default_rng(n)
+    nchunks = (n + chunk - 1) // chunk
+    src = rand(rng, n, np.float32)
+    for ids in (
+        np.arange(nchunks),  # everything, the short last chunk included
+        np.sort(rng.choice(nchunks, size=max(1, nchunks // 3), replace=False)),
+        np.array([nchunks - 1]),
+        np.array([], dtype=np.int64),
+    ):
+        ids = ids.astype(np.int64)
+        packed_len = sum(min(chunk, n - i * chunk) for i in ids)
+        packed = poisoned(packed_len, np.float32)
+        dev.pack(packed, cuda.to_device(src), cuda.to_device(ids), chunk)
+        expected = np.empty(packed_len, np.float32)
+        host.pack(expected, src, ids, chunk)
+        reference = np.concatenate(
+            [src[i * chunk : (i + 1) * chunk] for i in ids] or [np.empty(0, np.float32)]
+        )
+        np.testing.assert_array_equal(expected, reference)
+        np.testing.assert_array_equal(packed.copy_to_host(), reference)
+
+        dst = rand(rng, n, np.float32)
+        by_hand = dst.copy()
+        offset = 0
+        for i in ids:
+            piece = by_hand[i * chunk : (i + 1) * chunk]
+            piece += reference[offset : offset + piece.size]
+            offset += piece.size
+        d_dst = cuda.to_device(dst)
+        dev.scatter_add(d_dst, packed, cuda.to_device(ids), chunk)
+        host.scatter_add(dst, reference, ids, chunk)
+        np.testing.assert_array_equal(dst, by_hand)
+        np.testing.assert_array_equal(d_dst.copy_to_host(), by_hand)
