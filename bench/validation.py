@@ -3,7 +3,7 @@
     python bench/validation.py            # p = 2, 3, 4; writes bench/out/validation.{json,md}
 
 The check alone is the header-only recursive-doubling exchange that runs before a ring (log2 p
-messages of 144 bytes). On the latency path the same header travels in front of the payload, so
+tiny messages). On the latency path the same header travels in front of the payload, so
 there is nothing to switch off there. Contenders alternate, one repetition each; medians of the
 slowest rank's time.
 """
