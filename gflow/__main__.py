@@ -97,6 +97,12 @@ def info() -> int:
         lines["GPU"] = f"none seen ({type(exc).__name__})"
     if not lines["GPU"]:
         lines["GPU"] = "none seen"
+    try:
+        from .cuda import transport
+
+        lines["device buffers"] = transport.describe()
+    except Exception as exc:  # noqa: BLE001 - Numba's CUDA support may fail to load without a GPU
+        lines["device buffers"] = f"unavailable ({type(exc).__name__})"
     width = max(map(len, lines))
     for key, value in lines.items():
         print(f"{key:>{width}}: {value}")

@@ -17,6 +17,7 @@ lower bound for any allreduce (baidu-allreduce, Patarasuk & Yuan 2009); the pric
 latencies, which is why small messages take recursive doubling instead.
 """
 
+import numpy as np
 from mpi4py import MPI
 
 from .._config import config
@@ -45,8 +46,9 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
             ops.copy(buf, src)
         return
     widest = max(bounds[c + 1] - bounds[c] for c in range(p))
-    seg = max(1, min(widest, config.ring_segment_bytes // buf.itemsize))
-    tmp = ctx.scratch("ring_tmp", seg * buf.itemsize, ops)[: seg * buf.itemsize].view(buf.dtype)
+    itemsize = np.dtype(buf.dtype).itemsize
+    seg = max(1, min(widest, config.ring_segment_bytes // itemsize))
+    tmp = ctx.scratch("ring_tmp", seg * itemsize, ops)[: seg * itemsize].view(buf.dtype)
     right, left = (r + 1) % p, (r - 1) % p
     sendrecv, buffer = ctx.comm.Sendrecv, ops.buffer
     for i in range(p - 1):
