@@ -4,16 +4,24 @@ The public API; the implementation lives in the private modules.
 """
 
 from ._config import config
-from .collectives.api import allgather, allreduce, broadcast, reduce_scatter
-from .errors import GflowError, MismatchError
+from .collectives.api import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
+from .collectives.lazy import LazyAllreduce
+from .compression import LossScaler
+from .engine import Handle
+from .errors import CompressionOverflowError, GflowError, MismatchError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompressionOverflowError",
     "GflowError",
+    "Handle",
+    "LazyAllreduce",
+    "LossScaler",
     "MismatchError",
     "allgather",
     "allreduce",
+    "allreduce_async",
     "broadcast",
     "config",
     "reduce_scatter",

@@ -5,8 +5,12 @@ attribute, so it is freed with it and a reused handle never finds a stale one. T
 private duplicate can never match the user's own messages.
 """
 
+import atexit
+
 import numpy as np
 from mpi4py import MPI
+
+from .errors import GflowError
 
 # Tags inside the private communicator; one per phase, so a protocol bug shows up as a mismatch.
 TAG_AGREE = 11
@@ -44,14 +48,45 @@ def rd_schedule(rank: int, size: int):
 class CommContext:
     """gflow's view of one user communicator."""
 
-    def __init__(self, comm: MPI.Intracomm):
+    def __init__(self, comm: MPI.Intracomm, background: bool = False):
         self.user_handle = comm.handle
-        self.comm = comm.Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
+        # Idup, not Dup: making a context must not block, or an async call whose peers have not
+        # started theirs yet could never return. The duplicate is waited for on first use (.comm).
+        self._user_comm = comm
+        self._comm, self._pending = comm.Idup()
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
         self.rd_fold, self.rd_rounds = rd_schedule(self.rank, self.size)
         self._scratch = {}
         self.rd_plans = {}  # recursive_doubling._Plan by call signature
+        self._background = None
+        self.is_background = background
+        self.failed = None  # set on a background context by its first failed collective
+
+    def check_usable(self) -> None:
+        """Refuse to communicate on a background context after one of its collectives failed.
+
+        Ranks then may have different numbers of operations queued (one pushed a tensor more, say):
+        each rank fails the rest of its queue here, without talking, instead of waiting for peers
+        who will never make those calls. Every rank saw the same failure, at the same position."""
+        if self.failed is not None:
+            raise GflowError(f"an earlier background collective on this communicator failed: {self.failed}")
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """gflow's private duplicate (completing its creation the first time)."""
+        if self._pending is not None:
+            self._pending.Wait()
+            self._pending = None
+        return self._comm
+
+    def background(self) -> "CommContext":
+        """A second context, on its own duplicate, for the engine thread's collectives: they run
+        while the caller's thread may run blocking ones on this context, and must not meet them.
+        Made on first use; that is a collective call, as every rank's first async call is."""
+        if self._background is None:
+            self._background = CommContext(self._user_comm, background=True)
+        return self._background
 
     def scratch(self, name: str, nbytes: int, ops) -> "np.ndarray":
         """A reusable uint8 buffer of at least nbytes, one per (name, kind of array); grows, never shrinks."""
@@ -62,12 +97,37 @@ class CommContext:
             self._scratch[key] = buf
         return buf
 
+    def reset_background(self) -> None:
+        """Drop a failed background context, so the next async call makes a fresh one. Called from
+        the caller's thread where the failure is observed (Handle.wait, LazyAllreduce.flush): every
+        rank observes it at the same call, so the fresh duplicate is made collectively."""
+        if self._background is not None and self._background.failed is not None:
+            self._background.free()
+            self._background = None
+
     def free(self):
+        if self._user_comm is None:  # already freed
+            return
+        if self._background is not None:
+            self._background.free()
         if not MPI.Is_finalized():
             for plan in self.rd_plans.values():
                 plan.free()
             self.rd_plans.clear()
             self.comm.Free()
+        self._user_comm = None
+
+
+def _free_all() -> None:
+    """At exit, before mpi4py finalizes MPI: free gflow's duplicates, so MPI finds none left over."""
+    global _world
+    from . import engine
+
+    engine.shutdown()  # its collectives use these duplicates
+    for ctx in list(_by_handle.values()):
+        ctx.free()
+    _by_handle.clear()
+    _world = None
 
 
 def _delete_context(comm, keyval, ctx):
@@ -80,6 +140,8 @@ _world = None
 # The attribute is the source of truth; this is a faster index of it (Get_attr costs ~1 us),
 # emptied for a communicator when MPI deletes the attribute, i.e. when the communicator is freed.
 _by_handle: dict = {}
+# Registered after mpi4py's exit handler (mpi4py is imported first), so it runs before it.
+atexit.register(_free_all)
 
 
 def context(comm=None) -> CommContext:

@@ -103,6 +103,8 @@ def describe(sig) -> str:
     text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]), '?')}"
     if collective == "broadcast":
         text += f", root={int(sig[5])}"
+    elif collective == "lazy":
+        text += f", push-order checksum {int(sig[5])}"
     elif int(sig[5]):
         text += f", extra={int(sig[5])}"
     return text

@@ -11,3 +11,8 @@ class GflowError(RuntimeError):
 
 class MismatchError(GflowError):
     """The ranks called one collective with different arguments (length, dtype, op, ...)."""
+
+
+class CompressionOverflowError(GflowError):
+    """A compressed (float16) reduction overflowed or met NaN/inf. Every rank sees the same reduced
+    values, so every rank raises; scale the values down (gflow.LossScaler) or send them uncompressed."""

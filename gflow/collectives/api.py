@@ -8,25 +8,28 @@ device.py is imported on the first device array, so host-only users never load N
 
 import numpy as np
 
+from .. import engine
 from .._array import check_array, prepare_out, size_of
 from .._config import config
 from .._context import CommContext, context
 from .._validate import check_op, check_root, rejected_signature, signature
-from ..errors import MismatchError
+from ..compression import WIRE_DTYPE, check_compression, decode, encode
+from ..errors import CompressionOverflowError, MismatchError
 from .common import allgather_flat, allreduce_flat, broadcast_flat, reduce_scatter_flat
 from .recursive_doubling import allreduce_with_agreement
 
 ALGORITHMS = ("auto", "ring", "recursive_doubling")
 
 
-def _reject(ctx: CommContext, collective: str) -> None:
+def reject(ctx: CommContext, collective: str) -> None:
     """This rank's arguments failed its local checks: tell the peers (when validating), so they raise
     MismatchError instead of waiting for this rank forever. The caller then raises the local error."""
-    if config.validate and ctx.size > 1:
+    if config.validate and ctx.size > 1 and ctx.failed is None:
         try:
             allreduce_with_agreement(ctx, rejected_signature(collective), config.small_message_bytes)
-        except MismatchError:
-            pass
+        except MismatchError as exc:
+            if ctx.is_background:  # as the peers' engines mark theirs (see CommContext.check_usable)
+                ctx.failed = f"{collective} (rejected arguments): {exc}"
 
 
 def _flat_source(x, flat_buf, ops):
@@ -53,7 +56,7 @@ def _choose(algorithm: str, nbytes: int) -> str:
     raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
 
 
-def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto"):
+def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
     """Reduce x elementwise over all ranks; every rank gets the same result.
 
     Args:
@@ -64,6 +67,8 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto"):
         out: where to write the result (same dtype and size as x, C-contiguous); may be x itself.
         algorithm: "auto" (recursive doubling up to config.small_message_bytes, ring above),
             "ring", or "recursive_doubling" (only up to config.small_message_bytes).
+        compression: None, or "fp16" to send float16 on the wire (floating dtypes; the result
+            comes back in x's dtype). See gflow/compression.py.
 
     Returns:
         An array of x's shape and dtype holding the reduction, bitwise identical on every rank.
@@ -71,23 +76,86 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto"):
     Raises:
         TypeError, ValueError: bad arguments on this rank, before any data moves.
         MismatchError: ranks passed different lengths, dtypes, ops or algorithms; raised on every rank.
+        CompressionOverflowError: with compression="fp16", the float16 reduction overflowed or met
+            NaN/inf (on every rank; the result holds the non-finite values).
     """
-    ctx = context(comm)
+    return allreduce_on(context(comm), x, op, out, algorithm, compression)
+
+
+def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
+    """Start an allreduce on gflow's background thread and return at once.
+
+    Arguments as for allreduce; they are checked now, in the caller's thread. Every rank must start
+    its async collectives in the same order. Do not modify x (or read out) until the handle is done.
+
+    Returns:
+        A Handle: done() tells whether it has finished, wait() returns the result (out, or a new
+        array) or raises what the operation raised (MismatchError, CompressionOverflowError, ...).
+        After a GflowError, async collectives already queued fail too (on every rank alike); wait on
+        the failed handle on every rank before starting new ones.
+    """
+    parent = context(comm)
+    ctx = parent.background()
     try:
-        ops, dtype = check_array(x)
-        name = check_op(op, dtype)
-        chosen = _choose(algorithm, size_of(x) * dtype.itemsize)
-        result = prepare_out(x, out, ops, dtype, size_of(x))
+        check_allreduce(x, op, out, algorithm, compression, need_out=False)
     except (TypeError, ValueError):
-        _reject(ctx, "allreduce")
+        engine.submit("allreduce (rejected arguments)", lambda: reject(ctx, "allreduce"), ctx=ctx)
         raise
+    run = lambda: allreduce_on(ctx, x, op, out, algorithm, compression)  # noqa: E731
+    return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
+
+
+def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True):
+    """allreduce's local checks: (ops, dtype, op name, algorithm, compression, result array)."""
+    ops, dtype = check_array(x)
+    name = check_op(op, dtype)
+    codec = check_compression(compression, dtype) if compression is not None else None
+    wire_itemsize = 2 if codec else dtype.itemsize
+    chosen = _choose(algorithm, size_of(x) * wire_itemsize)
+    result = prepare_out(x, out, ops, dtype, size_of(x)) if (need_out or out is not None) else None
+    return ops, dtype, name, chosen, codec, result
+
+
+def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=("allreduce", 0)):
+    """allreduce on a given context (the caller's, or the engine's for allreduce_async). `tag` is the
+    (collective, extra) pair the ranks agree on: LazyAllreduce puts its push-order fingerprint there."""
+    ctx.check_usable()
+    try:
+        ops, dtype, name, chosen, codec, result = check_allreduce(x, op, out, algorithm, compression)
+    except (TypeError, ValueError):
+        reject(ctx, "allreduce")
+        raise
+    if codec:
+        return _allreduce_fp16(ctx, x, result, ops, name, algorithm, tag)
     if ops.kind == "device":
         from . import device
 
-        return device.allreduce(ctx, x, result, dtype, name, chosen)
+        return device.allreduce(ctx, x, result, dtype, name, chosen, tag)
     flat_out = result.reshape(-1)
-    sig = signature("allreduce", chosen, x.size, dtype, name)
+    sig = signature(tag[0], chosen, x.size, dtype, name, extra=tag[1])
     allreduce_flat(ctx, _flat_source(x, flat_out, ops), flat_out, ops, sig, chosen, name)
+    return result
+
+
+def _allreduce_fp16(ctx: CommContext, x, result, ops, name: str, algorithm: str, tag):
+    """Encode to float16 (dividing first for a mean), allreduce the float16 buffer in place, decode."""
+    if ops.kind == "device":
+        from ..cuda import arrays
+
+        src, dst = arrays.flat_view(x), arrays.flat_view(result, "out")
+        arrays.sync_producer(x)
+    else:
+        src, dst = x.reshape(-1), result.reshape(-1)
+    n = src.size
+    wire = ctx.scratch("fp16_wire", 2 * n, ops)[: 2 * n].view(WIRE_DTYPE)
+    encode(ops, wire, src, name, ctx.size)
+    allreduce_on(ctx, wire, "sum" if name == "mean" else name, wire, algorithm, None, tag)
+    if decode(ops, dst, wire):
+        raise CompressionOverflowError(
+            "allreduce with compression='fp16': the float16 result holds inf or NaN (a value or a sum "
+            "beyond +-65504, or a NaN/inf input on some rank); scale the values down (gflow.LossScaler) "
+            "or use compression=None"
+        )
     return result
 
 
@@ -113,7 +181,7 @@ def reduce_scatter(x, op="sum", *, comm=None):
         ops, dtype = check_array(x)
         name = check_op(op, dtype)
     except (TypeError, ValueError):
-        _reject(ctx, "reduce_scatter")
+        reject(ctx, "reduce_scatter")
         raise
     if ops.kind == "device":
         from . import device
@@ -143,7 +211,7 @@ def allgather(x, *, comm=None):
     try:
         ops, dtype = check_array(x)
     except (TypeError, ValueError):
-        _reject(ctx, "allgather")
+        reject(ctx, "allgather")
         raise
     if ops.kind == "device":
         from . import device
@@ -175,7 +243,7 @@ def broadcast(x, root=0, *, comm=None):
         ops, dtype = check_array(x)
         root_rank = check_root(root, ctx.size)
     except (TypeError, ValueError):
-        _reject(ctx, "broadcast")
+        reject(ctx, "broadcast")
         raise
     if ops.kind == "device":
         from . import device

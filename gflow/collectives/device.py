@@ -36,17 +36,17 @@ def _finish(result):
     return result
 
 
-def allreduce(ctx: CommContext, x, result, dtype, name: str, chosen: str):
+def allreduce(ctx: CommContext, x, result, dtype, name: str, chosen: str, tag=("allreduce", 0)):
     src, dst = arrays.flat_view(x), arrays.flat_view(result, "out")
     arrays.sync_producer(x)
     if transport.cuda_aware():
-        sig = signature("allreduce", "ring", src.size, dtype, name, kind="device")
+        sig = signature(tag[0], "ring", src.size, dtype, name, extra=tag[1], kind="device")
         allreduce_flat(ctx, src, dst, dev, sig, "ring", name)
     else:
         transport.note_staging()
         staged_in = _staged(ctx, "stage_in", src, dtype)
         staged_out = _host_scratch(ctx, "stage_out", src.size, dtype)
-        sig = signature("allreduce", chosen, src.size, dtype, name, kind="device")
+        sig = signature(tag[0], chosen, src.size, dtype, name, extra=tag[1], kind="device")
         allreduce_flat(ctx, staged_in, staged_out, host, sig, chosen, name)
         arrays.from_host(dst, staged_out)
     return _finish(result)

@@ -1,0 +1,179 @@
+"""Lazy allreduce: fuse many small allreduces into a few large ones, fired in the background.
+
+GradientFlow's lazy allreduce (Horovod's tensor fusion, DDP's gradient buckets): backward produces
+gradients one layer at a time, and one allreduce per tensor pays one latency per tensor. push() copies
+(or casts to float16) each gradient into a contiguous segment buffer; as soon as the pending bytes
+reach the threshold the segment's allreduce starts on gflow's background thread while backward goes
+on; flush() starts the rest, waits, and writes the results back into the pushed arrays.
+
+Every rank must push the same sizes in the same order. Each segment's agreement carries a running
+checksum of everything pushed so far in the step, and flush() ends the step with a header-only
+exchange of the segment count and the final checksum. A different order, size or number of tensors
+on any rank therefore fails a segment (or that final exchange) on every rank with a GflowError; the
+background channel then fails whatever else each rank had queued, so no rank waits for calls its
+peers will never make. After an error the pushed arrays keep their local values: nothing is lost.
+"""
+
+import zlib
+
+import numpy as np
+
+from .. import engine
+from .._array import check_array
+from .._config import config
+from .._context import context
+from .._validate import DTYPE_CODE, check_op, signature
+from ..compression import WIRE_DTYPE, check_compression, decode, encode
+from ..errors import CompressionOverflowError
+from .api import allreduce_on
+from .recursive_doubling import allreduce_with_agreement
+
+# Measured with bench/fusion.py (bench/RESULTS.md): larger segments stop paying on this machine.
+DEFAULT_THRESHOLD_BYTES = 4 * 2**20
+
+
+def _flat(x, ops):
+    if ops.kind == "device":
+        from ..cuda import arrays
+
+        arrays.sync_producer(x)
+        return arrays.flat_view(x)
+    if not x.flags.c_contiguous:
+        raise ValueError(
+            "LazyAllreduce.push: host arrays must be C-contiguous (results are written back into them)"
+        )
+    return x.reshape(-1)
+
+
+class LazyAllreduce:
+    """Fused, overlapped allreduce of a stream of tensors (see the module docstring).
+
+    Args:
+        threshold_bytes: fire a segment once this many bytes are pending (bytes on the wire: float16
+            ones with compression="fp16").
+        op: "sum", "mean", "max" or "min" (or MPI.SUM/MAX/MIN), applied to every pushed tensor.
+        compression: None or "fp16".
+        comm: the communicator (default COMM_WORLD).
+    """
+
+    def __init__(
+        self, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, op="mean", compression=None, comm=None
+    ):
+        if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, (int, np.integer)):
+            raise TypeError(f"threshold_bytes must be an int, got {type(threshold_bytes).__name__}")
+        if threshold_bytes < 1:
+            raise ValueError(f"threshold_bytes must be >= 1, got {threshold_bytes}")
+        check_op(op, np.dtype(np.float32))
+        if compression is not None:
+            check_compression(compression, np.dtype(np.float32))
+        self.threshold_bytes = int(threshold_bytes)
+        self.op, self.compression, self._comm = op, compression, comm
+        self._buffers: list = []  # segment buffers, reused step after step
+        self._reset()
+
+    def _reset(self) -> None:
+        self._members: list = []  # (flat view, ops) waiting for the next segment
+        self._pending_bytes = 0
+        self._fired: list = []  # (handle, members, buffer)
+        self._checksum = 0
+
+    def push(self, grad) -> None:
+        """Queue grad for reduction; the result is written into it by flush(). Do not modify grad
+        until then."""
+        ops, dtype = check_array(grad, "grad")
+        check_op(self.op, dtype)
+        codec = check_compression(self.compression, dtype) if self.compression else None
+        flat = _flat(grad, ops)
+        if self._members and (flat.dtype != self._members[0][0].dtype or ops is not self._members[0][1]):
+            self._fire()  # a segment holds one dtype and one kind of memory
+        self._members.append((flat, ops))
+        self._pending_bytes += flat.size * (WIRE_DTYPE.itemsize if codec else dtype.itemsize)
+        self._checksum = zlib.crc32(
+            np.array([flat.size, DTYPE_CODE[dtype]], dtype=np.int64).tobytes(), self._checksum
+        )
+        if self._pending_bytes >= self.threshold_bytes:
+            self._fire()
+
+    def _fire(self) -> None:
+        members, self._members, self._pending_bytes = self._members, [], 0
+        if not members:
+            return
+        ops = members[0][1]
+        dtype = WIRE_DTYPE if self.compression else np.dtype(members[0][0].dtype)
+        total = sum(m.size for m, _ in members)
+        index = len(self._fired)
+        if (
+            index < len(self._buffers)
+            and self._buffers[index].size == total
+            and self._buffers[index].dtype == dtype
+        ):
+            buffer = self._buffers[index]
+        else:
+            buffer = ops.empty(total, dtype)
+            self._buffers[index : index + 1] = [buffer]
+        ctx = context(self._comm).background()
+        name = check_op(self.op, np.dtype(members[0][0].dtype))
+        offset = 0
+        for flat, _ in members:
+            piece = buffer[offset : offset + flat.size]
+            if self.compression:
+                encode(ops, piece, flat, name, ctx.size)
+            else:
+                ops.copy(piece, flat)
+            offset += flat.size
+        ops.fence()
+        wire_op = "sum" if (self.compression and name == "mean") else name
+        tag = ("lazy", self._checksum)
+        run = lambda: allreduce_on(ctx, buffer, wire_op, buffer, "auto", None, tag)  # noqa: E731
+        handle = engine.submit(f"lazy allreduce segment {index}", run, keep=(buffer,), ctx=ctx)
+        self._fired.append((handle, members, buffer))
+
+    def flush(self) -> None:
+        """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
+
+        Raises:
+            GflowError (MismatchError): the ranks pushed different sizes, orders or numbers of tensors;
+                on every rank, and the pushed arrays keep their local values.
+            CompressionOverflowError: with compression="fp16", a reduced value is inf or NaN (on
+                every rank; the pushed arrays hold the reduced values, inf/NaN included).
+        """
+        self._fire()
+        ctx = context(self._comm).background()
+        ends = signature(
+            "lazy", "recursive_doubling", len(self._fired), np.dtype(np.int64), None, extra=self._checksum
+        )
+        capacity = config.small_message_bytes
+        fired, marker = (
+            self._fired,
+            engine.submit(
+                "lazy allreduce flush",
+                lambda: ctx.check_usable() or allreduce_with_agreement(ctx, ends, capacity),
+                ctx=ctx,
+            ),
+        )
+        self._reset()
+        error = None
+        for handle in [h for h, _, _ in fired] + [marker]:
+            try:
+                handle.wait()
+            except Exception as exc:  # noqa: BLE001 - the first one is raised below, after all finished
+                error = error or exc
+        if error is not None:
+            context(self._comm).reset_background()
+            raise error
+        overflow = False
+        for _, members, buffer in fired:
+            offset = 0
+            for flat, ops in members:
+                piece = buffer[offset : offset + flat.size]
+                if self.compression:
+                    overflow |= decode(ops, flat, piece)
+                else:
+                    ops.copy(flat, piece)
+                offset += flat.size
+            members[0][1].fence()
+        if overflow:
+            raise CompressionOverflowError(
+                "LazyAllreduce with compression='fp16': a reduced value is inf or NaN; scale the gradients "
+                "down (gflow.LossScaler) or use compression=None"
+            )

@@ -1,0 +1,114 @@
+"""Mixed-precision communication: float32/float64 values travel as float16 and come back in their dtype.
+
+A stateless codec, as Horovod's: only the float16 payload goes on the wire. For op="mean" each rank
+divides by the world size *before* casting (PyTorch DDP's fp16 hook), so the float16 sum is already the
+mean and cannot overflow where the mean would not. Values outside float16's range are never silently
+turned into inf: an overflow or a NaN anywhere makes the float16 result non-finite on every rank alike,
+and every rank raises CompressionOverflowError. Dynamic loss scaling (gflow.LossScaler) is the remedy
+in training.
+"""
+
+import numpy as np
+
+COMPRESSIONS = (None, "fp16")
+WIRE_DTYPE = np.dtype(np.float16)
+
+
+def check_compression(compression, dtype: np.dtype):
+    """Return the canonical compression (None or "fp16"), or raise for unknown names and non-floats."""
+    if compression is None or compression == "none":
+        return None
+    if compression != "fp16":
+        raise ValueError(f"compression: expected None or 'fp16', got {compression!r}")
+    if dtype.kind != "f":
+        raise TypeError(f"compression='fp16' needs a floating dtype, got {dtype}")
+    return "fp16"
+
+
+def encode(ops, wire, src, op: str, size: int) -> None:
+    """Cast src into the float16 wire buffer, dividing by size first for a mean."""
+    ops.cast_scaled(wire, src, 1.0 / size if op == "mean" else 1.0)
+
+
+def decode(ops, dst, wire) -> bool:
+    """Cast the reduced float16 wire buffer back into dst; True if any value is NaN or inf."""
+    return ops.cast_scaled(dst, wire, 1.0)
+
+
+class LossScaler:
+    """Dynamic loss scaling for mixed-precision training, agreed across ranks.
+
+    Multiply the loss by `scale` before backward; after the gradients are reduced, `unscale` each
+    one (True if it holds inf/NaN), then call `update(overflow)` once per step: it tells every rank
+    whether to apply the step. An overflow on any rank makes every rank skip the step and lower the
+    scale, so one rank's inf never leaves ranks with different weights. After `growth_interval`
+    steps in a row without overflow the scale grows.
+
+        overflow = False
+        try:
+            gflow.allreduce(grad, "mean", out=grad, compression="fp16")
+        except gflow.CompressionOverflowError:   # raised on every rank alike
+            overflow = True
+        overflow |= scaler.unscale(grad)
+        if scaler.update(overflow):
+            optimizer_step()
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+        comm=None,
+    ):
+        if not (np.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
+        if not growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        if not 0 < min_scale <= init_scale:
+            raise ValueError(f"min_scale must be in (0, init_scale], got {min_scale!r}")
+        self._scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval, self.min_scale = growth_interval, float(min_scale)
+        self._comm = comm
+        self._good_steps = 0
+        self.skipped_steps = 0
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    def unscale(self, grad) -> bool:
+        """Divide grad by the scale in place (host or device array); True if it holds inf or NaN."""
+        from ._array import ops_for
+
+        ops = ops_for(grad)
+        if ops.kind == "device":
+            from .cuda import arrays
+
+            flat = arrays.flat_view(grad)
+        else:
+            flat = grad.reshape(-1)
+        return ops.cast_scaled(flat, flat, 1.0 / self._scale)
+
+    def update(self, overflow: bool) -> bool:
+        """Agree with every rank whether any overflowed; adjust the scale. True: apply this step."""
+        from .collectives.api import allreduce
+
+        flag = np.array([1 if overflow else 0], dtype=np.int32)
+        if allreduce(flag, "max", comm=self._comm)[0]:
+            self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+            self._good_steps = 0
+            self.skipped_steps += 1
+            return False
+        self._good_steps += 1
+        if self._good_steps >= self.growth_interval:
+            self._scale *= self.growth_factor
+            self._good_steps = 0
+        return True

@@ -1,0 +1,117 @@
+"""The background communication thread: runs submitted collectives in order, so callers can compute
+while messages move (GradientFlow's computation/communication overlap).
+
+It knows nothing of the algorithms: collectives submit plain callables and get a Handle back. One
+thread serves the whole process and runs its work in submission order, which is what keeps ranks
+matched: every rank submits its collectives in the same order, as MPI requires of blocking ones.
+The engine's collectives use their own duplicate communicator (CommContext.background), so they
+never meet the blocking calls the caller's thread makes meanwhile. That needs MPI_THREAD_MULTIPLE,
+which mpi4py asks for by default; the engine checks it on first use.
+"""
+
+import atexit
+import queue
+import threading
+
+from mpi4py import MPI
+
+from .errors import GflowError
+
+
+class Handle:
+    """An operation in flight. Holds every buffer the operation uses, so none can be freed before
+    it finishes, whatever the caller drops."""
+
+    def __init__(self, description: str, keep: tuple, on_failure=None):
+        self.description = description
+        self._keep = keep
+        self._on_failure = on_failure
+        self._finished = threading.Event()
+        self._result = None
+        self._error = None
+
+    def done(self) -> bool:
+        """True once the operation has finished (successfully or not); never blocks."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the operation finishes; return its result or raise its error.
+
+        Raises:
+            TimeoutError: timeout seconds passed first (the operation goes on).
+        """
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"{self.description} did not finish within {timeout} s")
+        self._keep = ()
+        if self._error is not None:
+            if self._on_failure is not None and isinstance(self._error, GflowError):
+                self._on_failure()
+            raise self._error
+        return self._result
+
+    def _finish(self, result=None, error=None) -> None:
+        self._result, self._error = result, error
+        self._finished.set()
+
+
+class Engine:
+    """One daemon thread taking (callable, handle) pairs from a queue."""
+
+    _STOP = object()
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def submit(self, description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
+        handle = Handle(description, keep, on_failure)
+        with self._lock:
+            if self._thread is None:
+                if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                    raise GflowError(
+                        "gflow's background thread needs MPI initialised with MPI_THREAD_MULTIPLE "
+                        "(mpi4py's default: leave mpi4py.rc.thread_level at 'multiple')"
+                    )
+                self._thread = threading.Thread(target=self._run, name="gflow-engine", daemon=True)
+                self._thread.start()
+            self._queue.put((fn, handle, ctx))
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is self._STOP:
+                return
+            fn, handle, ctx = item
+            try:
+                handle._finish(result=fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                if ctx is not None and ctx.failed is None and isinstance(exc, GflowError):
+                    ctx.failed = f"{handle.description}: {exc}"
+                handle._finish(error=exc)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Let queued work finish, then stop the thread (bounded: it is a daemon either way)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(self._STOP)
+            thread.join(timeout)
+
+
+_engine = Engine()
+# Registered after mpi4py's own exit handler, so it runs first: the thread stops before MPI finalizes.
+atexit.register(_engine.shutdown)
+
+
+def shutdown(timeout: float = 10.0) -> None:
+    """Stop the background thread once its queued work is done (a later submit starts it again)."""
+    _engine.shutdown(timeout)
+
+
+def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
+    """Run fn() on the background thread after everything submitted before it; return its Handle.
+    A GflowError from fn marks `ctx` (a background CommContext) failed: see CommContext.check_usable;
+    on_failure runs in the caller's thread when Handle.wait raises that error."""
+    return _engine.submit(description, fn, keep, ctx, on_failure)

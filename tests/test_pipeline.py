@@ -1,0 +1,236 @@
+"""fp16 communication, LossScaler, allreduce_async and LazyAllreduce, at world sizes 1 to 4."""
+
+import numpy as np
+import pytest
+from helpers import (
+    WORLD,
+    assert_close_to_reference,
+    assert_same_on_all_ranks,
+    on_all_ranks,
+    random_array,
+    rank_rng,
+)
+from mpi4py import MPI
+
+import gflow
+
+SIZES = [1, 2, 3, 4]
+
+
+def fp16_close(y, x, op):
+    """Within float16 rounding of the float64 reference: each rank's value and the result are rounded
+    to float16 once, and p - 1 additions round in float16."""
+    everyone = np.stack(WORLD.allgather(x.astype(np.float64)))
+    exact = everyone.mean(axis=0) if op == "mean" else everyone.sum(axis=0)
+    scale = np.abs(everyone).sum(axis=0) / (WORLD.size if op == "mean" else 1)
+    tol = (WORLD.size + 2) * 2.0**-11 * scale + 2.0**-24
+    assert np.all(np.abs(y.astype(np.float64) - exact) <= tol), np.max(np.abs(y - exact) - tol)
+
+
+@pytest.mark.parallel(SIZES)
+def test_fp16_allreduce_is_within_float16_rounding_and_identical():
+    for n, dtype, op in [
+        (1, np.float32, "sum"),
+        (1000, np.float32, "mean"),
+        (100_003, np.float64, "sum"),
+        (70_000, np.float32, "mean"),
+    ]:
+        x = random_array(rank_rng(n), n, dtype)
+
+        def check(x=x, op=op):
+            y = gflow.allreduce(x, op, compression="fp16")
+            assert y.dtype == x.dtype and y.shape == x.shape
+            fp16_close(y, x, op)
+            assert_same_on_all_ranks(y)
+
+        on_all_ranks(check, f"n={n} {dtype.__name__} {op}")
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_fp16_mean_divides_before_the_sum_and_overflow_fails_every_rank():
+    # 40000 on every rank: the float16 sum would overflow (max 65504), the mean fits.
+    x = np.full(1000, 40000.0, np.float32)
+    on_all_ranks(lambda: np.testing.assert_array_equal(gflow.allreduce(x, "mean", compression="fp16"), x))
+
+    def overflow():
+        with pytest.raises(gflow.CompressionOverflowError, match="inf or NaN"):
+            gflow.allreduce(x, "sum", compression="fp16")
+
+    on_all_ranks(overflow, "sum overflows")
+    # One rank's NaN or out-of-range value: every rank raises, none goes on with different values.
+    for bad in (np.nan, 1e6):
+        y = np.ones(100, np.float32)
+        if WORLD.rank == WORLD.size - 1:
+            y[3] = bad
+        on_all_ranks(
+            lambda y=y: pytest.raises(
+                gflow.CompressionOverflowError, gflow.allreduce, y, "mean", compression="fp16"
+            ),
+            f"{bad}",
+        )
+
+
+def test_compression_argument_errors():
+    with pytest.raises(ValueError, match="expected None or 'fp16'"):
+        gflow.allreduce(np.ones(3, np.float32), compression="int8")
+    with pytest.raises(TypeError, match="needs a floating dtype"):
+        gflow.allreduce(np.ones(3, np.int32), compression="fp16")
+
+
+@pytest.mark.parallel(SIZES)
+def test_loss_scaler_skips_on_every_rank_when_one_rank_overflows():
+    scaler = gflow.LossScaler(init_scale=1024.0, growth_interval=3)
+
+    def check():
+        # Step 1: only the last rank overflows; every rank must skip and back off.
+        assert scaler.update(WORLD.rank == WORLD.size - 1) is False
+        assert scaler.scale == 512.0 and scaler.skipped_steps == 1
+        # Three clean steps: applied everywhere, then the scale grows.
+        assert [scaler.update(False) for _ in range(3)] == [True, True, True]
+        assert scaler.scale == 1024.0
+        assert WORLD.allgather(scaler.scale) == [1024.0] * WORLD.size
+
+    on_all_ranks(check)
+    grad = np.full(10, 2048.0, np.float32)
+    assert scaler.unscale(grad) is False and np.all(grad == 2.0)
+    grad[0] = np.inf
+    assert scaler.unscale(grad) is True
+
+
+def test_loss_scaler_rejects_bad_settings():
+    for kwargs, match in [
+        ({"init_scale": 0}, "init_scale"),
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"backoff_factor": 1.5}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            gflow.LossScaler(**kwargs)
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_async_allreduce_overlaps_with_the_callers_work():
+    """Rank 0's allreduce cannot finish until rank 0 itself, after starting it, tells the others to
+    join. If allreduce_async blocked, that message would never be sent and the test would deadlock
+    (and fail on the watchdog): passing proves the caller ran while the collective was in flight."""
+    x = random_array(rank_rng(9), 50_000, np.float32)
+    comm = WORLD.Dup()
+    if WORLD.rank == 0:
+        handle = gflow.allreduce_async(x)
+        busy = float(np.sum(np.sqrt(np.abs(x))))  # the caller's own work, while the transfer waits
+        assert not handle.done()
+        for peer in range(1, WORLD.size):
+            comm.send("go", dest=peer, tag=7)
+        result = handle.wait(timeout=30)
+        assert busy > 0
+    else:
+        assert comm.recv(source=0, tag=7) == "go"
+        result = gflow.allreduce_async(x).wait(timeout=30)
+    assert handle.done() if WORLD.rank == 0 else True
+    on_all_ranks(lambda: assert_close_to_reference(result, x, "sum"))
+    comm.Free()
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_async_results_errors_and_buffers():
+    x = random_array(rank_rng(4), 1000, np.float64)
+    expected = gflow.allreduce(x, "max")
+
+    def check():
+        out = np.full(1000, np.nan)
+        handles = [
+            gflow.allreduce_async(x.copy(), "max", out=out),
+            gflow.allreduce_async(x.copy(), "mean", compression="fp16"),
+        ]
+        assert handles[0].wait() is out  # the temporary input copies were kept alive by the handle
+        np.testing.assert_array_equal(out, expected)
+        fp16_close(handles[1].wait(), x, "mean")
+        with pytest.raises(TypeError, match="unsupported dtype"):
+            gflow.allreduce_async(np.ones(3, np.uint8))
+
+    on_all_ranks(check)
+    if WORLD.size > 1:
+        # Ranks disagree: every rank's wait() raises; the next async call works again.
+        n = 10 + (WORLD.rank == 0)
+        on_all_ranks(
+            lambda: pytest.raises(gflow.MismatchError, gflow.allreduce_async(np.ones(n)).wait), "mismatch"
+        )
+        on_all_ranks(
+            lambda: np.testing.assert_array_equal(gflow.allreduce_async(np.ones(5)).wait(), WORLD.size)
+        )
+
+
+def push_all(lazy, tensors):
+    for t in tensors:
+        lazy.push(t)
+    lazy.flush()
+
+
+@pytest.mark.parallel(SIZES)
+def test_lazy_allreduce_equals_per_tensor_allreduce():
+    rng = rank_rng(12)
+    sizes = [1, 7, 1000, 3, 40_000, 0, 250, 120_000, 5]
+    for dtype, op in [(np.float32, "mean"), (np.int64, "sum"), (np.float64, "max")]:
+        tensors = [random_array(rng, n, dtype) for n in sizes]
+        expected = [gflow.allreduce(t, op) for t in tensors]
+        # Thresholds below, equal to and above single tensors, and above the whole step.
+        for threshold in (1, 4 * 250, 4 * 1000, 4 * 40_000, 10**5, 10**9):
+            lazy = gflow.LazyAllreduce(threshold_bytes=threshold, op=op)
+            for _step in range(2):  # the pool is reused on the second step
+                work = [t.copy() for t in tensors]
+                on_all_ranks(
+                    lambda lazy=lazy, work=work: push_all(lazy, work), f"{dtype.__name__} {op} {threshold}"
+                )
+                for got, want in zip(work, expected, strict=True):
+                    if np.dtype(dtype).kind == "i" or op == "max":
+                        np.testing.assert_array_equal(got, want)
+                    else:
+                        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parallel([1, 2, 4])
+def test_lazy_allreduce_fp16():
+    tensors = [random_array(rank_rng(n), n, np.float32) for n in (10, 3000, 70_000)]
+    lazy = gflow.LazyAllreduce(threshold_bytes=8000, op="mean", compression="fp16")
+    work = [t.copy() for t in tensors]
+    on_all_ranks(lambda: push_all(lazy, work))
+    for got, x in zip(work, tensors, strict=True):
+        on_all_ranks(lambda got=got, x=x: fp16_close(got, x, "mean"))
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_lazy_push_mismatch_fails_every_rank_and_loses_nothing():
+    last = WORLD.rank == WORLD.size - 1
+    cases = {
+        "swapped order": [100, 200] if last else [200, 100],
+        "different size": [100, 201] if last else [100, 200],
+        "one tensor more": [100, 200, 300] if last else [100, 200],
+        "one tensor fewer, across segments": [500] * 5 if last else [500] * 6,
+    }
+    lazy = gflow.LazyAllreduce(threshold_bytes=1500)
+    for case, sizes in cases.items():
+        tensors = [np.full(n, float(WORLD.rank + 1), np.float32) for n in sizes]
+
+        def check(tensors=tensors):
+            with pytest.raises(gflow.GflowError):
+                push_all(lazy, tensors)
+            for t in tensors:  # nothing lost: each still holds this rank's own values
+                np.testing.assert_array_equal(t, WORLD.rank + 1)
+
+        on_all_ranks(check, case)
+        # The next step, pushed alike everywhere, works.
+        same = [np.ones(n, np.float32) for n in (100, 2000)]
+        on_all_ranks(lambda same=same: push_all(lazy, same), f"after {case}")
+        for t in same:
+            np.testing.assert_array_equal(t, 1.0)
+
+
+def test_lazy_argument_errors():
+    with pytest.raises(ValueError, match="threshold_bytes must be >= 1"):
+        gflow.LazyAllreduce(threshold_bytes=0)
+    with pytest.raises(ValueError, match="op: expected"):
+        gflow.LazyAllreduce(op="prod")
+    lazy = gflow.LazyAllreduce(op="mean")
+    with pytest.raises(TypeError, match="needs a floating dtype"):
+        lazy.push(np.ones(3, np.int32))
+    assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
