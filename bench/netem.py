@@ -72,7 +72,8 @@ class ShapedNetwork:
         self.name = f"gflow-netem-{os.getpid()}"
         if self.aggregate_bits > CPU_LIMIT_BITS:
             print(
-                f"bench/netem: warning: {nprocs} x {per_link_bits / 1e9:g} Gbit/s = {self.aggregate_bits / 1e9:g} "
+                f"bench/netem: warning: {nprocs} x {per_link_bits / 1e9:g} Gbit/s = "
+                f"{self.aggregate_bits / 1e9:g} "
                 f"Gbit/s in all is more than this machine's loopback sustains (~{CPU_LIMIT_BITS / 1e9:g}); "
                 "the CPUs, not the emulated links, will be the limit",
                 file=sys.stderr,
@@ -162,9 +163,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.latency_only:
         with ShapedNetwork(args.per_link, args.procs) as net:
-            print(
-                f"{args.procs} ranks, {args.per_link / 1e9:g} Gbit/s per link: {net.latency_us(args.procs):.1f} us"
-            )
+            latency = net.latency_us(args.procs)
+        print(
+            f"{args.procs} ranks, {args.per_link / 1e9:g} Gbit/s per link: {latency:.1f} us half round trip"
+        )
         return
     if not args.script:
         parser.error("give a script to run (or --latency-only)")
