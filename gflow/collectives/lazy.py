@@ -14,11 +14,12 @@ background channel then fails whatever else each rank had queued, so no rank wai
 peers will never make. After an error the pushed arrays keep their local values: nothing is lost.
 """
 
+import struct
 import zlib
 
 import numpy as np
 
-from .. import engine
+from .. import engine, host
 from .._array import check_array
 from .._config import config
 from .._context import context
@@ -28,6 +29,7 @@ from ..errors import CompressionOverflowError
 from .api import allreduce_on
 from .recursive_doubling import allreduce_with_agreement
 
+_SIZE_AND_TYPE = struct.Struct("<qq")  # what the push-order checksum covers, per tensor
 # Measured with bench/fusion.py (bench/RESULTS.md): larger segments stop paying on this machine.
 DEFAULT_THRESHOLD_BYTES = 4 * 2**20
 
@@ -67,6 +69,7 @@ class LazyAllreduce:
         if compression is not None:
             check_compression(compression, np.dtype(np.float32))
         self.threshold_bytes = int(threshold_bytes)
+        self._checked_dtype = None
         self.op, self.compression, self._comm = op, compression, comm
         self._buffers: list = []  # segment buffers, reused step after step
         self._reset()
@@ -80,17 +83,20 @@ class LazyAllreduce:
     def push(self, grad) -> None:
         """Queue grad for reduction; the result is written into it by flush(). Do not modify grad
         until then."""
-        ops, dtype = check_array(grad, "grad")
-        check_op(self.op, dtype)
-        codec = check_compression(self.compression, dtype) if self.compression else None
+        if type(grad) is np.ndarray and grad.dtype is self._checked_dtype:
+            ops, dtype = host, grad.dtype  # checked for the previous push: the common case, kept cheap
+        else:
+            ops, dtype = check_array(grad, "grad")
+            check_op(self.op, dtype)
+            if self.compression:
+                check_compression(self.compression, dtype)
+            self._checked_dtype = dtype if ops is host else None
         flat = _flat(grad, ops)
         if self._members and (flat.dtype != self._members[0][0].dtype or ops is not self._members[0][1]):
             self._fire()  # a segment holds one dtype and one kind of memory
         self._members.append((flat, ops))
-        self._pending_bytes += flat.size * (WIRE_DTYPE.itemsize if codec else dtype.itemsize)
-        self._checksum = zlib.crc32(
-            np.array([flat.size, DTYPE_CODE[dtype]], dtype=np.int64).tobytes(), self._checksum
-        )
+        self._pending_bytes += flat.size * (WIRE_DTYPE.itemsize if self.compression else dtype.itemsize)
+        self._checksum = zlib.crc32(_SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype]), self._checksum)
         if self._pending_bytes >= self.threshold_bytes:
             self._fire()
 
