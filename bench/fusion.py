@@ -14,6 +14,9 @@ layer's gradient appears and is communicated:
     lazy                  after backward, push every gradient into LazyAllreduce and flush
     lazy + overlap        push each gradient as it appears (segments go out while compute goes on)
     lazy + fp16 + overlap the same with compression="fp16"
+(The lazy contenders' gradients live in the fusion pool, LazyAllreduce.gradient_buffers, as DDP's
+gradient_as_bucket_view: pushing costs no copy. With fp16 the pool is float16, so pushing casts.)
+Without compute (ratio 0) an iteration is the communication alone, on the gradients as they are.
     single buffer (+fp16) one allreduce of all the bytes at once, no compute: the floor for fusion
     compute only          the compute alone
 
@@ -112,7 +115,7 @@ def worker(args) -> None:
     total = sum(sizes)
     rng = np.random.default_rng(rank)
     pristine = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-    grads = [g.copy() for g in pristine]
+    grads = [g.copy() for g in pristine]  # the trainer's own arrays: per-tensor and fp16 use these
     flat = np.concatenate(pristine)
     flat_out = np.empty_like(flat)
     small = gflow.config.small_message_bytes
@@ -125,12 +128,16 @@ def worker(args) -> None:
     compute = Compute()
     layer_reps = [round(args.ratio * t_comm * n / total / compute.seconds_each) for n in sizes]
     lazy = gflow.LazyAllreduce(threshold_bytes=args.threshold, op="mean")
+    pooled = lazy.gradient_buffers([(n,) for n in sizes])  # gradients living in the fusion pool
+    for g, v in zip(pooled, pristine, strict=True):
+        g[...] = v
     lazy16 = gflow.LazyAllreduce(threshold_bytes=args.threshold, op="mean", compression="fp16")
 
-    def backward(on_grad):
-        for i, g in enumerate(grads):
-            compute.run(layer_reps[i])
-            g[...] = pristine[i]  # the layer's gradient appears
+    def backward(on_grad, into=grads):
+        for i, g in enumerate(into):
+            if args.ratio > 0:
+                compute.run(layer_reps[i])
+                g[...] = pristine[i]  # the layer's gradient appears (without compute: left as it is)
             on_grad(g)
 
     def per_tensor():
@@ -143,13 +150,13 @@ def worker(args) -> None:
             h.wait()
 
     def lazy_after():
-        backward(lambda g: None)
-        for g in grads:
+        backward(lambda g: None, pooled)
+        for g in pooled:
             lazy.push(g)
         lazy.flush()
 
-    def lazy_overlap(fuser=lazy):
-        backward(fuser.push)
+    def lazy_overlap(fuser=lazy, into=pooled):
+        backward(fuser.push, into)
         fuser.flush()
 
     runs = {
@@ -157,7 +164,7 @@ def worker(args) -> None:
         "per-tensor + overlap": per_tensor_overlap,
         "lazy": lazy_after,
         "lazy + overlap": lazy_overlap,
-        "lazy + fp16 + overlap": lambda: lazy_overlap(lazy16),
+        "lazy + fp16 + overlap": lambda: lazy_overlap(lazy16, grads),
         "single buffer": single,
         "single buffer, fp16": lambda: single("fp16"),
     }
@@ -278,6 +285,7 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, default=None, help="LazyAllreduce threshold_bytes")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=OUT)
+    parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from --out")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--network", help=argparse.SUPPRESS)
@@ -289,6 +297,11 @@ def main() -> None:
         args.threshold = DEFAULT_THRESHOLD_BYTES
     if args.worker:
         worker(args)
+        return
+    if args.report:
+        import glob
+
+        report(args.out, sorted(glob.glob(os.path.join(args.out, "fusion_*_p*_*_r*.json"))))
         return
     os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")  # one core per rank
     paths = []

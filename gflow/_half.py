@@ -7,6 +7,8 @@ reduction or the scaling, and are compiled once (cache=True) on first use. gflow
 whenever either side is float16; results are bit-identical to NumPy's float16 arithmetic.
 """
 
+import threading
+
 import numpy as np
 from numba import njit, types
 from numba.core.extending import intrinsic
@@ -60,22 +62,41 @@ def _from_half(h):
     return _bits_f32(special if e == np.uint32(31) else (sub if e == np.uint32(0) else normal))
 
 
+_BLOCK = 1 << 16
+_scratch = threading.local()  # the engine thread and the caller's may reduce at the same time
+_UFUNC = (np.add, np.maximum, np.minimum)
+
+
 @njit(cache=True, nogil=True)
-def reduce_half(out, low, high, op):
+def _decode(dst, src):
+    for i in range(dst.size):
+        dst[i] = _from_half(src[i])
+
+
+@njit(cache=True, nogil=True)
+def _encode(dst, src):
+    for i in range(dst.size):
+        dst[i] = _to_half(src[i])
+
+
+def reduce_half(out, low, high, op: int) -> None:
     """out = low op high on float16 bit patterns (uint16 views); op 0 sum, 1 max, 2 min (NaN wins,
-    as in NumPy). One loop per op, so each is branch-free inside and vectorises."""
-    n = out.size
-    if op == 0:
-        for i in range(n):
-            out[i] = _to_half(_from_half(low[i]) + _from_half(high[i]))
-    elif op == 1:
-        for i in range(n):
-            x, y = _from_half(low[i]), _from_half(high[i])
-            out[i] = _to_half(x if (x >= y or x != x) else y)
-    else:
-        for i in range(n):
-            x, y = _from_half(low[i]), _from_half(high[i])
-            out[i] = _to_half(x if (x <= y or x != x) else y)
+    as in NumPy). out may be low or high (the ring reduces in place): LLVM vectorises a loop only
+    over arrays it can tell apart, so blocks are decoded into float32 scratch, reduced by NumPy in
+    float32 (exactly what NumPy's float16 arithmetic does, one element at a time), and encoded back."""
+    a = getattr(_scratch, "a", None)
+    if a is None:
+        a = _scratch.a = np.empty(_BLOCK, np.float32)
+        _scratch.b = np.empty(_BLOCK, np.float32)
+    b = _scratch.b
+    ufunc = _UFUNC[op]
+    for start in range(0, out.size, _BLOCK):
+        stop = min(start + _BLOCK, out.size)
+        x, y = a[: stop - start], b[: stop - start]
+        _decode(x, low[start:stop])
+        _decode(y, high[start:stop])
+        ufunc(x, y, out=x)
+        _encode(out[start:stop], x)
 
 
 @njit(cache=True, nogil=True)

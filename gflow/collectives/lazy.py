@@ -72,10 +72,13 @@ class LazyAllreduce:
         self._checked_dtype = None
         self.op, self.compression, self._comm = op, compression, comm
         self._buffers: list = []  # segment buffers, reused step after step
+        self._pool: list = []  # segment buffers holding the arrays gradient_buffers() handed out
+        self._pool_members: list = []  # per pool segment, the arrays handed out, in push order
         self._reset()
 
     def _reset(self) -> None:
         self._members: list = []  # (flat view, ops) waiting for the next segment
+        self._member_arrays: list = []  # the arrays pushed, for telling pool views apart
         self._pending_bytes = 0
         self._fired: list = []  # (handle, members, buffer)
         self._checksum = 0
@@ -95,6 +98,7 @@ class LazyAllreduce:
         if self._members and (flat.dtype != self._members[0][0].dtype or ops is not self._members[0][1]):
             self._fire()  # a segment holds one dtype and one kind of memory
         self._members.append((flat, ops))
+        self._member_arrays.append(grad)
         self._pending_bytes += flat.size * (WIRE_DTYPE.itemsize if self.compression else dtype.itemsize)
         self._checksum = zlib.crc32(_SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype]), self._checksum)
         if self._pending_bytes >= self.threshold_bytes:
@@ -102,13 +106,17 @@ class LazyAllreduce:
 
     def _fire(self) -> None:
         members, self._members, self._pending_bytes = self._members, [], 0
+        pushed, self._member_arrays = self._member_arrays, []
         if not members:
             return
         ops = members[0][1]
         dtype = WIRE_DTYPE if self.compression else np.dtype(members[0][0].dtype)
         total = sum(m.size for m, _ in members)
         index = len(self._fired)
-        if (
+        in_place = self._in_place(index, pushed)
+        if in_place:
+            buffer = self._pool[index]
+        elif (
             index < len(self._buffers)
             and self._buffers[index].size == total
             and self._buffers[index].dtype == dtype
@@ -120,7 +128,7 @@ class LazyAllreduce:
         ctx = context(self._comm).background()
         name = check_op(self.op, np.dtype(members[0][0].dtype))
         offset = 0
-        for flat, _ in members:
+        for flat, _ in [] if in_place else members:
             piece = buffer[offset : offset + flat.size]
             if self.compression:
                 encode(ops, piece, flat, name, ctx.size)
@@ -132,7 +140,45 @@ class LazyAllreduce:
         tag = ("lazy", self._checksum)
         run = lambda: allreduce_on(ctx, buffer, wire_op, buffer, "auto", None, tag)  # noqa: E731
         handle = engine.submit(f"lazy allreduce segment {index}", run, keep=(buffer,), ctx=ctx)
-        self._fired.append((handle, members, buffer))
+        self._fired.append((handle, [] if in_place else members, buffer))
+
+    def _in_place(self, index: int, pushed) -> bool:
+        """Whether this segment's arrays are exactly those gradient_buffers() handed out for segment
+        `index`, in order: then they already sit in the segment buffer."""
+        if index >= len(self._pool_members) or len(pushed) != len(self._pool_members[index]):
+            return False
+        return all(a is b for a, b in zip(pushed, self._pool_members[index], strict=True))
+
+    def gradient_buffers(self, shapes, dtype=np.float32) -> list:
+        """Host arrays for gradients, carved out of the fusion pool (DDP's gradient_as_bucket_view).
+
+        Give the shapes in the order the gradients will be pushed. Writing each gradient into its
+        array and pushing that array costs no copy, and flush() leaves the result in place. Without
+        compression only (with "fp16" the pool holds float16, so pushing casts anyway).
+        """
+        if self.compression:
+            raise ValueError(
+                "gradient_buffers: the pool is float16 with compression='fp16'; push ordinary arrays"
+            )
+        dtype = np.dtype(dtype)
+        check_op(self.op, dtype)
+        sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+        self._pool, self._pool_members, arrays = [], [], []
+        start, pending = 0, 0
+        for i, size in enumerate(sizes):
+            pending += size * dtype.itemsize
+            if pending >= self.threshold_bytes or i == len(sizes) - 1:
+                group = list(range(start, i + 1))
+                buffer = np.empty(sum(sizes[j] for j in group), dtype)
+                views, offset = [], 0
+                for j in group:
+                    views.append(buffer[offset : offset + sizes[j]].reshape(shapes[j]))
+                    offset += sizes[j]
+                arrays += views
+                self._pool.append(buffer)
+                self._pool_members.append(views)
+                start, pending = i + 1, 0
+        return arrays
 
     def flush(self) -> None:
         """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
@@ -177,7 +223,8 @@ class LazyAllreduce:
                 else:
                     ops.copy(flat, piece)
                 offset += flat.size
-            members[0][1].fence()
+            if members:
+                members[0][1].fence()
         if overflow:
             raise CompressionOverflowError(
                 "LazyAllreduce with compression='fp16': a reduced value is inf or NaN; scale the gradients "
