@@ -20,6 +20,7 @@ Unthrottled, 4 ranks pushed about 2.2 GB/s through the loopback in all, so aggre
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,8 @@ class ShapedNetwork:
             )
 
     def __enter__(self):
+        # A plain SIGTERM would skip __exit__ and leave the namespace behind: make it an exception.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         self._run("ip", "netns", "add", self.name)
         try:
             self._run("ip", "-n", self.name, "link", "set", "lo", "up")

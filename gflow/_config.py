@@ -35,6 +35,9 @@ DEFAULT_SMALL_MESSAGE_BYTES = 128 * 1024
 # The ring's reduce-scatter moves each chunk in segments of this size, so that what a rank has just
 # received is still in cache when it is reduced (bench/RESULTS.md).
 DEFAULT_RING_SEGMENT_BYTES = 256 * 1024
+# The background thread sleeps this long between polls of its messages, leaving the core to the
+# computation it overlaps with (bench/fusion.py, bench/RESULTS.md).
+DEFAULT_BACKGROUND_POLL_US = 20
 
 
 @dataclass
@@ -50,11 +53,14 @@ class Config:
             under algorithm="auto"; larger ones take the ring (GFLOW_SMALL_MESSAGE_BYTES).
         ring_segment_bytes: the ring's reduce-scatter pipelines each chunk in pieces of this size
             (GFLOW_RING_SEGMENT_BYTES).
+        background_poll_us: the background thread's pause between polls, in microseconds
+            (GFLOW_BACKGROUND_POLL_US).
     """
 
     validate: bool = True
     small_message_bytes: int = DEFAULT_SMALL_MESSAGE_BYTES
     ring_segment_bytes: int = DEFAULT_RING_SEGMENT_BYTES
+    background_poll_us: int = DEFAULT_BACKGROUND_POLL_US
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -62,6 +68,7 @@ class Config:
             validate=_env_flag("GFLOW_VALIDATE", True),
             small_message_bytes=_env_int("GFLOW_SMALL_MESSAGE_BYTES", DEFAULT_SMALL_MESSAGE_BYTES),
             ring_segment_bytes=_env_int("GFLOW_RING_SEGMENT_BYTES", DEFAULT_RING_SEGMENT_BYTES),
+            background_poll_us=_env_int("GFLOW_BACKGROUND_POLL_US", DEFAULT_BACKGROUND_POLL_US),
         )
 
 

@@ -6,10 +6,12 @@ private duplicate can never match the user's own messages.
 """
 
 import atexit
+import time
 
 import numpy as np
 from mpi4py import MPI
 
+from ._config import config
 from .errors import GflowError
 
 # Tags inside the private communicator; one per phase, so a protocol bug shows up as a mismatch.
@@ -45,6 +47,15 @@ def rd_schedule(rank: int, size: int):
     return fold, rounds
 
 
+def _polite_waitall(requests) -> None:
+    """Waitall that sleeps between polls. MPI progresses only while polled, but a busy-polling
+    background thread would take the core from the computation it is meant to overlap with; socket
+    and shared-memory buffers hold far more than what moves in one sleep, so bandwidth is kept."""
+    test, pause = MPI.Request.Testall, config.background_poll_us * 1e-6
+    while not test(requests):
+        time.sleep(pause)
+
+
 class CommContext:
     """gflow's view of one user communicator."""
 
@@ -62,6 +73,9 @@ class CommContext:
         self._background = None
         self.is_background = background
         self.failed = None  # set on a background context by its first failed collective
+        # How this context waits for its messages: the caller's thread blocks in MPI (lowest latency);
+        # the engine thread polls and sleeps in between, so the caller's computation keeps the core.
+        self.waitall = _polite_waitall if background else MPI.Request.Waitall
 
     def check_usable(self) -> None:
         """Refuse to communicate on a background context after one of its collectives failed.
@@ -71,6 +85,14 @@ class CommContext:
         who will never make those calls. Every rank saw the same failure, at the same position."""
         if self.failed is not None:
             raise GflowError(f"an earlier background collective on this communicator failed: {self.failed}")
+
+    def sendrecv(self, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:
+        """Sendrecv, waiting the way this context waits (see waitall)."""
+        if not self.is_background:
+            self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
+            return
+        comm = self.comm
+        self.waitall([comm.Irecv(recvbuf, source, recvtag), comm.Isend(sendbuf, dest, sendtag)])
 
     @property
     def comm(self) -> MPI.Intracomm:

@@ -130,3 +130,35 @@ def test_pack_and_scatter_add_match_numpy(n, chunk):
         host.scatter_add(dst, reference, ids, chunk)
         np.testing.assert_array_equal(dst, by_hand)
         np.testing.assert_array_equal(d_dst.copy_to_host(), by_hand)
+
+
+def test_host_float16_conversions_are_exact():
+    """gflow/_half.py against NumPy's own float16 casts: every float16 value, and random float32."""
+    every = np.arange(65536, dtype=np.uint16).view(np.float16)
+    decoded = np.full(65536, -1.0, np.float32)
+    host.cast_scaled(decoded, every, 1.0)
+    np.testing.assert_array_equal(decoded, every.astype(np.float32))  # NaNs compare equal here
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(200_000) * 10.0 ** rng.integers(-10, 6, 200_000)).astype(np.float32)
+    edges = [0.0, -0.0, 65504, 65519.99, 65520, 1e9, np.inf, -np.inf, np.nan, 2.9802322e-08, 6.0975552e-05]
+    x = np.concatenate([x, np.array(edges, np.float32), every.astype(np.float32)])
+    encoded = np.zeros(x.size, np.float16)
+    host.cast_scaled(encoded, x, 1.0)
+    expected = x.astype(np.float16)
+    same_bits = encoded.view(np.uint16) == expected.view(np.uint16)
+    assert np.all(same_bits | (np.isnan(encoded) & np.isnan(expected)))
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_host_float16_reduce_matches_numpy_also_in_place(op):
+    rng = np.random.default_rng(6)
+    a = (rng.standard_normal(150_001) * 100).astype(np.float16)
+    b = (rng.standard_normal(150_001) * 100).astype(np.float16)
+    a[10], b[20] = np.nan, np.inf
+    expected = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op](a, b)
+    out = np.zeros_like(a)
+    host.reduce(out, a, b, op)
+    np.testing.assert_array_equal(out, expected)
+    in_place = b.copy()
+    host.reduce(in_place, a, in_place, op)  # the ring reduces into one of its operands
+    np.testing.assert_array_equal(in_place, expected)

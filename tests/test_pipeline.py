@@ -234,3 +234,33 @@ def test_lazy_argument_errors():
     with pytest.raises(TypeError, match="needs a floating dtype"):
         lazy.push(np.ones(3, np.int32))
     assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+@pytest.mark.parallel([1, 3])
+def test_lazy_gradient_buffers_live_in_the_pool():
+    shapes = [(3, 5), (1000,), (7,), (40, 50), (2,)]
+    lazy = gflow.LazyAllreduce(threshold_bytes=4 * 1500, op="sum")
+    grads = lazy.gradient_buffers(shapes)
+    assert [g.shape for g in grads] == shapes
+    rng = rank_rng(17)
+    for step in range(2):
+        values = [random_array(rng, s, np.float32) for s in shapes]
+        for g, v in zip(grads, values, strict=True):
+            g[...] = v
+        extra = random_array(rng, 10, np.float32)  # an ordinary array may be pushed among them
+        extra_before = extra.copy()
+        pushes = grads[:2] + [extra] + grads[2:] if step else grads
+
+        def step_all(pushes=pushes):
+            for t in pushes:
+                lazy.push(t)
+            lazy.flush()
+
+        on_all_ranks(step_all, f"step {step}")
+        for g, v in zip(grads, values, strict=True):
+            on_all_ranks(lambda g=g, v=v: assert_close_to_reference(g, v, "sum"))
+        if step:
+            on_all_ranks(lambda e=extra, b=extra_before: assert_close_to_reference(e, b, "sum"))
+    assert all(any(np.shares_memory(g, pool) for pool in lazy._pool) for g in grads)
+    with pytest.raises(ValueError, match="float16"):
+        gflow.LazyAllreduce(compression="fp16").gradient_buffers([(3,)])

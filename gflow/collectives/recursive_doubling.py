@@ -119,7 +119,7 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
             np.copyto(acc, src)
     last = len(plan.steps) - 1
     for i, (requests, peer, peer_is_lower, action) in enumerate(plan.steps):
-        if not _complete(requests, peer, send_mv):
+        if not _complete(requests, peer, send_mv, ctx.waitall):
             continue
         if action == "combine":
             _combine(plan, acc, dst if (i == last and plan.last_into_dst) else acc, peer_is_lower, op)
@@ -131,12 +131,12 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
         np.copyto(dst, plan.incoming if plan.steps[0][3] == "take" else acc)
 
 
-def _complete(requests, peer: int, send_mv) -> bool:
+def _complete(requests, peer: int, send_mv, waitall) -> bool:
     """Run one step's persistent requests. False (and a recorded mismatch) when the peer's message
     did not fit: it came from a rank with other settings."""
     try:
         MPI.Prequest.Startall(requests)
-        MPI.Request.Waitall(requests)
+        waitall(requests)
     except MPI.Exception as exc:
         if exc.Get_error_class() != MPI.ERR_TRUNCATE:
             raise GflowError(f"MPI failed during the agreement exchange with rank {peer}: {exc}") from exc

@@ -50,7 +50,7 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
     seg = max(1, min(widest, config.ring_segment_bytes // itemsize))
     tmp = ctx.scratch("ring_tmp", seg * itemsize, ops)[: seg * itemsize].view(buf.dtype)
     right, left = (r + 1) % p, (r - 1) % p
-    sendrecv, buffer = ctx.comm.Sendrecv, ops.buffer
+    sendrecv, buffer = ctx.sendrecv, ops.buffer
     for i in range(p - 1):
         s = (r - i - 1) % p
         c = (r - i - 2) % p
@@ -80,7 +80,7 @@ def allgather(ctx: CommContext, buf, ops, bounds: list[int]) -> None:
     """Ring allgather in place: chunk `rank` of `buf` is this rank's; afterwards buf holds all chunks."""
     p, r = ctx.size, ctx.rank
     right, left = (r + 1) % p, (r - 1) % p
-    sendrecv, buffer = ctx.comm.Sendrecv, ops.buffer
+    sendrecv, buffer = ctx.sendrecv, ops.buffer
     for i in range(p - 1):
         s = (r - i) % p
         c = (r - i - 1) % p
