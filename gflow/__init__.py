@@ -6,6 +6,7 @@ The public API; the implementation lives in the private modules.
 from ._config import config
 from .collectives.api import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
 from .collectives.lazy import LazyAllreduce
+from .collectives.sparse import SparseAllreduce
 from .compression import LossScaler
 from .engine import Handle
 from .errors import CompressionOverflowError, GflowError, MismatchError
@@ -19,6 +20,7 @@ __all__ = [
     "LazyAllreduce",
     "LossScaler",
     "MismatchError",
+    "SparseAllreduce",
     "allgather",
     "allreduce",
     "allreduce_async",

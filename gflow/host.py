@@ -106,3 +106,39 @@ def scatter_add(dst: np.ndarray, packed: np.ndarray, ids: np.ndarray, chunk: int
         tail += packed[(ids.size - 1) * chunk :]
     else:
         rows[ids] += packed.reshape(-1, chunk)
+
+
+def accumulate(u: np.ndarray, v: np.ndarray, g: np.ndarray, momentum: float) -> None:
+    """u = momentum * u + g; v += u (residual accumulation with momentum correction)."""
+    if momentum:
+        np.multiply(u, u.dtype.type(momentum), out=u)
+        np.add(u, g, out=u)
+    else:
+        np.copyto(u, g)
+    np.add(v, u, out=v)
+
+
+def zero_chunks(x: np.ndarray, ids: np.ndarray, chunk: int) -> None:
+    """Set the listed chunks of x to zero."""
+    rows, tail = _chunk_rows(x, chunk)
+    if ids.size and ids[-1] == rows.shape[0]:
+        rows[ids[:-1]] = 0
+        tail[...] = 0
+    else:
+        rows[ids] = 0
+
+
+def clear(x: np.ndarray) -> None:
+    x.fill(0)
+
+
+def zeros(n: int, dtype) -> np.ndarray:
+    return np.zeros(n, dtype=dtype)
+
+
+def index_array(ids: np.ndarray) -> np.ndarray:
+    return ids
+
+
+def to_numpy(x: np.ndarray) -> np.ndarray:
+    return x

@@ -117,3 +117,33 @@ def scatter_add(dst, packed, ids, chunk):
         if d < dst.size:
             dst[d] += packed[i]
         i += stride
+
+
+@cuda.jit
+def accumulate(u, v, g, momentum):
+    """u = momentum * u + g; v += u (Deep Gradient Compression's momentum correction)."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < v.size:
+        w = momentum * u[i] + g[i]
+        u[i] = w
+        v[i] += w
+        i += stride
+
+
+@cuda.jit
+def zero_chunks(x, ids, chunk):
+    """x[ids[k]*chunk : (ids[k]+1)*chunk] = 0 for every k (the last chunk may be short)."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < ids.size * chunk:
+        d = ids[i // chunk] * chunk + i % chunk
+        if d < x.size:
+            x[d] = 0
+        i += stride
+
+
+@cuda.jit
+def fill(x, value):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < x.size:
+        x[i] = value
+        i += stride

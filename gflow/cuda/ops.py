@@ -89,3 +89,40 @@ def scatter_add(dst, packed, ids, chunk: int) -> None:
     if packed.size:
         blocks, threads = _grid(packed.size)
         kernels.scatter_add[blocks, threads](dst, packed, ids, chunk)
+
+
+def accumulate(u, v, g, momentum: float) -> None:
+    """u = momentum * u + g; v += u (residual accumulation with momentum correction)."""
+    if v.size:
+        blocks, threads = _grid(v.size)
+        kernels.accumulate[blocks, threads](u, v, g, v.dtype.type(momentum))
+
+
+def zero_chunks(x, ids, chunk: int) -> None:
+    """Set the listed chunks of x to zero (ids: device int64 array)."""
+    if ids.size:
+        blocks, threads = _grid(ids.size * chunk)
+        kernels.zero_chunks[blocks, threads](x, ids, chunk)
+
+
+def clear(x) -> None:
+    """x[...] = 0 (flat)."""
+    if x.size:
+        blocks, threads = _grid(x.size)
+        kernels.fill[blocks, threads](x, x.dtype.type(0))
+
+
+def zeros(n: int, dtype):
+    x = cuda.device_array(n, dtype=dtype)
+    clear(x)
+    return x
+
+
+def index_array(ids: np.ndarray):
+    """Chunk indices chosen on the host, where the kernels read them."""
+    return cuda.to_device(ids)
+
+
+def to_numpy(x) -> np.ndarray:
+    """A small device array (chunk norms) as a host array."""
+    return x.copy_to_host()
