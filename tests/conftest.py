@@ -42,9 +42,11 @@ settings.load_profile("mpi")
 
 
 @pytest.fixture(autouse=True)
-def _deadlock_watchdog():
+def _deadlock_watchdog(request):
     if IN_MPI_CHILD:
-        faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+        marker = request.node.get_closest_marker("timeout")  # a longer test says so with its marker
+        deadline = max(DEADLINE_S, float(marker.args[0]) - 10) if marker and marker.args else DEADLINE_S
+        faulthandler.dump_traceback_later(deadline, exit=True)
     yield
     if IN_MPI_CHILD:
         faulthandler.cancel_dump_traceback_later()

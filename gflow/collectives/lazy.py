@@ -28,6 +28,7 @@ from ..compression import WIRE_DTYPE, check_compression, decode, encode
 from ..errors import CompressionOverflowError
 from .api import allreduce_on
 from .recursive_doubling import allreduce_with_agreement
+from .sparse import SparseAllreduce
 
 _SIZE_AND_TYPE = struct.Struct("<qq")  # what the push-order checksum covers, per tensor
 # Measured with bench/fusion.py (bench/RESULTS.md): larger segments stop paying on this machine.
@@ -52,14 +53,23 @@ class LazyAllreduce:
 
     Args:
         threshold_bytes: fire a segment once this many bytes are pending (bytes on the wire: float16
-            ones with compression="fp16").
+            ones with compression="fp16", unless sparse).
         op: "sum", "mean", "max" or "min" (or MPI.SUM/MAX/MIN), applied to every pushed tensor.
         compression: None or "fp16".
         comm: the communicator (default COMM_WORLD).
+        sparse: None, or SparseAllreduce settings (density, chunk_elems, momentum, warmup_steps) to
+            send each fused segment by coarse-grained sparse communication: fusion + fp16 + CSC +
+            overlap together. Each segment keeps its own residual from step to step, and the
+            pushed arrays receive the sparse update (zeros where nothing was sent).
     """
 
     def __init__(
-        self, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, op="mean", compression=None, comm=None
+        self,
+        threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+        op="mean",
+        compression=None,
+        comm=None,
+        sparse=None,
     ):
         if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, (int, np.integer)):
             raise TypeError(f"threshold_bytes must be an int, got {type(threshold_bytes).__name__}")
@@ -68,6 +78,14 @@ class LazyAllreduce:
         check_op(op, np.dtype(np.float32))
         if compression is not None:
             check_compression(compression, np.dtype(np.float32))
+        if sparse is not None:
+            if not isinstance(sparse, dict):
+                raise TypeError(
+                    f"sparse must be a dict of SparseAllreduce settings, got {type(sparse).__name__}"
+                )
+            SparseAllreduce(op=op, compression=compression, comm=comm, **sparse)  # checks the settings
+        self.sparse = sparse
+        self._csc: dict = {}  # segment index -> its SparseAllreduce (each segment keeps its residual)
         self.threshold_bytes = int(threshold_bytes)
         self._checked_dtype = None
         self.op, self.compression, self._comm = op, compression, comm
@@ -99,7 +117,8 @@ class LazyAllreduce:
             self._fire()  # a segment holds one dtype and one kind of memory
         self._members.append((flat, ops))
         self._member_arrays.append(grad)
-        self._pending_bytes += flat.size * (WIRE_DTYPE.itemsize if self.compression else dtype.itemsize)
+        on_wire = WIRE_DTYPE.itemsize if (self.compression and not self.sparse) else dtype.itemsize
+        self._pending_bytes += flat.size * on_wire
         self._checksum = zlib.crc32(_SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype]), self._checksum)
         if self._pending_bytes >= self.threshold_bytes:
             self._fire()
@@ -110,7 +129,8 @@ class LazyAllreduce:
         if not members:
             return
         ops = members[0][1]
-        dtype = WIRE_DTYPE if self.compression else np.dtype(members[0][0].dtype)
+        cast = self.compression and not self.sparse  # CSC keeps residuals in full precision
+        dtype = WIRE_DTYPE if cast else np.dtype(members[0][0].dtype)
         total = sum(m.size for m, _ in members)
         index = len(self._fired)
         in_place = self._in_place(index, pushed)
@@ -130,15 +150,21 @@ class LazyAllreduce:
         offset = 0
         for flat, _ in [] if in_place else members:
             piece = buffer[offset : offset + flat.size]
-            if self.compression:
+            if cast:
                 encode(ops, piece, flat, name, ctx.size)
             else:
                 ops.copy(piece, flat)
             offset += flat.size
         ops.fence()
-        wire_op = "sum" if (self.compression and name == "mean") else name
-        tag = ("lazy", self._checksum)
-        run = lambda: allreduce_on(ctx, buffer, wire_op, buffer, "auto", None, tag)  # noqa: E731
+        if self.sparse:
+            csc = self._csc.get(index)
+            if csc is None:
+                csc = self._csc[index] = SparseAllreduce(op=name, compression=self.compression, **self.sparse)
+            run = lambda: ops.copy(buffer, csc.step_on(ctx, buffer).reshape(-1))  # noqa: E731
+        else:
+            wire_op = "sum" if (self.compression and name == "mean") else name
+            tag = ("lazy", self._checksum)
+            run = lambda: allreduce_on(ctx, buffer, wire_op, buffer, "auto", None, tag)  # noqa: E731
         handle = engine.submit(f"lazy allreduce segment {index}", run, keep=(buffer,), ctx=ctx)
         self._fired.append((handle, [] if in_place else members, buffer))
 
@@ -218,7 +244,7 @@ class LazyAllreduce:
             offset = 0
             for flat, ops in members:
                 piece = buffer[offset : offset + flat.size]
-                if self.compression:
+                if self.compression and not self.sparse:
                     overflow |= decode(ops, flat, piece)
                 else:
                     ops.copy(flat, piece)
