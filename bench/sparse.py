@@ -103,8 +103,9 @@ def worker(args) -> None:
 
 
 def report(out_dir: str) -> None:
+    local_phases = "local work (ms): residual+norms / select / pack / scatter+clear"
     header = ["model", "p", "network", "contender", "step (ms)", "vs dense fp32", "wire bytes vs dense",
-              "local work (ms): residual+norms / select / pack / scatter+clear", "local GB/s (of memcpy)"]  # fmt: skip
+              local_phases, "local GB/s (of memcpy)"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     results = []
     for path in sorted(glob.glob(os.path.join(out_dir, "sparse_*_p*_*.json"))):
@@ -117,10 +118,9 @@ def report(out_dir: str) -> None:
             if "local_seconds" in row:
                 local = " / ".join(f"{v * 1e3:.1f}" for v in row["local_seconds"].values())
                 bw = f"{row['local_Bps'] / 1e9:.2f} ({row['local_Bps'] / row['memcpy_Bps']:.0%})"
-            lines.append(
-                f"| {r['model']} | {r['p']} | {r['network']} | {row['contender']} | {row['seconds'] * 1e3:.1f} | "
-                f"{dense / row['seconds']:.2f}x | {row['of_dense']:.2%} | {local} | {bw} |"
-            )
+            cells = [r["model"], r["p"], r["network"], row["contender"], f"{row['seconds'] * 1e3:.1f}",
+                     f"{dense / row['seconds']:.2f}x", f"{row['of_dense']:.2%}", local, bw]  # fmt: skip
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "sparse.md"), "w") as f:
         f.write(text)
