@@ -48,32 +48,38 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
     widest = max(bounds[c + 1] - bounds[c] for c in range(p))
     itemsize = np.dtype(buf.dtype).itemsize
     seg = max(1, min(widest, config.ring_segment_bytes // itemsize))
-    tmp = ctx.scratch("ring_tmp", seg * itemsize, ops)[: seg * itemsize].view(buf.dtype)
+    scratch = ctx.scratch("ring_tmp", 2 * seg * itemsize, ops)[: 2 * seg * itemsize].view(buf.dtype)
+    landing = (scratch[:seg], scratch[seg:])  # segment j lands in landing[j % 2]
     right, left = (r + 1) % p, (r - 1) % p
-    sendrecv, buffer = ctx.sendrecv, ops.buffer
+    comm, buffer, waitall = ctx.comm, ops.buffer, ctx.waitall
+
+    def start(send_base, dst_base, lo, j):
+        incoming = landing[j % 2][: dst_base[lo : lo + seg].size]
+        requests = [
+            comm.Irecv([buffer(incoming), MPI.BYTE], left, TAG_RING_RS),
+            comm.Isend([buffer(send_base[lo : lo + seg]), MPI.BYTE], right, TAG_RING_RS),
+        ]
+        return requests, incoming
+
     for i in range(p - 1):
         s = (r - i - 1) % p
         c = (r - i - 2) % p
         send_base = (src if i == 0 else buf)[bounds[s] : bounds[s + 1]]
         dst_base = buf[bounds[c] : bounds[c + 1]]
         own_base = src[bounds[c] : bounds[c + 1]]
-        # Segments keep what was just received in cache for the reduction. Every rank makes the same
-        # number of exchanges per step (set by the widest chunk), so sends and receives pair up even
-        # where neighbouring chunks differ in length.
-        for lo in range(0, widest, seg):
-            dst = dst_base[lo : lo + seg]
-            incoming = tmp[: dst.size]
-            outgoing = send_base[lo : lo + seg]
-            sendrecv(
-                [buffer(outgoing), MPI.BYTE],
-                right,
-                TAG_RING_RS,
-                [buffer(incoming), MPI.BYTE],
-                left,
-                TAG_RING_RS,
-            )
-            ops.reduce(dst, incoming, own_base[lo : lo + seg], op)
-            ops.fence()  # the next send may read dst
+        # Segments pipeline the step: segment j+1 is on its way while segment j is reduced, so the link
+        # is not idle during the reduction, and what was just received is still in cache. Every rank
+        # makes the same number of exchanges per step (set by the widest chunk), so sends and receives
+        # pair up even where neighbouring chunks differ in length.
+        starts = range(0, widest, seg)
+        pending = start(send_base, dst_base, 0, 0)
+        for j, lo in enumerate(starts):
+            requests, incoming = pending
+            waitall(requests)
+            if lo + seg < widest:
+                pending = start(send_base, dst_base, lo + seg, j + 1)
+            ops.reduce(dst_base[lo : lo + seg], incoming, own_base[lo : lo + seg], op)
+            ops.fence()  # the next step sends what was just reduced
 
 
 def allgather(ctx: CommContext, buf, ops, bounds: list[int]) -> None:
