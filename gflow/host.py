@@ -142,3 +142,13 @@ def index_array(ids: np.ndarray) -> np.ndarray:
 
 def to_numpy(x: np.ndarray) -> np.ndarray:
     return x
+
+
+def accumulate_norms(u: np.ndarray, v: np.ndarray, g: np.ndarray, momentum: float, chunk: int) -> np.ndarray:
+    """accumulate() then chunk_norms() of v, fused into one pass over memory (gflow/_sparse_host.py).
+    With momentum 0, u is left alone (it would only ever equal g)."""
+    from ._sparse_host import accumulate_norms as fused
+
+    norms = np.empty((v.size + chunk - 1) // chunk, dtype=np.float32)
+    fused(u, v, g, v.dtype.type(momentum), chunk, norms)
+    return norms

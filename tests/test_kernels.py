@@ -162,3 +162,32 @@ def test_host_float16_reduce_matches_numpy_also_in_place(op):
     in_place = b.copy()
     host.reduce(in_place, a, in_place, op)  # the ring reduces into one of its operands
     np.testing.assert_array_equal(in_place, expected)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sparse_kernels_match_numpy(momentum):
+    """The CSC hot loop (residual update fused with chunk norms), accumulate and zero_chunks."""
+    rng = np.random.default_rng(8)
+    n, chunk = 250, 16
+    u, v, g = (rand(rng, n, np.float32) for _ in range(3))
+    hu, hv = u.copy(), v.copy()
+    norms = host.accumulate_norms(hu, hv, g, momentum, chunk)
+    # The same by hand, in float64.
+    w = momentum * u.astype(np.float64) + g if momentum else g.astype(np.float64)
+    expected_v = v + w
+    np.testing.assert_allclose(hv, expected_v, rtol=1e-6, atol=1e-6)
+    exact = [np.abs(expected_v[c : c + chunk]).sum() for c in range(0, n, chunk)]
+    np.testing.assert_allclose(norms, exact, rtol=1e-5)
+    du, dv = cuda.to_device(u), cuda.to_device(v)
+    np.testing.assert_allclose(
+        dev.accumulate_norms(du, dv, cuda.to_device(g), momentum, chunk).copy_to_host(), exact, rtol=1e-5
+    )
+    np.testing.assert_allclose(dv.copy_to_host(), expected_v, rtol=1e-6, atol=1e-6)
+    ids = np.array([0, 3, 15], dtype=np.int64)  # 15: the short last chunk
+    cleared = rand(rng, n, np.float32)
+    d_cleared = cuda.to_device(cleared)
+    dev.zero_chunks(d_cleared, cuda.to_device(ids), chunk)
+    host.zero_chunks(cleared, ids, chunk)
+    np.testing.assert_array_equal(d_cleared.copy_to_host(), cleared)
+    assert not cleared[:16].any() and not cleared[48:64].any() and not cleared[240:].any()
+    assert cleared[16:48].all()

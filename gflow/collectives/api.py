@@ -60,11 +60,12 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
     """Reduce x elementwise over all ranks; every rank gets the same result.
 
     Args:
-        x: a NumPy array (any shape, reduced as flat) of float16/32/64 or int32/64. Not modified
+        x: a NumPy array, or a device array (CuPy, Numba, anything with __cuda_array_interface__;
+            C-contiguous), any shape (reduced as flat), of float16/32/64 or int32/64. Not modified
             unless `out` is x.
         op: "sum", "mean" (floating dtypes only), "max", "min", or MPI.SUM/MAX/MIN.
         comm: an mpi4py intracommunicator; gflow talks on its own cached duplicate. Default COMM_WORLD.
-        out: where to write the result (same dtype and size as x, C-contiguous); may be x itself.
+        out: where to write the result (same kind, dtype and size as x, C-contiguous); may be x.
         algorithm: "auto" (recursive doubling up to config.small_message_bytes, ring above),
             "ring", or "recursive_doubling" (only up to config.small_message_bytes).
         compression: None, or "fp16" to send float16 on the wire (floating dtypes; the result
@@ -166,7 +167,7 @@ def reduce_scatter(x, op="sum", *, comm=None):
     first (x.size % size) ranks hold one element more.
 
     Args:
-        x: a NumPy array (any shape, reduced as flat); not modified.
+        x: a NumPy or device array (any shape, reduced as flat); not modified.
         op: as for allreduce.
         comm: as for allreduce.
 
@@ -198,11 +199,11 @@ def allgather(x, *, comm=None):
     the dtype must agree. A 0-d array counts as one element.
 
     Args:
-        x: a NumPy array; not modified.
+        x: a NumPy or device array; not modified.
         comm: as for allreduce.
 
     Returns:
-        A new array of shape (sum of the ranks' first-axis lengths, *x.shape[1:]).
+        A new array of x's kind, of shape (sum of the ranks' first-axis lengths, *x.shape[1:]).
 
     Raises:
         TypeError, ValueError, MismatchError: as for allreduce.
@@ -227,8 +228,8 @@ def broadcast(x, root=0, *, comm=None):
     """Return a copy of root's x on every rank.
 
     Args:
-        x: a NumPy array; every rank passes one of the same size and dtype (non-root contents are
-            ignored). Not modified.
+        x: a NumPy or device array; every rank passes one of the same size and dtype (non-root
+            contents are ignored). Not modified.
         root: the rank whose data is sent.
         comm: as for allreduce.
 

@@ -134,8 +134,7 @@ class SparseAllreduce:
         times = {}
 
         t = time.perf_counter()
-        ops.accumulate(self._u, self._v, g, self.momentum)
-        local_norms = ops.to_numpy(ops.chunk_norms(self._v, chunk))
+        local_norms = ops.to_numpy(ops.accumulate_norms(self._u, self._v, g, self.momentum, chunk))
         times["residual + norms"] = time.perf_counter() - t
 
         norms = allreduce_on(ctx, local_norms, "sum", None, "auto", None, tag)

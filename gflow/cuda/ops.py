@@ -126,3 +126,9 @@ def index_array(ids: np.ndarray):
 def to_numpy(x) -> np.ndarray:
     """A small device array (chunk norms) as a host array."""
     return x.copy_to_host()
+
+
+def accumulate_norms(u, v, g, momentum: float, chunk: int):
+    """accumulate() then chunk_norms() of v (two kernels on the device, where each is one pass)."""
+    accumulate(u, v, g, momentum)
+    return chunk_norms(v, chunk)

@@ -1,0 +1,33 @@
+"""The sparse path's host hot loop in Numba: residual update and chunk norms in one pass.
+
+CSC touches every element of the gradient each step; done as separate NumPy passes (u = m*u + g,
+v += u, |v|, per-chunk sums) that is seven or more sweeps of memory. Fused, it is one: read g, u, v,
+write u, v, and sum |v| per chunk on the way (gflow/host.py's accumulate_norms calls this).
+"""
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def accumulate_norms(u, v, g, momentum, chunk, norms):
+    """u = momentum*u + g; v += u; norms[c] = sum(|v|) over chunk c (float32). With momentum 0 the
+    velocity u is just g, so it is neither read nor written."""
+    n = v.size
+    for c in range(norms.size):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        acc = np.float32(0.0)
+        if momentum == 0.0:
+            for i in range(lo, hi):
+                x = v[i] + g[i]
+                v[i] = x
+                acc += np.float32(abs(x))
+        else:
+            for i in range(lo, hi):
+                w = momentum * u[i] + g[i]
+                u[i] = w
+                x = v[i] + w
+                v[i] = x
+                acc += np.float32(abs(x))
+        norms[c] = acc
