@@ -81,3 +81,16 @@ def human_bytes(n: int) -> str:
             return f"{n:g} {unit}"
         n /= 1024
     return f"{n:g} GB"
+
+
+def pyplot():
+    """matplotlib.pyplot on a file-only backend, or None (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install gflow[bench])")
+        return None
+    return plt

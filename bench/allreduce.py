@@ -142,13 +142,8 @@ def report(args) -> None:
 
 
 def plot(runs, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install gflow[bench])")
+    plt = _common.pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), sharey=True, squeeze=False)
     for ax, run in zip(axes[0], runs, strict=True):

@@ -31,13 +31,8 @@ def worker(args) -> None:
 
 
 def plot(curves, p: int, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install gflow[bench])")
+    plt = _common.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, curve in curves.items():

@@ -251,13 +251,8 @@ def report(out_dir: str, paths: list[str]) -> None:
 
 
 def plot(results, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install gflow[bench])")
+    plt = _common.pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4.2), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
