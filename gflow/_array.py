@@ -12,8 +12,9 @@ from . import host
 from ._validate import check_dtype
 
 
-def _is_device(x) -> bool:
-    # The simulator's device arrays (NUMBA_ENABLE_CUDASIM=1) have no __cuda_array_interface__.
+def is_device(x) -> bool:
+    """Whether x is a device array: it exposes __cuda_array_interface__, or it is one of the CUDA
+    simulator's arrays (NUMBA_ENABLE_CUDASIM=1), which do not."""
     return hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray"
 
 
@@ -21,7 +22,7 @@ def ops_for(x):
     """The per-element ops for x's kind of array (gflow/host.py or gflow/cuda/ops.py)."""
     if isinstance(x, np.ndarray):
         return host
-    if _is_device(x):
+    if is_device(x):
         from .cuda import ops
 
         return ops

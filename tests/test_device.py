@@ -14,6 +14,7 @@ from helpers import MPI_OP, WORLD, assert_close_to_reference, on_all_ranks, rand
 from numba import cuda
 
 import gflow
+from gflow._array import is_device
 from gflow.cuda import arrays, transport
 
 SIZES = [1, 2, 3, 4]
@@ -71,7 +72,7 @@ def test_device_collectives_match_mpi(transport_mode):
 def check_all_collectives(kind, x, op):
     d = make(kind, x)
     y = gflow.allreduce(d, op)
-    assert arrays.is_device_array(y), type(y)
+    assert is_device(y), type(y)
     assert_close_to_reference(to_host(y), x, op)
     np.testing.assert_array_equal(to_host(d), x)  # input untouched
 

@@ -17,13 +17,9 @@ import os
 import numpy as np
 from numba import cuda
 
+from .._array import is_device
+
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
-
-
-def is_device_array(x) -> bool:
-    if hasattr(x, "__cuda_array_interface__"):
-        return True
-    return SIMULATED and type(x).__name__ == "FakeCUDAArray"
 
 
 class _HostPointer:
@@ -72,7 +68,7 @@ def prepare_out(x, out, dtype, count: int, name: str = "out"):
     """The device array a result goes into: a new one of x's kind, or `out` after checking it."""
     if out is None:
         return new_like(x, describe(x)[0], dtype)
-    if not is_device_array(out):
+    if not is_device(out):
         raise TypeError(f"{name} must be a device array like x, got {type(out).__name__}")
     shape, out_dtype, contiguous = describe(out, name)
     if out_dtype != dtype:
