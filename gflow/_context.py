@@ -110,14 +110,17 @@ class CommContext:
             self._background = CommContext(self._user_comm, background=True)
         return self._background
 
-    def scratch(self, name: str, nbytes: int, ops) -> "np.ndarray":
-        """A reusable uint8 buffer of at least nbytes, one per (name, kind of array); grows, never shrinks."""
+    def scratch(self, name: str, count: int, dtype, ops):
+        """A reusable buffer of count elements of dtype, one per (name, kind of memory): `ops` (or
+        gflow.cuda.arrays.pinned) allocates it. The storage grows, never shrinks."""
+        dtype = np.dtype(dtype)
+        nbytes = count * dtype.itemsize
         key = (name, ops.kind)
         buf = self._scratch.get(key)
         if buf is None or buf.size < nbytes:
             buf = ops.empty(max(nbytes, 64), np.uint8)
             self._scratch[key] = buf
-        return buf
+        return buf[:nbytes].view(dtype)
 
     def reset_background(self) -> None:
         """Drop a failed background context, so the next async call makes a fresh one. Called from

@@ -111,9 +111,9 @@ def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True):
     ops, dtype = check_array(x)
     name = check_op(op, dtype)
     codec = check_compression(compression, dtype) if compression is not None else None
-    wire_itemsize = 2 if codec else dtype.itemsize
-    chosen = _choose(algorithm, size_of(x) * wire_itemsize)
-    result = prepare_out(x, out, ops, dtype, size_of(x)) if (need_out or out is not None) else None
+    count = size_of(x)
+    chosen = _choose(algorithm, count * (WIRE_DTYPE.itemsize if codec else dtype.itemsize))
+    result = prepare_out(x, out, ops, dtype, count) if (need_out or out is not None) else None
     return ops, dtype, name, chosen, codec, result
 
 
@@ -143,12 +143,11 @@ def _allreduce_fp16(ctx: CommContext, x, result, ops, name: str, algorithm: str,
     if ops.kind == "device":
         from ..cuda import arrays
 
-        src, dst = arrays.flat_view(x), arrays.flat_view(result, "out")
-        arrays.sync_producer(x)
+        src, dst = arrays.input_view(x), arrays.flat_view(result, "out")
     else:
         src, dst = x.reshape(-1), result.reshape(-1)
     n = src.size
-    wire = ctx.scratch("fp16_wire", 2 * n, ops)[: 2 * n].view(WIRE_DTYPE)
+    wire = ctx.scratch("fp16_wire", n, WIRE_DTYPE, ops)
     encode(ops, wire, src, name, ctx.size)
     allreduce_on(ctx, wire, "sum" if name == "mean" else name, wire, algorithm, None, tag)
     if decode(ops, dst, wire):

@@ -20,15 +20,9 @@ from .common import allgather_flat, allreduce_flat, broadcast_flat, reduce_scatt
 
 def _staged(ctx: CommContext, name: str, view, dtype):
     """A pinned host copy of the flat device view (scratch reused across calls)."""
-    nbytes = view.size * dtype.itemsize
-    buf = ctx.scratch(name, nbytes, arrays.pinned)[:nbytes].view(dtype)
+    buf = ctx.scratch(name, view.size, dtype, arrays.pinned)
     arrays.to_host(buf, view)
     return buf
-
-
-def _host_scratch(ctx: CommContext, name: str, count: int, dtype):
-    nbytes = count * dtype.itemsize
-    return ctx.scratch(name, nbytes, arrays.pinned)[:nbytes].view(dtype)
 
 
 def _finish(result):
@@ -37,15 +31,14 @@ def _finish(result):
 
 
 def allreduce(ctx: CommContext, x, result, dtype, name: str, chosen: str, tag=("allreduce", 0)):
-    src, dst = arrays.flat_view(x), arrays.flat_view(result, "out")
-    arrays.sync_producer(x)
+    src, dst = arrays.input_view(x), arrays.flat_view(result, "out")
     if transport.cuda_aware():
         sig = signature(tag[0], "ring", src.size, dtype, name, extra=tag[1], kind="device")
         allreduce_flat(ctx, src, dst, dev, sig, "ring", name)
     else:
         transport.note_staging()
         staged_in = _staged(ctx, "stage_in", src, dtype)
-        staged_out = _host_scratch(ctx, "stage_out", src.size, dtype)
+        staged_out = ctx.scratch("stage_out", src.size, dtype, arrays.pinned)
         sig = signature(tag[0], chosen, src.size, dtype, name, extra=tag[1], kind="device")
         allreduce_flat(ctx, staged_in, staged_out, host, sig, chosen, name)
         arrays.from_host(dst, staged_out)
@@ -53,8 +46,7 @@ def allreduce(ctx: CommContext, x, result, dtype, name: str, chosen: str, tag=("
 
 
 def reduce_scatter(ctx: CommContext, x, dtype, name: str):
-    src = arrays.flat_view(x)
-    arrays.sync_producer(x)
+    src = arrays.input_view(x)
     if transport.cuda_aware():
         shard = reduce_scatter_flat(ctx, src, dev, dtype, name, kind="device")
         result = arrays.new_like(x, (shard.size,), dtype)
@@ -72,8 +64,7 @@ def reduce_scatter(ctx: CommContext, x, dtype, name: str):
 def allgather(ctx: CommContext, x, dtype):
     shape = arrays.describe(x)[0] or (1,)
     row_elems = int(np.prod(shape[1:], dtype=np.int64))
-    rows = arrays.flat_view(x)
-    arrays.sync_producer(x)
+    rows = arrays.input_view(x)
     if transport.cuda_aware():
         flat, nrows = allgather_flat(ctx, rows, shape[0], row_elems, dev, dtype, kind="device")
         result = arrays.new_like(x, (nrows,) + shape[1:], dtype)
@@ -89,10 +80,9 @@ def allgather(ctx: CommContext, x, dtype):
 
 def broadcast(ctx: CommContext, x, dtype, root: int):
     shape = arrays.describe(x)[0]
-    src = arrays.flat_view(x)
+    src = arrays.input_view(x)
     result = arrays.new_like(x, shape, dtype)
     dst = arrays.flat_view(result, "result")
-    arrays.sync_producer(x)
     if transport.cuda_aware():
         if ctx.rank == root:
             dev.copy(dst, src)

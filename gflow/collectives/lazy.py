@@ -39,8 +39,7 @@ def _flat(x, ops):
     if ops.kind == "device":
         from ..cuda import arrays
 
-        arrays.sync_producer(x)
-        return arrays.flat_view(x)
+        return arrays.input_view(x, "grad")
     if not x.flags.c_contiguous:
         raise ValueError(
             "LazyAllreduce.push: host arrays must be C-contiguous (results are written back into them)"

@@ -46,8 +46,8 @@ class _Plan:
     buffers, and MPI persistent requests for each step of the schedule."""
 
     def __init__(self, ctx: CommContext, sig: tuple, capacity: int, dtype, count: int):
-        send = ctx.scratch("rd_send", HEADER_BYTES + capacity, host)
-        recv = ctx.scratch("rd_recv", HEADER_BYTES + capacity, host)
+        send = ctx.scratch("rd_send", HEADER_BYTES + capacity, np.uint8, host)
+        recv = ctx.scratch("rd_recv", HEADER_BYTES + capacity, np.uint8, host)
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[0], header[1], header[_SIG_A], header[_RANK_A] = _MAGIC, _OK, sig, ctx.rank
         self.header = header.tobytes()

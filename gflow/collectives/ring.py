@@ -48,7 +48,7 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
     widest = max(bounds[c + 1] - bounds[c] for c in range(p))
     itemsize = np.dtype(buf.dtype).itemsize
     seg = max(1, min(widest, config.ring_segment_bytes // itemsize))
-    scratch = ctx.scratch("ring_tmp", 2 * seg * itemsize, ops)[: 2 * seg * itemsize].view(buf.dtype)
+    scratch = ctx.scratch("ring_tmp", 2 * seg, buf.dtype, ops)
     landing = (scratch[:seg], scratch[seg:])  # segment j lands in landing[j % 2]
     right, left = (r + 1) % p, (r - 1) % p
     comm, buffer, waitall = ctx.comm, ops.buffer, ctx.waitall

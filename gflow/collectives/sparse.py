@@ -102,8 +102,7 @@ class SparseAllreduce:
         if ops.kind == "device":
             from ..cuda import arrays
 
-            shape, flat = arrays.describe(grad)[0], arrays.flat_view(grad, "grad")
-            arrays.sync_producer(grad)
+            shape, flat = arrays.describe(grad)[0], arrays.input_view(grad, "grad")
         else:
             shape, flat = grad.shape, np.ascontiguousarray(grad).reshape(-1)
         if self._v is not None:

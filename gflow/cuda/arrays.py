@@ -64,6 +64,14 @@ def flat_view(x, name: str = "x"):
     return device_view(x).reshape(-1) if len(shape) != 1 else device_view(x)
 
 
+def input_view(x, name: str = "x"):
+    """flat_view of a caller's array that gflow is about to read, after waiting for the stream that
+    produced it: every read of a caller's device buffer starts here."""
+    view = flat_view(x, name)
+    sync_producer(x)
+    return view
+
+
 def prepare_out(x, out, dtype, count: int, name: str = "out"):
     """The device array a result goes into: a new one of x's kind, or `out` after checking it."""
     if out is None:
