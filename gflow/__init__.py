@@ -9,7 +9,7 @@ from .collectives.lazy import LazyAllreduce
 from .collectives.sparse import SparseAllreduce
 from .compression import LossScaler
 from .engine import Handle
-from .errors import CompressionOverflowError, GflowError, MismatchError
+from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "LazyAllreduce",
     "LossScaler",
     "MismatchError",
+    "NonFiniteError",
     "SparseAllreduce",
     "allgather",
     "allreduce",

@@ -31,8 +31,16 @@ def ops_for(x):
     )
 
 
+def plain(x):
+    """x as a plain np.ndarray view when it is an ndarray subclass (np.memmap, np.matrix, a user's
+    subclass), so that reshape and slicing behave as on any array; anything else unchanged."""
+    if type(x) is np.ndarray or not isinstance(x, np.ndarray):
+        return x
+    return x.view(np.ndarray)
+
+
 def check_array(x, name: str = "x"):
-    """Validate an input array; return (ops, dtype)."""
+    """Validate an input array; return (ops, dtype). Device arrays must be C-contiguous."""
     if type(x) is np.ndarray:
         return host, check_dtype(x.dtype)
     try:
@@ -43,15 +51,33 @@ def check_array(x, name: str = "x"):
         return ops, check_dtype(x.dtype)
     from .cuda import arrays
 
-    return ops, check_dtype(arrays.describe(x, name)[1])
+    shape, dtype, contiguous = arrays.describe(x, name)
+    check_dtype(dtype)
+    if not contiguous:
+        raise ValueError(
+            f"{name}: device arrays must be C-contiguous; got one of shape {shape} with other strides"
+        )
+    return ops, dtype
 
 
 def size_of(x) -> int:
-    if type(x) is np.ndarray:
+    if isinstance(x, np.ndarray):
         return x.size
     from .cuda import arrays
 
     return int(np.prod(arrays.describe(x)[0], dtype=np.int64))
+
+
+def check_writable(x, name: str) -> None:
+    """Results are written into x: refuse a read-only array before any data moves."""
+    if isinstance(x, np.ndarray):
+        writable = x.flags.writeable
+    else:
+        from .cuda import arrays
+
+        writable = arrays.writable(x)
+    if not writable:
+        raise ValueError(f"{name} is read-only; the result is written into it: pass a writable array")
 
 
 def flat_view(x, name: str = "x"):
@@ -60,7 +86,7 @@ def flat_view(x, name: str = "x"):
         raise ValueError(
             f"{name} must be C-contiguous to be written in place; got an array with strides {x.strides}"
         )
-    return x.reshape(-1)
+    return plain(x).reshape(-1)
 
 
 def prepare_out(x, out, ops, dtype, count: int, name: str = "out"):
@@ -73,8 +99,9 @@ def prepare_out(x, out, ops, dtype, count: int, name: str = "out"):
         return np.empty(x.shape, dtype=dtype)
     if out is x:
         flat_view(out, name)
+        check_writable(out, name)
         return out
-    if (host if type(out) is np.ndarray else ops_for(out)) is not ops:
+    if not isinstance(out, np.ndarray):
         raise TypeError(
             f"{name} must be the same kind of array as x (a NumPy array), got {type(out).__name__}"
         )
@@ -83,4 +110,5 @@ def prepare_out(x, out, ops, dtype, count: int, name: str = "out"):
     if out.size != count:
         raise ValueError(f"{name}: expected {count} elements, got {out.size}")
     flat_view(out, name)
+    check_writable(out, name)
     return out

@@ -105,6 +105,8 @@ def describe(sig) -> str:
         text += f", root={int(sig[5])}"
     elif collective == "lazy":
         text += f", push-order checksum {int(sig[5])}"
+    elif collective == "sparse":
+        text += f", gradient size and settings fingerprint {int(sig[5])}"
     elif int(sig[5]):
         text += f", extra={int(sig[5])}"
     return text

@@ -85,17 +85,31 @@ class LossScaler:
         return self._scale
 
     def unscale(self, grad) -> bool:
-        """Divide grad by the scale in place (host or device array); True if it holds inf or NaN."""
-        from ._array import ops_for
+        """Divide grad by the scale in place (host or device array); True if it holds inf or NaN.
 
-        ops = ops_for(grad)
+        Raises:
+            TypeError: grad is not a floating array gflow accepts. ValueError: grad is read-only, or a device
+                array that is not C-contiguous (host arrays of any layout are unscaled in place).
+        """
+        from ._array import check_array, check_writable, plain
+
+        ops, dtype = check_array(grad, "grad")
+        if dtype.kind != "f":
+            raise TypeError(f"unscale needs a floating gradient, got {dtype}")
+        check_writable(grad, "grad")
         if ops.kind == "device":
             from .cuda import arrays
 
-            flat = arrays.flat_view(grad)
-        else:
+            flat = arrays.input_view(grad, "grad")
+            return ops.cast_scaled(flat, flat, 1.0 / self._scale)
+        grad = plain(grad)
+        if grad.flags.c_contiguous:
             flat = grad.reshape(-1)
-        return ops.cast_scaled(flat, flat, 1.0 / self._scale)
+            return ops.cast_scaled(flat, flat, 1.0 / self._scale)
+        flat = np.ascontiguousarray(grad).reshape(-1)  # a copy: unscaled, then written back
+        overflow = ops.cast_scaled(flat, flat, 1.0 / self._scale)
+        grad[...] = flat.reshape(grad.shape)
+        return overflow
 
     def update(self, overflow: bool) -> bool:
         """Agree with every rank whether any overflowed; adjust the scale. True: apply this step."""

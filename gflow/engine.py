@@ -44,7 +44,7 @@ class Handle:
             raise TimeoutError(f"{self.description} did not finish within {timeout} s")
         self._keep = ()
         if self._error is not None:
-            if self._on_failure is not None and isinstance(self._error, GflowError):
+            if self._on_failure is not None:  # it acts only where the failure was collective
                 self._on_failure()
             raise self._error
         return self._result
@@ -113,5 +113,6 @@ def shutdown(timeout: float = 10.0) -> None:
 def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
     """Run fn() on the background thread after everything submitted before it; return its Handle.
     A GflowError from fn marks `ctx` (a background CommContext) failed: see CommContext.check_usable;
-    on_failure runs in the caller's thread when Handle.wait raises that error."""
+    on_failure runs in the caller's thread when Handle.wait raises (CommContext.reset_background, which
+    acts only on a context marked failed)."""
     return _engine.submit(description, fn, keep, ctx, on_failure)

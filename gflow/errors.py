@@ -13,6 +13,11 @@ class MismatchError(GflowError):
     """The ranks called one collective with different arguments (length, dtype, op, ...)."""
 
 
-class CompressionOverflowError(GflowError):
+class NonFiniteError(GflowError):
+    """A reduction met inf or NaN where gflow checks for it (every rank sees the same reduced values,
+    so every rank raises). Under dynamic loss scaling this is an overflow: skip the step."""
+
+
+class CompressionOverflowError(NonFiniteError):
     """A compressed (float16) reduction overflowed or met NaN/inf. Every rank sees the same reduced
     values, so every rank raises; scale the values down (gflow.LossScaler) or send them uncompressed."""

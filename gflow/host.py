@@ -108,14 +108,15 @@ def scatter_add(dst: np.ndarray, packed: np.ndarray, ids: np.ndarray, chunk: int
         rows[ids] += packed.reshape(-1, chunk)
 
 
-def accumulate(u: np.ndarray, v: np.ndarray, g: np.ndarray, momentum: float) -> None:
-    """u = momentum * u + g; v += u (residual accumulation with momentum correction)."""
+def accumulate(u_out, v_out, u, v, g, momentum: float) -> None:
+    """u_out = momentum * u + g; v_out = v + u_out (residual accumulation with momentum correction).
+    Outputs may be the inputs. With momentum 0, u and u_out are not used (they may be empty)."""
     if momentum:
-        np.multiply(u, u.dtype.type(momentum), out=u)
-        np.add(u, g, out=u)
+        np.multiply(u, u.dtype.type(momentum), out=u_out)
+        np.add(u_out, g, out=u_out)
+        np.add(v, u_out, out=v_out)
     else:
-        np.copyto(u, g)
-    np.add(v, u, out=v)
+        np.add(v, g, out=v_out)
 
 
 def zero_chunks(x: np.ndarray, ids: np.ndarray, chunk: int) -> None:
@@ -144,11 +145,11 @@ def to_numpy(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def accumulate_norms(u: np.ndarray, v: np.ndarray, g: np.ndarray, momentum: float, chunk: int) -> np.ndarray:
-    """accumulate() then chunk_norms() of v, fused into one pass over memory (gflow/_sparse_host.py).
-    With momentum 0, u is left alone (it would only ever equal g)."""
+def accumulate_norms(u_out, v_out, u, v, g, momentum: float, chunk: int) -> np.ndarray:
+    """accumulate() then chunk_norms() of v_out, fused into one pass over memory
+    (gflow/_sparse_host.py)."""
     from ._sparse_host import accumulate_norms as fused
 
     norms = np.empty((v.size + chunk - 1) // chunk, dtype=np.float32)
-    fused(u, v, g, v.dtype.type(momentum), chunk, norms)
+    fused(u_out, v_out, u, v, g, v.dtype.type(momentum), chunk, norms)
     return norms

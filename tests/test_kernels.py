@@ -171,18 +171,33 @@ def test_sparse_kernels_match_numpy(momentum):
     n, chunk = 250, 16
     u, v, g = (rand(rng, n, np.float32) for _ in range(3))
     hu, hv = u.copy(), v.copy()
-    norms = host.accumulate_norms(hu, hv, g, momentum, chunk)
+    norms = host.accumulate_norms(hu, hv, hu, hv, g, momentum, chunk)  # in place
     # The same by hand, in float64.
     w = momentum * u.astype(np.float64) + g if momentum else g.astype(np.float64)
     expected_v = v + w
     np.testing.assert_allclose(hv, expected_v, rtol=1e-6, atol=1e-6)
     exact = [np.abs(expected_v[c : c + chunk]).sum() for c in range(0, n, chunk)]
     np.testing.assert_allclose(norms, exact, rtol=1e-5)
+    if momentum:
+        np.testing.assert_allclose(hu, w, rtol=1e-6, atol=1e-6)
+    # Out of place (the old state must survive a failed step), poisoned outputs; host and device alike.
+    hu2, hv2 = np.full(n, np.nan, np.float32), np.full(n, np.nan, np.float32)
+    # (fastmath lets the compiler sum each chunk in another order when outputs may not alias inputs)
+    np.testing.assert_allclose(host.accumulate_norms(hu2, hv2, u, v, g, momentum, chunk), norms, rtol=1e-6)
+    np.testing.assert_array_equal(hv2, hv)
     du, dv = cuda.to_device(u), cuda.to_device(v)
+    du2, dv2 = cuda.to_device(hu2 * np.nan), cuda.to_device(hv2 * np.nan)
     np.testing.assert_allclose(
-        dev.accumulate_norms(du, dv, cuda.to_device(g), momentum, chunk).copy_to_host(), exact, rtol=1e-5
+        dev.accumulate_norms(du2, dv2, du, dv, cuda.to_device(g), momentum, chunk).copy_to_host(),
+        exact,
+        rtol=1e-5,
     )
-    np.testing.assert_allclose(dv.copy_to_host(), expected_v, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dv2.copy_to_host(), expected_v, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(dv.copy_to_host(), v)  # the inputs are left as they were
+    if momentum:
+        np.testing.assert_allclose(du2.copy_to_host(), w, rtol=1e-6, atol=1e-6)
+    else:
+        assert np.isnan(du2.copy_to_host()).all()  # untouched at momentum 0
     ids = np.array([0, 3, 15], dtype=np.int64)  # 15: the short last chunk
     cleared = rand(rng, n, np.float32)
     d_cleared = cuda.to_device(cleared)

@@ -9,7 +9,7 @@ device.py is imported on the first device array, so host-only users never load N
 import numpy as np
 
 from .. import engine
-from .._array import check_array, prepare_out, size_of
+from .._array import check_array, plain, prepare_out, size_of
 from .._config import config
 from .._context import CommContext, context
 from .._validate import check_op, check_root, rejected_signature, signature
@@ -23,7 +23,8 @@ ALGORITHMS = ("auto", "ring", "recursive_doubling")
 
 def reject(ctx: CommContext, collective: str) -> None:
     """This rank's arguments failed its local checks: tell the peers (when validating), so they raise
-    MismatchError instead of waiting for this rank forever. The caller then raises the local error."""
+    MismatchError instead of waiting for this rank forever. The caller then raises the local error.
+    Every exception the local checks raise takes this path, not only TypeError and ValueError."""
     if config.validate and ctx.size > 1 and ctx.failed is None:
         try:
             allreduce_with_agreement(ctx, rejected_signature(collective), config.small_message_bytes)
@@ -83,11 +84,21 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
     return allreduce_on(context(comm), x, op, out, algorithm, compression)
 
 
+def reject_in_background(parent: CommContext, collective: str) -> None:
+    """reject() for a collective bound for the background thread: queued there, in this rank's
+    order, so it meets the peers' collective of the same position; the background context is then
+    reset at this rank's next background call, as the peers reset theirs when they see the failure."""
+    ctx = parent.background()
+    handle = engine.submit(f"{collective} (rejected arguments)", lambda: reject(ctx, collective), ctx=ctx)
+    parent.owe_reset(handle)
+
+
 def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
     """Start an allreduce on gflow's background thread and return at once.
 
     Arguments as for allreduce; they are checked now, in the caller's thread. Every rank must start
     its async collectives in the same order. Do not modify x (or read out) until the handle is done.
+    Bad arguments raise here; the peers' handles for this call then fail with MismatchError.
 
     Returns:
         A Handle: done() tells whether it has finished, wait() returns the result (out, or a new
@@ -96,13 +107,17 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compr
         the failed handle on every rank before starting new ones.
     """
     parent = context(comm)
-    ctx = parent.background()
     try:
-        check_allreduce(x, op, out, algorithm, compression, need_out=False)
-    except (TypeError, ValueError):
-        engine.submit("allreduce (rejected arguments)", lambda: reject(ctx, "allreduce"), ctx=ctx)
+        ops = check_allreduce(x, op, out, algorithm, compression, need_out=False)[0]
+    except Exception:
+        reject_in_background(parent, "allreduce")
         raise
+    ctx = parent.background()
     run = lambda: allreduce_on(ctx, x, op, out, algorithm, compression)  # noqa: E731
+    if ops.kind == "device":
+        from ..cuda import arrays
+
+        run = arrays.on_callers_device(run, x, *([] if out is None else [out]))
     return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
 
 
@@ -123,16 +138,17 @@ def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=("all
     ctx.check_usable()
     try:
         ops, dtype, name, chosen, codec, result = check_allreduce(x, op, out, algorithm, compression)
-    except (TypeError, ValueError):
+    except Exception:
         reject(ctx, "allreduce")
         raise
+    x = plain(x)
     if codec:
         return _allreduce_fp16(ctx, x, result, ops, name, algorithm, tag)
     if ops.kind == "device":
         from . import device
 
         return device.allreduce(ctx, x, result, dtype, name, chosen, tag)
-    flat_out = result.reshape(-1)
+    flat_out = plain(result).reshape(-1)
     sig = signature(tag[0], chosen, x.size, dtype, name, extra=tag[1])
     allreduce_flat(ctx, _flat_source(x, flat_out, ops), flat_out, ops, sig, chosen, name)
     return result
@@ -145,7 +161,7 @@ def _allreduce_fp16(ctx: CommContext, x, result, ops, name: str, algorithm: str,
 
         src, dst = arrays.input_view(x), arrays.flat_view(result, "out")
     else:
-        src, dst = x.reshape(-1), result.reshape(-1)
+        src, dst = x.reshape(-1), plain(result).reshape(-1)
     n = src.size
     wire = ctx.scratch("fp16_wire", n, WIRE_DTYPE, ops)
     encode(ops, wire, src, name, ctx.size)
@@ -180,9 +196,10 @@ def reduce_scatter(x, op="sum", *, comm=None):
     try:
         ops, dtype = check_array(x)
         name = check_op(op, dtype)
-    except (TypeError, ValueError):
+    except Exception:
         reject(ctx, "reduce_scatter")
         raise
+    x = plain(x)
     if ops.kind == "device":
         from . import device
 
@@ -210,9 +227,10 @@ def allgather(x, *, comm=None):
     ctx = context(comm)
     try:
         ops, dtype = check_array(x)
-    except (TypeError, ValueError):
+    except Exception:
         reject(ctx, "allgather")
         raise
+    x = plain(x)
     if ops.kind == "device":
         from . import device
 
@@ -242,9 +260,10 @@ def broadcast(x, root=0, *, comm=None):
     try:
         ops, dtype = check_array(x)
         root_rank = check_root(root, ctx.size)
-    except (TypeError, ValueError):
+    except Exception:
         reject(ctx, "broadcast")
         raise
+    x = plain(x)
     if ops.kind == "device":
         from . import device
 

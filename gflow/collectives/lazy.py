@@ -11,7 +11,13 @@ checksum of everything pushed so far in the step, and flush() ends the step with
 exchange of the segment count and the final checksum. A different order, size or number of tensors
 on any rank therefore fails a segment (or that final exchange) on every rank with a GflowError; the
 background channel then fails whatever else each rank had queued, so no rank waits for calls its
-peers will never make. After an error the pushed arrays keep their local values: nothing is lost.
+peers will never make. A push whose own arguments are bad raises on that rank at once and ends its
+step there; its rejection is queued in the background, so the peers' flush() fails too.
+
+A step is all or nothing: results are written into the pushed arrays (pool views included) only after
+every segment and the final exchange succeeded on every rank, and sparse segments commit their new
+residuals only then. After an error every rank's pushed arrays keep their local values and every
+residual is as before the step: nothing is lost or counted twice, and the step can be retried.
 """
 
 import struct
@@ -20,13 +26,13 @@ import zlib
 import numpy as np
 
 from .. import engine, host
-from .._array import check_array
+from .._array import check_array, check_writable, plain
 from .._config import config
 from .._context import context
 from .._validate import DTYPE_CODE, check_op, signature
 from ..compression import WIRE_DTYPE, check_compression, decode, encode
 from ..errors import CompressionOverflowError
-from .api import allreduce_on
+from .api import allreduce_on, reject_in_background
 from .recursive_doubling import allreduce_with_agreement
 from .sparse import SparseAllreduce
 
@@ -44,7 +50,7 @@ def _flat(x, ops):
         raise ValueError(
             "LazyAllreduce.push: host arrays must be C-contiguous (results are written back into them)"
         )
-    return x.reshape(-1)
+    return plain(x).reshape(-1)
 
 
 class LazyAllreduce:
@@ -74,9 +80,9 @@ class LazyAllreduce:
             raise TypeError(f"threshold_bytes must be an int, got {type(threshold_bytes).__name__}")
         if threshold_bytes < 1:
             raise ValueError(f"threshold_bytes must be >= 1, got {threshold_bytes}")
-        check_op(op, np.dtype(np.float32))
+        op = check_op(op, np.dtype(np.float32))
         if compression is not None:
-            check_compression(compression, np.dtype(np.float32))
+            compression = check_compression(compression, np.dtype(np.float32))
         if sparse is not None:
             if not isinstance(sparse, dict):
                 raise TypeError(
@@ -88,7 +94,7 @@ class LazyAllreduce:
         self.threshold_bytes = int(threshold_bytes)
         self._checked_dtype = None
         self.op, self.compression, self._comm = op, compression, comm
-        self._buffers: list = []  # segment buffers, reused step after step
+        self._buffers: list = []  # per segment, the buffer its result lands in, reused step after step
         self._pool: list = []  # segment buffers holding the arrays gradient_buffers() handed out
         self._pool_members: list = []  # per pool segment, the arrays handed out, in push order
         self._reset()
@@ -97,21 +103,39 @@ class LazyAllreduce:
         self._members: list = []  # (flat view, ops) waiting for the next segment
         self._member_arrays: list = []  # the arrays pushed, for telling pool views apart
         self._pending_bytes = 0
-        self._fired: list = []  # (handle, members, buffer)
+        self._fired: list = []  # (handle, members to write the result into, SparseAllreduce or None)
         self._checksum = 0
+
+    def _abandon_step(self) -> None:
+        """This rank's step failed its local checks: it is over here (nothing was written anywhere),
+        and the rejection is queued behind the segments already fired, so the peers' flush fails."""
+        self._reset()
+        reject_in_background(context(self._comm), "lazy")
 
     def push(self, grad) -> None:
         """Queue grad for reduction; the result is written into it by flush(). Do not modify grad
-        until then."""
-        if type(grad) is np.ndarray and grad.dtype is self._checked_dtype:
+        until then.
+
+        Raises:
+            TypeError, ValueError: grad is not a writable, C-contiguous array of a dtype this op
+                takes. That ends the step on this rank (do not call flush() for it); the peers'
+                flush() raises MismatchError. The arrays pushed so far keep their values.
+        """
+        if type(grad) is np.ndarray and grad.dtype is self._checked_dtype and grad.flags.writeable:
             ops, dtype = host, grad.dtype  # checked for the previous push: the common case, kept cheap
+            flat = _flat(grad, ops)
         else:
-            ops, dtype = check_array(grad, "grad")
-            check_op(self.op, dtype)
-            if self.compression:
-                check_compression(self.compression, dtype)
+            try:
+                ops, dtype = check_array(grad, "grad")
+                check_op(self.op, dtype)
+                if self.compression:
+                    check_compression(self.compression, dtype)
+                check_writable(grad, "grad")
+                flat = _flat(grad, ops)
+            except Exception:
+                self._abandon_step()
+                raise
             self._checked_dtype = dtype if ops is host else None
-        flat = _flat(grad, ops)
         if self._members and (flat.dtype != self._members[0][0].dtype or ops is not self._members[0][1]):
             self._fire()  # a segment holds one dtype and one kind of memory
         self._members.append((flat, ops))
@@ -132,40 +156,51 @@ class LazyAllreduce:
         dtype = WIRE_DTYPE if cast else np.dtype(members[0][0].dtype)
         total = sum(m.size for m, _ in members)
         index = len(self._fired)
-        in_place = self._in_place(index, pushed)
-        if in_place:
-            buffer = self._pool[index]
-        elif (
-            index < len(self._buffers)
-            and self._buffers[index].size == total
-            and self._buffers[index].dtype == dtype
-        ):
-            buffer = self._buffers[index]
-        else:
+        buffer = self._buffers[index] if index < len(self._buffers) else None
+        if buffer is None or buffer.size != total or buffer.dtype != dtype:
             buffer = ops.empty(total, dtype)
             self._buffers[index : index + 1] = [buffer]
         ctx = context(self._comm).background()
         name = check_op(self.op, np.dtype(members[0][0].dtype))
-        offset = 0
-        for flat, _ in [] if in_place else members:
-            piece = buffer[offset : offset + flat.size]
-            if cast:
-                encode(ops, piece, flat, name, ctx.size)
-            else:
-                ops.copy(piece, flat)
-            offset += flat.size
-        ops.fence()
+        if self._in_place(index, pushed):
+            # The gradients already sit in the pool: reduce from there into `buffer`, and write the
+            # result back at flush(), so that a failed step leaves them as they are.
+            source = self._pool[index]
+            members = [(source, ops)]
+        else:
+            source, offset = buffer, 0
+            for flat, _ in members:
+                piece = buffer[offset : offset + flat.size]
+                if cast:
+                    encode(ops, piece, flat, name, ctx.size)
+                else:
+                    ops.copy(piece, flat)
+                offset += flat.size
+            ops.fence()
+        csc = None
         if self.sparse:
             csc = self._csc.get(index)
+            if csc is not None and csc.residual is not None and csc.residual.size != total:
+                self._abandon_step()
+                raise ValueError(
+                    f"LazyAllreduce(sparse=...): segment {index} holds {total} elements in this step and "
+                    f"{csc.residual.size} in earlier ones; each sparse segment keeps its own residual, so "
+                    "every step must push the same tensors in the same order"
+                )
             if csc is None:
                 csc = self._csc[index] = SparseAllreduce(op=name, compression=self.compression, **self.sparse)
-            run = lambda: ops.copy(buffer, csc.step_on(ctx, buffer).reshape(-1))  # noqa: E731
+            checksum = self._checksum
+            run = lambda: csc.step_on(ctx, source, extra=checksum).reshape(-1)  # noqa: E731
         else:
             wire_op = "sum" if (self.compression and name == "mean") else name
             tag = ("lazy", self._checksum)
-            run = lambda: allreduce_on(ctx, buffer, wire_op, buffer, "auto", None, tag)  # noqa: E731
-        handle = engine.submit(f"lazy allreduce segment {index}", run, keep=(buffer,), ctx=ctx)
-        self._fired.append((handle, [] if in_place else members, buffer))
+            run = lambda: allreduce_on(ctx, source, wire_op, buffer, "auto", None, tag)  # noqa: E731
+        if ops.kind == "device":
+            from ..cuda import arrays
+
+            run = arrays.on_callers_device(run)
+        handle = engine.submit(f"lazy allreduce segment {index}", run, keep=(source, buffer), ctx=ctx)
+        self._fired.append((handle, members, csc))
 
     def _in_place(self, index: int, pushed) -> bool:
         """Whether this segment's arrays are exactly those gradient_buffers() handed out for segment
@@ -178,8 +213,9 @@ class LazyAllreduce:
         """Host arrays for gradients, carved out of the fusion pool (DDP's gradient_as_bucket_view).
 
         Give the shapes in the order the gradients will be pushed. Writing each gradient into its
-        array and pushing that array costs no copy, and flush() leaves the result in place. Without
-        compression only (with "fp16" the pool holds float16, so pushing casts anyway).
+        array and pushing that array costs no copy into the pool; flush() copies the results back
+        into it once the whole step has succeeded. Without compression only (with "fp16" the pool
+        holds float16, so pushing casts anyway).
         """
         if self.compression:
             raise ValueError(
@@ -209,10 +245,13 @@ class LazyAllreduce:
         """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
 
         Raises:
-            GflowError (MismatchError): the ranks pushed different sizes, orders or numbers of tensors;
-                on every rank, and the pushed arrays keep their local values.
-            CompressionOverflowError: with compression="fp16", a reduced value is inf or NaN (on
-                every rank; the pushed arrays hold the reduced values, inf/NaN included).
+            GflowError (MismatchError): the ranks pushed different sizes, orders or numbers of tensors,
+                or one rank's push raised; on every rank, and the pushed arrays keep their local
+                values (sparse residuals too).
+            NonFiniteError: with sparse, a gradient held inf or NaN on some rank (on every rank; a
+                CompressionOverflowError with compression="fp16"); nothing was changed.
+            CompressionOverflowError: with compression="fp16" and no sparse, a reduced value is inf or
+                NaN (on every rank; the pushed arrays hold the reduced values, inf/NaN included).
         """
         self._fire()
         ctx = context(self._comm).background()
@@ -229,27 +268,31 @@ class LazyAllreduce:
             ),
         )
         self._reset()
-        error = None
+        results, error = [], None
         for handle in [h for h, _, _ in fired] + [marker]:
             try:
-                handle.wait()
+                results.append(handle.wait())
             except Exception as exc:  # noqa: BLE001 - the first one is raised below, after all finished
                 error = error or exc
         if error is not None:
+            for _, _, csc in fired:
+                if csc is not None:
+                    csc.discard()
             context(self._comm).reset_background()
             raise error
         overflow = False
-        for _, members, buffer in fired:
+        for (_, members, csc), result in zip(fired, results, strict=False):
+            if csc is not None:
+                csc.commit()
             offset = 0
             for flat, ops in members:
-                piece = buffer[offset : offset + flat.size]
+                piece = result[offset : offset + flat.size]
                 if self.compression and not self.sparse:
                     overflow |= decode(ops, flat, piece)
                 else:
                     ops.copy(flat, piece)
                 offset += flat.size
-            if members:
-                members[0][1].fence()
+            members[0][1].fence()
         if overflow:
             raise CompressionOverflowError(
                 "LazyAllreduce with compression='fp16': a reduced value is inf or NaN; scale the gradients "

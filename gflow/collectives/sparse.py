@@ -9,6 +9,16 @@ scattered into the returned update (zeros elsewhere), and cleared from v and u (
 masking). Nothing is lost: with momentum 0, the updates applied so far plus every rank's residual add
 up to every gradient pushed (divided by the world size for "mean").
 
+With compression="fp16" the packed chunks travel as float16, scaled by a power of two chosen from the
+allreduced norms (which every rank already holds, so no message is added): a chunk's norm bounds every
+value and every partial sum in it, so the float16 payload cannot overflow. What each rank's float16
+rounding did not send stays in its residual; only the float16 rounding of the sums themselves is not
+kept anywhere.
+
+A step is atomic: the new residual is written beside the old one and becomes the state only when the
+step has succeeded on every rank (commit()), so a step that raises (ranks disagree, a NaN or inf
+somewhere) leaves every rank's residual, velocity and step count exactly as before it.
+
 With warmup_steps = W the density starts at 1 (dense) and falls geometrically to the target:
 density_t = density ** (t / W) for t < W.
 """
@@ -22,12 +32,17 @@ import numpy as np
 
 from .._array import check_array
 from .._context import CommContext, context
-from ..compression import check_compression
+from .._validate import DTYPE_CODE, check_op
+from ..compression import WIRE_DTYPE, check_compression
+from ..errors import CompressionOverflowError, MismatchError, NonFiniteError
 from .api import allreduce_on, reject
 
 # 1024 float32 per chunk: the norms then add 1/1024 (0.1%) of the dense bytes, so CSC at 1% sends
 # about 1.1% of what a dense allreduce sends (bench/RESULTS.md).
 DEFAULT_CHUNK_ELEMS = 1024
+# The float16 payload is scaled so that every chunk's bound is at most this: half of float16's
+# largest value (65504), leaving room for the rounding of the bound and of partial sums.
+_WIRE_BOUND = 2.0**15
 
 
 class SparseAllreduce:
@@ -38,7 +53,7 @@ class SparseAllreduce:
         chunk_elems: elements per chunk (the last chunk may be short).
         momentum: momentum correction factor m in [0, 1); 0 plain residual accumulation.
         warmup_steps: steps over which the density falls from 1 to `density`.
-        op: "mean" or "sum" over ranks.
+        op: "mean" or "sum" over ranks (or MPI.SUM).
         compression: None or "fp16" for the packed payload.
         comm: the communicator (default COMM_WORLD).
 
@@ -64,28 +79,29 @@ class SparseAllreduce:
             or warmup_steps < 0
         ):
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        if op not in ("mean", "sum"):
+        name = check_op(op, np.dtype(np.float32))
+        if name not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum' (residuals accumulate), got {op!r}")
         if compression is not None:
-            check_compression(compression, np.dtype(np.float32))
+            compression = check_compression(compression, np.dtype(np.float32))
         self.density, self.chunk_elems = float(density), int(chunk_elems)
         self.momentum, self.warmup_steps = float(momentum), int(warmup_steps)
-        self.op, self.compression, self._comm = op, compression, comm
+        self.op, self.compression, self._comm = name, compression, comm
         self.step_count = 0
         self.stats: dict = {}
-        self._ops = self._u = self._v = None
-        self._shape = None
-        # What the ranks must agree on besides sizes, folded into every agreement of this object.
-        settings = struct.pack("<ddqqq", self.density, self.momentum, self.chunk_elems, self.warmup_steps,
-                               (op == "mean") + 2 * (compression == "fp16"))  # fmt: skip
-        self._fingerprint = zlib.crc32(settings)
+        self._ops = self._shape = None
+        self._state = None  # (u, v): velocity (empty at momentum 0) and residual, flat; None before step 1
+        self._spare = None  # (u, v) buffers the next step writes its new state into
+        self._staged = None  # what commit() makes the state: the last step's new (u, v), ops, shape, stats
 
     @property
     def residual(self):
-        """What this rank has accumulated but not sent (None before the first call)."""
-        return (
-            None if self._v is None else self._v.reshape(self._shape) if self._ops.kind == "host" else self._v
-        )
+        """What this rank has accumulated but not sent (None before the first step). A view of the
+        current state: read it between steps; the next step may reuse its memory."""
+        if self._state is None:
+            return None
+        v = self._state[1]
+        return v.reshape(self._shape) if self._ops.kind == "host" else v
 
     def current_density(self) -> float:
         if self.warmup_steps and self.step_count < self.warmup_steps:
@@ -93,7 +109,9 @@ class SparseAllreduce:
         return self.density
 
     def __call__(self, grad):
-        return self.step_on(context(self._comm), grad)
+        update = self.step_on(context(self._comm), grad)
+        self.commit()
+        return update
 
     def _check(self, grad):
         ops, dtype = check_array(grad, "grad")
@@ -105,8 +123,9 @@ class SparseAllreduce:
             shape, flat = arrays.describe(grad)[0], arrays.input_view(grad, "grad")
         else:
             shape, flat = grad.shape, np.ascontiguousarray(grad).reshape(-1)
-        if self._v is not None:
-            before = (self._v.size, np.dtype(self._v.dtype), self._ops.kind)
+        if self._state is not None:
+            v = self._state[1]
+            before = (v.size, np.dtype(v.dtype), self._ops.kind)
             if before != (flat.size, dtype, ops.kind):
                 raise ValueError(
                     "SparseAllreduce: the gradient changed: expected {} {} elements ({} array), ".format(
@@ -116,59 +135,127 @@ class SparseAllreduce:
                 )
         return ops, dtype, shape, flat
 
-    def step_on(self, ctx: CommContext, grad):
-        """One step on a given context (the caller's, or the engine's inside LazyAllreduce)."""
+    def _fingerprint(self, n: int, dtype, density: float, extra: int) -> int:
+        """What the ranks must agree on besides the payload sizes: the gradient's size and dtype, the
+        settings, the density of this step, and the caller's `extra`."""
+        flags = (self.op == "mean") + 2 * (self.compression == "fp16")
+        fields = (self.density, self.momentum, density, self.chunk_elems, self.warmup_steps, flags, n,
+                  DTYPE_CODE[np.dtype(dtype)], extra)  # fmt: skip
+        return zlib.crc32(struct.pack("<dddqqqqqq", *fields))
+
+    def _describe(self, n: int, dtype, density: float) -> str:
+        return (
+            f"This rank's SparseAllreduce: a gradient of {n} {np.dtype(dtype).name} elements, step "
+            f"{self.step_count} (density {density:g}), density={self.density:g}, "
+            f"chunk_elems={self.chunk_elems}, momentum={self.momentum:g}, warmup_steps={self.warmup_steps}, "
+            f"op={self.op}, compression={self.compression}"
+        )
+
+    def step_on(self, ctx: CommContext, grad, extra: int = 0):
+        """One step on a given context (the caller's, or the engine's inside LazyAllreduce), not yet
+        committed: the state changes only at commit(), so a step that raises or is never committed
+        leaves this object as it was. `extra` (an int < 2**63) is folded into what the ranks agree
+        on (LazyAllreduce's push-order checksum)."""
+        self._staged = None
         try:
             ops, dtype, shape, g = self._check(grad)
-        except (TypeError, ValueError):
+        except Exception:
             reject(ctx, "sparse")
             raise
-        if self._v is None:
-            self._ops, self._shape = ops, shape
-            self._u, self._v = ops.zeros(g.size, dtype), ops.zeros(g.size, dtype)
-        n, chunk = g.size, self.chunk_elems
+        n, chunk, momentum = g.size, self.chunk_elems, self.momentum
+        u, v = self._state or (ops.zeros(n if momentum else 0, dtype), ops.zeros(n, dtype))
+        u_new, v_new = self._spare or (ops.empty(n if momentum else 0, dtype), ops.empty(n, dtype))
         nchunks = (n + chunk - 1) // chunk
         density = self.current_density()
-        tag = ("sparse", self._fingerprint)
+        tag = ("sparse", self._fingerprint(n, dtype, density, extra))
         times = {}
 
         t = time.perf_counter()
-        local_norms = ops.to_numpy(ops.accumulate_norms(self._u, self._v, g, self.momentum, chunk))
+        local_norms = ops.to_numpy(ops.accumulate_norms(u_new, v_new, u, v, g, momentum, chunk))
         times["residual + norms"] = time.perf_counter() - t
+        try:
+            norms = allreduce_on(ctx, local_norms, "sum", None, "auto", None, tag)
+            if not np.isfinite(norms).all():
+                error = CompressionOverflowError if self.compression else NonFiniteError
+                raise error(
+                    "SparseAllreduce: a gradient holds inf or NaN on some rank; this step was not applied "
+                    "and every rank's residual is as before it (under loss scaling: skip the step)"
+                )
+            t = time.perf_counter()
+            k = min(nchunks, math.ceil(density * nchunks))
+            order = np.lexsort((np.arange(nchunks), -norms))  # by norm, descending; ties: lower index
+            ids = np.sort(order[:k]).astype(np.int64)
+            times["selection"] = time.perf_counter() - t
 
-        norms = allreduce_on(ctx, local_norms, "sum", None, "auto", None, tag)
-        t = time.perf_counter()
-        k = min(nchunks, math.ceil(density * nchunks))
-        order = np.lexsort((np.arange(nchunks), -norms))  # by norm, descending; ties: lower index
-        ids = np.sort(order[:k]).astype(np.int64)
-        times["selection"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        packed_len = k * chunk - (chunk * nchunks - n if k and ids[-1] == nchunks - 1 else 0)
-        packed = ops.empty(packed_len, dtype)
-        device_ids = ops.index_array(ids)
-        ops.pack(packed, self._v, device_ids, chunk)
-        ops.fence()
-        times["pack"] = time.perf_counter() - t
-
-        allreduce_on(ctx, packed, self.op, packed, "auto", self.compression, tag)
+            t = time.perf_counter()
+            packed_len = k * chunk - (chunk * nchunks - n if k and ids[-1] == nchunks - 1 else 0)
+            packed = ops.empty(packed_len, dtype)
+            device_ids = ops.index_array(ids)
+            ops.pack(packed, v_new, device_ids, chunk)
+            times["pack"] = time.perf_counter() - t
+            if self.compression:
+                self._allreduce_fp16(ctx, ops, packed, v_new, device_ids, norms[ids], tag)
+            else:
+                ops.fence()
+                allreduce_on(ctx, packed, self.op, packed, "auto", None, tag)
+                ops.zero_chunks(v_new, device_ids, chunk)  # all of it was sent
+        except MismatchError as exc:
+            raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
 
         t = time.perf_counter()
         result, flat_result = self._new_result(grad, ops, dtype, shape)
         ops.scatter_add(flat_result, packed, device_ids, chunk)
-        ops.zero_chunks(self._v, device_ids, chunk)
-        ops.zero_chunks(self._u, device_ids, chunk)
+        if momentum:
+            ops.zero_chunks(u_new, device_ids, chunk)
         ops.fence()
         times["scatter-add + clear"] = time.perf_counter() - t
 
-        payload = packed_len * (2 if self.compression else np.dtype(dtype).itemsize)
-        self.stats = {
+        payload = packed_len * (WIRE_DTYPE.itemsize if self.compression else np.dtype(dtype).itemsize)
+        stats = {
             "step": self.step_count, "density": density, "chunks": nchunks, "chunks_sent": k,
             "payload_bytes": payload, "norm_bytes": 4 * nchunks, "dense_bytes": n * np.dtype(dtype).itemsize,
             "seconds": times,
         }  # fmt: skip
-        self.step_count += 1
+        self._staged = ((u_new, v_new), ops, shape, stats)
         return result
+
+    def _allreduce_fp16(self, ctx: CommContext, ops, packed, v_new, ids, selected_norms, tag) -> None:
+        """Allreduce `packed` as float16 and leave the reduced values in it. The payload is scaled by a
+        power of two so that no chunk's bound (its allreduced L1 norm, over the world size for a mean)
+        exceeds _WIRE_BOUND; what this rank's rounding to float16 left out stays in v_new."""
+        size = ctx.size
+        bound = float(selected_norms.max()) if selected_norms.size else 0.0
+        if self.op == "mean":
+            bound /= size
+        scale = 1.0
+        while bound * scale > _WIRE_BOUND:
+            scale *= 0.5
+        per_rank = scale / size if self.op == "mean" else scale  # the mean divides before the cast
+        wire = ops.empty(packed.size, WIRE_DTYPE)
+        ops.cast_scaled(wire, packed, per_rank)
+        unsent = ops.empty(packed.size, packed.dtype)
+        ops.cast_scaled(unsent, wire, -1.0 / per_rank)  # minus what was sent, in the residual's units
+        ops.scatter_add(v_new, unsent, ids, self.chunk_elems)  # v_new = v_new - sent: the rounding stays
+        ops.fence()
+        allreduce_on(ctx, wire, "sum", wire, "auto", None, tag)
+        if ops.cast_scaled(packed, wire, 1.0 / scale):
+            raise CompressionOverflowError(
+                "SparseAllreduce with compression='fp16': the float16 sum holds inf or NaN; this step was "
+                "not applied and every rank's residual is as before it"
+            )
+
+    def commit(self) -> None:
+        """Make the last step's new residual the state. A direct call commits at once; LazyAllreduce
+        commits each segment's step when the whole fused step has succeeded on every rank."""
+        if self._staged is None:
+            return
+        (state, self._ops, self._shape, self.stats), self._staged = self._staged, None
+        self._spare, self._state = self._state, state
+        self.step_count += 1
+
+    def discard(self) -> None:
+        """Forget the last step: the state stays as before it."""
+        self._staged = None
 
     @staticmethod
     def _new_result(grad, ops, dtype, shape):

@@ -13,6 +13,7 @@ wrap NumPy arrays, and a bare __cuda_array_interface__ object's pointer is read 
 """
 
 import os
+import sys
 
 import numpy as np
 from numba import cuda
@@ -85,7 +86,17 @@ def prepare_out(x, out, dtype, count: int, name: str = "out"):
         raise ValueError(f"{name}: expected {count} elements, got {int(np.prod(shape, dtype=np.int64))}")
     if not contiguous:
         raise ValueError(f"{name} must be C-contiguous")
+    if not writable(out):
+        raise ValueError(f"{name} is read-only; the result is written into it: pass a writable array")
+    sync_producer(out)  # work queued on out's own stream may still read or write it
     return out
+
+
+def writable(x) -> bool:
+    """Whether x may be written (__cuda_array_interface__'s read-only flag; the simulator's array)."""
+    if SIMULATED and type(x).__name__ == "FakeCUDAArray":
+        return bool(x._ary.flags.writeable)
+    return not x.__cuda_array_interface__["data"][1]
 
 
 def device_view(x):
@@ -111,6 +122,36 @@ def sync_producer(x) -> None:
         cuda.external_stream(stream).synchronize()
     else:
         cuda.synchronize()
+
+
+def on_callers_device(fn, *inputs):
+    """fn, wrapped to run on gflow's background thread as if in the caller's: on the caller's current
+    device (CUDA's current device is per thread), after the work that produced `inputs` on the
+    caller's streams (an event recorded now; CuPy and torch report the current stream of the thread
+    that asks, so the engine thread cannot find it itself)."""
+    if SIMULATED:
+        return fn
+    device_id = cuda.get_current_device().id
+    events = []
+    for x in inputs:
+        stream = x.__cuda_array_interface__.get("stream")
+        if stream:
+            event = cuda.event(timing=False)
+            event.record(cuda.external_stream(stream))
+            events.append(event)
+        else:
+            cuda.synchronize()
+
+    def run():
+        cuda.select_device(device_id)
+        cupy = sys.modules.get("cupy")
+        if cupy is not None:
+            cupy.cuda.Device(device_id).use()
+        for event in events:
+            event.synchronize()
+        return fn()
+
+    return run
 
 
 def new_like(x, shape, dtype):

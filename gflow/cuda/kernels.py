@@ -120,13 +120,17 @@ def scatter_add(dst, packed, ids, chunk):
 
 
 @cuda.jit
-def accumulate(u, v, g, momentum):
-    """u = momentum * u + g; v += u (Deep Gradient Compression's momentum correction)."""
+def accumulate(u_out, v_out, u, v, g, momentum):
+    """u_out = momentum * u + g; v_out = v + u_out (Deep Gradient Compression's momentum correction).
+    Outputs may be the inputs; with momentum 0, u and u_out are not touched (they may be empty)."""
     i, stride = cuda.grid(1), cuda.gridsize(1)
     while i < v.size:
-        w = momentum * u[i] + g[i]
-        u[i] = w
-        v[i] += w
+        if momentum == 0:
+            v_out[i] = v[i] + g[i]
+        else:
+            w = momentum * u[i] + g[i]
+            u_out[i] = w
+            v_out[i] = v[i] + w
         i += stride
 
 

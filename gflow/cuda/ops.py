@@ -91,11 +91,11 @@ def scatter_add(dst, packed, ids, chunk: int) -> None:
         kernels.scatter_add[blocks, threads](dst, packed, ids, chunk)
 
 
-def accumulate(u, v, g, momentum: float) -> None:
-    """u = momentum * u + g; v += u (residual accumulation with momentum correction)."""
+def accumulate(u_out, v_out, u, v, g, momentum: float) -> None:
+    """u_out = momentum * u + g; v_out = v + u_out (outputs may be the inputs; u unused at momentum 0)."""
     if v.size:
         blocks, threads = _grid(v.size)
-        kernels.accumulate[blocks, threads](u, v, g, v.dtype.type(momentum))
+        kernels.accumulate[blocks, threads](u_out, v_out, u, v, g, v.dtype.type(momentum))
 
 
 def zero_chunks(x, ids, chunk: int) -> None:
@@ -128,7 +128,7 @@ def to_numpy(x) -> np.ndarray:
     return x.copy_to_host()
 
 
-def accumulate_norms(u, v, g, momentum: float, chunk: int):
-    """accumulate() then chunk_norms() of v (two kernels on the device, where each is one pass)."""
-    accumulate(u, v, g, momentum)
-    return chunk_norms(v, chunk)
+def accumulate_norms(u_out, v_out, u, v, g, momentum: float, chunk: int):
+    """accumulate() then chunk_norms() of v_out (two kernels on the device, where each is one pass)."""
+    accumulate(u_out, v_out, u, v, g, momentum)
+    return chunk_norms(v_out, chunk)
