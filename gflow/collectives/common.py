@@ -61,8 +61,11 @@ def allgather_flat(ctx: CommContext, rows, nrows: int, row_elems: int, ops, dtyp
 
 
 def broadcast_flat(ctx: CommContext, buf, ops, dtype, root: int, kind: str = "host") -> None:
-    """Overwrite the flat buf with root's, on every rank."""
+    """Overwrite the flat buf with root's, on every rank: one Bcast per piece of at most
+    ring.MAX_MESSAGE_BYTES (the ranks agreed on buf's size, so they cut the same pieces)."""
     _agree(ctx, signature("broadcast", "mpi", buf.size, dtype, None, extra=root, kind=kind))
     if ctx.size > 1:
         ops.fence()
-        ctx.comm.Bcast([ops.buffer(buf), MPI.BYTE], root)
+        step = ring.piece_elems(dtype)
+        for lo in range(0, buf.size, step):
+            ctx.comm.Bcast([ops.buffer(buf[lo : lo + step]), MPI.BYTE], root)

@@ -12,6 +12,11 @@ so the result does not depend on who looks at it.
 Allgather, steps i = 0 .. p-2: rank r sends chunk (r-i) mod p and receives chunk (r-i-1) mod p straight
 into place. After p-1 steps every rank holds every chunk: copies of the reduced ones, bitwise equal.
 
+Message sizes: reduce-scatter moves segments of config.ring_segment_bytes (at most MAX_MESSAGE_BYTES). An allgather step whose
+chunks fit in MAX_MESSAGE_BYTES is one Sendrecv; longer chunks go in pieces of at most that size, all
+posted at once (nonblocking) and waited for together; messages between one pair on one tag do not
+overtake each other, so piece j lands in piece j.
+
 Traffic: each phase sends (p-1)/p * N elements per rank, so the allreduce sends 2(p-1)/p * N, the
 lower bound for any allreduce (baidu-allreduce, Patarasuk & Yuan 2009); the price is 2(p-1) message
 latencies, which is why small messages take recursive doubling instead.
@@ -23,6 +28,9 @@ from mpi4py import MPI
 from .._config import config
 from .._context import TAG_RING_AG, TAG_RING_RS, CommContext
 
+# MPI-3 libraries (Open MPI 4, say) count in C ints: a single message of 2**31 bytes or more may fail.
+MAX_MESSAGE_BYTES = 2**30
+
 
 def chunk_bounds(n: int, p: int) -> list[int]:
     """Offsets of the p chunks of n elements (np.array_split's layout): chunk c is [b[c], b[c+1])."""
@@ -31,6 +39,11 @@ def chunk_bounds(n: int, p: int) -> list[int]:
     for c in range(p):
         bounds.append(bounds[-1] + base + (1 if c < extra else 0))
     return bounds
+
+
+def piece_elems(dtype) -> int:
+    """Elements of dtype per message: as many whole elements as fit in MAX_MESSAGE_BYTES."""
+    return max(1, MAX_MESSAGE_BYTES // np.dtype(dtype).itemsize)
 
 
 def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) -> None:
@@ -47,7 +60,7 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
         return
     widest = max(bounds[c + 1] - bounds[c] for c in range(p))
     itemsize = np.dtype(buf.dtype).itemsize
-    seg = max(1, min(widest, config.ring_segment_bytes // itemsize))
+    seg = max(1, min(widest, config.ring_segment_bytes // itemsize, piece_elems(buf.dtype)))
     scratch = ctx.scratch("ring_tmp", 2 * seg, buf.dtype, ops)
     landing = (scratch[:seg], scratch[seg:])  # segment j lands in landing[j % 2]
     right, left = (r + 1) % p, (r - 1) % p
@@ -86,18 +99,28 @@ def allgather(ctx: CommContext, buf, ops, bounds: list[int]) -> None:
     """Ring allgather in place: chunk `rank` of `buf` is this rank's; afterwards buf holds all chunks."""
     p, r = ctx.size, ctx.rank
     right, left = (r + 1) % p, (r - 1) % p
-    sendrecv, buffer = ctx.sendrecv, ops.buffer
+    sendrecv, buffer, step = ctx.sendrecv, ops.buffer, piece_elems(buf.dtype)
     for i in range(p - 1):
         s = (r - i) % p
         c = (r - i - 1) % p
-        sendrecv(
-            [buffer(buf[bounds[s] : bounds[s + 1]]), MPI.BYTE],
-            right,
-            TAG_RING_AG,
-            [buffer(buf[bounds[c] : bounds[c + 1]]), MPI.BYTE],
-            left,
-            TAG_RING_AG,
-        )
+        send, recv = buf[bounds[s] : bounds[s + 1]], buf[bounds[c] : bounds[c + 1]]
+        if send.size <= step and recv.size <= step:
+            sendrecv(
+                [buffer(send), MPI.BYTE], right, TAG_RING_AG, [buffer(recv), MPI.BYTE], left, TAG_RING_AG
+            )
+            continue
+        # Either branch sends a chunk as ceil(size / step) messages, and an empty one as one empty
+        # message, so the neighbours' messages pair up whichever branch each of them takes.
+        comm = ctx.comm
+        requests = [
+            comm.Irecv([buffer(recv[lo : lo + step]), MPI.BYTE], left, TAG_RING_AG)
+            for lo in range(0, max(recv.size, 1), step)
+        ]
+        requests += [
+            comm.Isend([buffer(send[lo : lo + step]), MPI.BYTE], right, TAG_RING_AG)
+            for lo in range(0, max(send.size, 1), step)
+        ]
+        ctx.waitall(requests)
 
 
 def allreduce(ctx: CommContext, src, buf, ops, op: str) -> None:
