@@ -71,7 +71,6 @@ class CommContext:
         self._scratch = {}
         self.rd_plans = {}  # recursive_doubling._Plan by call signature
         self._background = None
-        self._owed_reset = None  # the handle of a rejection queued on the background context
         self.is_background = background
         self.failed = None  # set on a background context by its first failed collective
         # How this context waits for its messages: the caller's thread blocks in MPI (lowest latency);
@@ -107,8 +106,6 @@ class CommContext:
         """A second context, on its own duplicate, for the engine thread's collectives: they run
         while the caller's thread may run blocking ones on this context, and must not meet them.
         Made on first use; that is a collective call, as every rank's first async call is."""
-        if self._owed_reset is not None:
-            self._settle_rejection()
         if self._background is None:
             self._background = CommContext(self._user_comm, background=True)
         return self._background
@@ -124,21 +121,6 @@ class CommContext:
             buf = ops.empty(max(nbytes, 64), np.uint8)
             self._scratch[key] = buf
         return buf[:nbytes].view(dtype)
-
-    def owe_reset(self, handle) -> None:
-        """This rank rejected its arguments to a background collective (`handle` runs the rejection on
-        the engine). Its peers learn of it as a failed handle and reset their background context
-        when they wait on it; this rank, which has no handle to wait on, does the same at its next
-        use of the background context (background()), so every rank resets at the same point."""
-        self._owed_reset = handle
-
-    def _settle_rejection(self) -> None:
-        handle, self._owed_reset = self._owed_reset, None
-        try:
-            handle.wait()
-        except Exception:  # noqa: BLE001 - the caller already got this rank's own error
-            pass
-        self.reset_background()
 
     def reset_background(self) -> None:
         """Drop a failed background context, so the next async call makes a fresh one. Called from

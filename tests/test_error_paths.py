@@ -22,31 +22,36 @@ def expect(exc_type, fn, match=None):
 @pytest.mark.parallel([2, 3])
 def test_rejected_async_call_keeps_the_background_channel_in_step():
     # Defect 1: the last rank's async call is rejected locally (uint8); the others' wait() raises.
-    # Then steps 2, 3, 4 must give step * size everywhere (they gave 5.0, then hung).
+    # Then steps 2, 3, 4 must give step * size everywhere (they gave 5.0, then hung). The bad rank's
+    # error comes from its handle, so every rank's program takes the same path.
     bad = WORLD.rank == LAST
 
     def failing_step():
         if bad:
-            expect(TypeError, lambda: gflow.allreduce_async(np.ones(16, np.uint8)), "unsupported dtype")
+            handle = gflow.allreduce_async(np.ones(16, np.uint8))
+            expect(TypeError, handle.wait, "unsupported dtype")
         else:
             handle = gflow.allreduce_async(np.ones(16, np.float32))
-            expect(
-                gflow.MismatchError, handle.wait, f"rank {LAST} called allreduce with arguments it rejected"
-            )
+            expect(gflow.MismatchError, handle.wait, f"rank {LAST} called allreduce with arguments it rej")
 
     on_all_ranks(failing_step, "rejected async call")
     for step in (2, 3, 4):
         got = gflow.allreduce_async(np.full(16, step, np.float32)).wait(timeout=20)
-        on_all_ranks(
-            lambda got=got, step=step: np.testing.assert_array_equal(got, step * WORLD.size), f"{step}"
-        )
-    # Two rejections in a row, and every rank rejecting: still in step.
+        on_all_ranks(lambda got=got, step=step: np.testing.assert_array_equal(got, step * WORLD.size))
+    # Calls queued behind the rejected one fail alike on every rank (the reviewer's second case: they
+    # returned 15 instead of 7, then hung); one rank, then every rank, rejecting.
     for bad_ranks in ({LAST}, set(range(WORLD.size))):
         for _ in range(2):
+            first = gflow.allreduce_async(np.ones(4), op="prod" if WORLD.rank in bad_ranks else "sum")
+            second = gflow.allreduce_async(np.full(4, 3.0))
             if WORLD.rank in bad_ranks:
-                on_all_ranks(lambda: expect(ValueError, lambda: gflow.allreduce_async(np.ones(4), op="prod")))
+                on_all_ranks(lambda first=first: expect(ValueError, first.wait, "op: expected"))
             else:
-                on_all_ranks(lambda: expect(gflow.MismatchError, gflow.allreduce_async(np.ones(4)).wait))
+                on_all_ranks(lambda first=first: expect(gflow.MismatchError, first.wait))
+            if len(bad_ranks) < WORLD.size:
+                on_all_ranks(lambda second=second: expect(gflow.GflowError, second.wait, "earlier"))
+            else:  # all rejected alike: nothing failed collectively, the next call works
+                on_all_ranks(lambda s=second: np.testing.assert_array_equal(s.wait(), 3.0 * WORLD.size))
         got = gflow.allreduce_async(np.full(8, 7.0)).wait(timeout=20)
         on_all_ranks(lambda got=got: np.testing.assert_array_equal(got, 7.0 * WORLD.size))
 
@@ -294,7 +299,8 @@ def test_read_only_out_is_refused_before_any_data_moves():
     readonly_x = x.copy()
     readonly_x.flags.writeable = False
     on_all_ranks(lambda: expect(ValueError, lambda: gflow.allreduce(readonly_x, out=readonly_x), "read-only"))
-    on_all_ranks(lambda: expect(ValueError, lambda: gflow.LazyAllreduce().push(readonly_x), "read-only"))
+    lazy = gflow.LazyAllreduce()
+    on_all_ranks(lambda: expect(ValueError, lambda: push_step(lazy, [readonly_x]), "read-only"))
     on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))
 
 
@@ -327,3 +333,57 @@ def test_sparse_paths_accept_mpi_ops():
     on_all_ranks(lambda: push_step(lazy, [work]))
     np.testing.assert_allclose(work, dense, rtol=1e-6, atol=1e-5)
     expect(ValueError, lambda: gflow.SparseAllreduce(op=MPI.MAX), "'mean' or 'sum'")
+
+
+# What the review of the fixes above found, one reproducer each.
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_strided_push_after_good_pushes_fails_every_rank():
+    # The push fast path (dtype already checked) skipped the layout check's reject path: peers hung.
+    lazy = gflow.LazyAllreduce(threshold_bytes=10**6, op="sum")
+    good = np.ones(100, np.float32)
+    strided = np.ones(200, np.float32)[::2] if WORLD.rank == LAST else np.ones(100, np.float32)
+    error = ValueError if WORLD.rank == LAST else gflow.MismatchError
+    on_all_ranks(lambda: expect(error, lambda: push_step(lazy, [good, strided])), "strided second push")
+    np.testing.assert_array_equal(good, 1.0)
+    again = [np.ones(100, np.float32), np.ones(100, np.float32)]
+    on_all_ranks(lambda: push_step(lazy, again), "next step")
+    np.testing.assert_array_equal(again[1], WORLD.size)
+
+
+@pytest.mark.parallel([2, 3])
+def test_sparse_refuses_float16_on_one_rank_without_hanging():
+    # float16 passed the dtype check, then the host kernel raised NotImplementedError outside the
+    # reject path: the peers hung in the norms exchange.
+    g = np.ones(64, np.float16 if WORLD.rank == LAST else np.float32)
+    csc = gflow.SparseAllreduce(density=0.5, chunk_elems=8)
+    error = TypeError if WORLD.rank == LAST else gflow.MismatchError
+    on_all_ranks(lambda: expect(error, lambda: csc(g)))
+    on_all_ranks(lambda: np.testing.assert_array_equal(csc(np.ones(64, np.float32)).sum(), 64 * 0.5))
+
+
+@pytest.mark.parallel([2, 3])
+def test_sparse_sends_huge_and_tiny_finite_gradients():
+    # float32 chunk norms overflowed on finite values (2e38, or 1e36 x 1024 in one chunk) and the step
+    # was refused as NaN/inf forever; gradients of 1e-9 were never sent with fp16 (the scale only
+    # went down).
+    for g, compression, op in [
+        (np.full(4, 2e38, np.float32), "fp16", "mean"),
+        (np.full(1024, 1e36, np.float32), "fp16", "sum"),
+        (np.full(64, 1e300), None, "sum"),
+        (np.full(64, 1e-9, np.float32), "fp16", "sum"),
+    ]:
+        csc = gflow.SparseAllreduce(density=1.0, chunk_elems=1024, op=op, compression=compression)
+        expected = g.astype(np.float64) * (WORLD.size if op == "sum" else 1)
+        on_all_ranks(lambda csc=csc, g=g, e=expected: np.testing.assert_allclose(csc(g), e, rtol=2**-10))
+
+
+@pytest.mark.parallel([2])
+def test_gradient_buffers_with_sparse_fp16():
+    # The pool holds full precision when segments are sparse, so it was refused for the wrong reason.
+    lazy = gflow.LazyAllreduce(op="sum", compression="fp16", sparse={"density": 1.0, "chunk_elems": 16})
+    (grad,) = lazy.gradient_buffers([(40,)])
+    grad[...] = 2.0
+    on_all_ranks(lambda: push_step(lazy, [grad]))
+    np.testing.assert_allclose(grad, 2.0 * WORLD.size)

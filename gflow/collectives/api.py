@@ -84,13 +84,21 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
     return allreduce_on(context(comm), x, op, out, algorithm, compression)
 
 
-def reject_in_background(parent: CommContext, collective: str) -> None:
-    """reject() for a collective bound for the background thread: queued there, in this rank's
-    order, so it meets the peers' collective of the same position; the background context is then
-    reset at this rank's next background call, as the peers reset theirs when they see the failure."""
+def rejected_in_background(parent: CommContext, collective: str, error: Exception):
+    """The Handle of a background collective whose arguments failed this rank's checks: its rejection
+    runs on the engine in this rank's order, where it meets the peers' collective of the same
+    position (theirs then fail with MismatchError), and wait() raises `error`. Reporting it through
+    the handle rather than at once keeps every rank's program on the same path: each waits on the
+    handle of that call and resets the background channel there, whatever it had queued behind it."""
     ctx = parent.background()
-    handle = engine.submit(f"{collective} (rejected arguments)", lambda: reject(ctx, collective), ctx=ctx)
-    parent.owe_reset(handle)
+
+    def run():
+        reject(ctx, collective)
+        raise error
+
+    return engine.submit(
+        f"{collective} (rejected arguments)", run, ctx=ctx, on_failure=parent.reset_background
+    )
 
 
 def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
@@ -98,7 +106,8 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compr
 
     Arguments as for allreduce; they are checked now, in the caller's thread. Every rank must start
     its async collectives in the same order. Do not modify x (or read out) until the handle is done.
-    Bad arguments raise here; the peers' handles for this call then fail with MismatchError.
+    Bad arguments are reported by the handle: on this rank wait() raises the TypeError/ValueError,
+    on its peers MismatchError (see rejected_in_background for why not at once).
 
     Returns:
         A Handle: done() tells whether it has finished, wait() returns the result (out, or a new
@@ -109,9 +118,8 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compr
     parent = context(comm)
     try:
         ops = check_allreduce(x, op, out, algorithm, compression, need_out=False)[0]
-    except Exception:
-        reject_in_background(parent, "allreduce")
-        raise
+    except Exception as exc:
+        return rejected_in_background(parent, "allreduce", exc)
     ctx = parent.background()
     run = lambda: allreduce_on(ctx, x, op, out, algorithm, compression)  # noqa: E731
     if ops.kind == "device":

@@ -11,8 +11,10 @@ checksum of everything pushed so far in the step, and flush() ends the step with
 exchange of the segment count and the final checksum. A different order, size or number of tensors
 on any rank therefore fails a segment (or that final exchange) on every rank with a GflowError; the
 background channel then fails whatever else each rank had queued, so no rank waits for calls its
-peers will never make. A push whose own arguments are bad raises on that rank at once and ends its
-step there; its rejection is queued in the background, so the peers' flush() fails too.
+peers will never make. A push whose own arguments are bad is reported by flush(): the step does
+nothing more on that rank, its rejection is queued behind the segments already fired, and every
+rank's flush() fails (that rank's with its TypeError/ValueError), so every rank's program stays on
+the same path (push ... flush) and the next step works.
 
 A step is all or nothing: results are written into the pushed arrays (pool views included) only after
 every segment and the final exchange succeeded on every rank, and sparse segments commit their new
@@ -32,7 +34,7 @@ from .._context import context
 from .._validate import DTYPE_CODE, check_op, signature
 from ..compression import WIRE_DTYPE, check_compression, decode, encode
 from ..errors import CompressionOverflowError
-from .api import allreduce_on, reject_in_background
+from .api import allreduce_on, rejected_in_background
 from .recursive_doubling import allreduce_with_agreement
 from .sparse import SparseAllreduce
 
@@ -105,25 +107,35 @@ class LazyAllreduce:
         self._pending_bytes = 0
         self._fired: list = []  # (handle, members to write the result into, SparseAllreduce or None)
         self._checksum = 0
+        self._error = None  # the error of a push that failed its checks: flush() raises it
 
-    def _abandon_step(self) -> None:
-        """This rank's step failed its local checks: it is over here (nothing was written anywhere),
-        and the rejection is queued behind the segments already fired, so the peers' flush fails."""
-        self._reset()
-        reject_in_background(context(self._comm), "lazy")
+    def _fail_step(self, error: Exception) -> None:
+        """This rank's step failed its local checks: it does nothing more until flush() raises
+        `error`. The rejection is queued behind the segments already fired, where it meets the peers'
+        next segment or final exchange, so their flush() fails too."""
+        if self._error is None:
+            self._error = error
+            self._members, self._member_arrays, self._pending_bytes = [], [], 0
+            self._fired.append((rejected_in_background(context(self._comm), "lazy", error), [], None))
 
     def push(self, grad) -> None:
         """Queue grad for reduction; the result is written into it by flush(). Do not modify grad
         until then.
 
-        Raises:
-            TypeError, ValueError: grad is not a writable, C-contiguous array of a dtype this op
-                takes. That ends the step on this rank (do not call flush() for it); the peers'
-                flush() raises MismatchError. The arrays pushed so far keep their values.
+        A grad that is not a writable, C-contiguous array of a dtype this op takes fails the step:
+        flush() raises its TypeError/ValueError here and MismatchError on the other ranks.
         """
-        if type(grad) is np.ndarray and grad.dtype is self._checked_dtype and grad.flags.writeable:
+        if self._error is not None:
+            return  # this step already failed here
+        flags = getattr(grad, "flags", None)
+        if (
+            type(grad) is np.ndarray
+            and grad.dtype is self._checked_dtype
+            and flags.writeable
+            and flags.c_contiguous
+        ):
             ops, dtype = host, grad.dtype  # checked for the previous push: the common case, kept cheap
-            flat = _flat(grad, ops)
+            flat = grad.reshape(-1)
         else:
             try:
                 ops, dtype = check_array(grad, "grad")
@@ -132,9 +144,9 @@ class LazyAllreduce:
                     check_compression(self.compression, dtype)
                 check_writable(grad, "grad")
                 flat = _flat(grad, ops)
-            except Exception:
-                self._abandon_step()
-                raise
+            except Exception as exc:
+                self._fail_step(exc)
+                return
             self._checked_dtype = dtype if ops is host else None
         if self._members and (flat.dtype != self._members[0][0].dtype or ops is not self._members[0][1]):
             self._fire()  # a segment holds one dtype and one kind of memory
@@ -181,12 +193,14 @@ class LazyAllreduce:
         if self.sparse:
             csc = self._csc.get(index)
             if csc is not None and csc.residual is not None and csc.residual.size != total:
-                self._abandon_step()
-                raise ValueError(
-                    f"LazyAllreduce(sparse=...): segment {index} holds {total} elements in this step and "
-                    f"{csc.residual.size} in earlier ones; each sparse segment keeps its own residual, so "
-                    "every step must push the same tensors in the same order"
+                self._fail_step(
+                    ValueError(
+                        f"LazyAllreduce(sparse=...): segment {index} holds {total} elements in this step "
+                        f"and {csc.residual.size} in earlier ones; each sparse segment keeps its own "
+                        "residual, so every step must push the same tensors in the same order"
+                    )
                 )
+                return
             if csc is None:
                 csc = self._csc[index] = SparseAllreduce(op=name, compression=self.compression, **self.sparse)
             checksum = self._checksum
@@ -214,10 +228,10 @@ class LazyAllreduce:
 
         Give the shapes in the order the gradients will be pushed. Writing each gradient into its
         array and pushing that array costs no copy into the pool; flush() copies the results back
-        into it once the whole step has succeeded. Without compression only (with "fp16" the pool
-        holds float16, so pushing casts anyway).
+        into it once the whole step has succeeded. Not with dense compression="fp16" (the pool would
+        hold float16, so pushing casts anyway); sparse segments keep full precision, so they may.
         """
-        if self.compression:
+        if self.compression and not self.sparse:
             raise ValueError(
                 "gradient_buffers: the pool is float16 with compression='fp16'; push ordinary arrays"
             )
@@ -245,34 +259,33 @@ class LazyAllreduce:
         """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
 
         Raises:
+            TypeError, ValueError: one of this rank's pushes in this step failed its checks (the
+                other ranks raise MismatchError). Nothing was written anywhere.
             GflowError (MismatchError): the ranks pushed different sizes, orders or numbers of tensors,
-                or one rank's push raised; on every rank, and the pushed arrays keep their local
+                or another rank's push failed; on every rank, and the pushed arrays keep their local
                 values (sparse residuals too).
             NonFiniteError: with sparse, a gradient held inf or NaN on some rank (on every rank; a
                 CompressionOverflowError with compression="fp16"); nothing was changed.
-            CompressionOverflowError: with compression="fp16" and no sparse, a reduced value is inf or
-                NaN (on every rank; the pushed arrays hold the reduced values, inf/NaN included).
+            CompressionOverflowError: with dense compression="fp16", a reduced value is inf or NaN (on
+                every rank; the pushed arrays hold the reduced values, inf/NaN included).
         """
-        self._fire()
         ctx = context(self._comm).background()
-        ends = signature(
-            "lazy", "recursive_doubling", len(self._fired), np.dtype(np.int64), None, extra=self._checksum
-        )
-        capacity = config.small_message_bytes
-        fired, marker = (
-            self._fired,
-            engine.submit(
-                "lazy allreduce flush",
-                lambda: ctx.check_usable() or allreduce_with_agreement(ctx, ends, capacity),
-                ctx=ctx,
-            ),
-        )
+        if self._error is None:
+            self._fire()
+        if self._error is None:  # the final exchange: one segment count and checksum per rank
+            ends = signature(
+                "lazy", "recursive_doubling", len(self._fired), np.dtype(np.int64), None, extra=self._checksum
+            )
+            capacity = config.small_message_bytes
+            final = lambda: ctx.check_usable() or allreduce_with_agreement(ctx, ends, capacity)  # noqa: E731
+            self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx), [], None))
+        fired, error = self._fired, self._error
         self._reset()
-        results, error = [], None
-        for handle in [h for h, _, _ in fired] + [marker]:
+        results = []
+        for handle, _, _ in fired:
             try:
                 results.append(handle.wait())
-            except Exception as exc:  # noqa: BLE001 - the first one is raised below, after all finished
+            except Exception as exc:  # noqa: BLE001 - raised below, once every segment has finished
                 error = error or exc
         if error is not None:
             for _, _, csc in fired:
@@ -281,7 +294,7 @@ class LazyAllreduce:
             context(self._comm).reset_background()
             raise error
         overflow = False
-        for (_, members, csc), result in zip(fired, results, strict=False):
+        for (_, members, csc), result in zip(fired, results, strict=True):
             if csc is not None:
                 csc.commit()
             offset = 0
@@ -292,7 +305,8 @@ class LazyAllreduce:
                 else:
                     ops.copy(flat, piece)
                 offset += flat.size
-            members[0][1].fence()
+            if members:
+                members[0][1].fence()
         if overflow:
             raise CompressionOverflowError(
                 "LazyAllreduce with compression='fp16': a reduced value is inf or NaN; scale the gradients "

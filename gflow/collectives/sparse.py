@@ -11,9 +11,11 @@ up to every gradient pushed (divided by the world size for "mean").
 
 With compression="fp16" the packed chunks travel as float16, scaled by a power of two chosen from the
 allreduced norms (which every rank already holds, so no message is added): a chunk's norm bounds every
-value and every partial sum in it, so the float16 payload cannot overflow. What each rank's float16
-rounding did not send stays in its residual; only the float16 rounding of the sums themselves is not
-kept anywhere.
+value and every partial sum in it, so the float16 payload cannot overflow, and small gradients are
+scaled up into float16's range instead of vanishing. What each rank's float16 rounding did not send
+stays in its residual; only the float16 rounding of the sums themselves is not kept anywhere. Norms
+travel as float32, clipped for finite chunks too large for float32 sums and NaN for chunks holding
+NaN or inf, so a huge gradient is still sent and a non-finite one fails the step on every rank.
 
 A step is atomic: the new residual is written beside the old one and becomes the state only when the
 step has succeeded on every rank (commit()), so a step that raises (ranks disagree, a NaN or inf
@@ -43,6 +45,20 @@ DEFAULT_CHUNK_ELEMS = 1024
 # The float16 payload is scaled so that every chunk's bound is at most this: half of float16's
 # largest value (65504), leaving room for the rounding of the bound and of partial sums.
 _WIRE_BOUND = 2.0**15
+_MIN_SCALE, _MAX_SCALE = 2.0**-149, 2.0**100  # the scale stays a float32 (subnormal at the bottom)
+# A chunk norm goes on the wire as float32, clipped here per rank so that the sum over any number of
+# ranks up to 2**20 stays finite: a huge but finite gradient is then sent, not mistaken for inf.
+_SATURATED = float(np.finfo(np.float32).max) * 2.0**-21
+
+
+def _wire_norms(ops, norms, v, chunk: int):
+    """The float32 chunk norms to allreduce: NaN for a chunk holding NaN or inf (every rank then
+    refuses the step), at most _SATURATED for a finite one whose norm is too large for float32 sums
+    (checked again in float64, only for those chunks)."""
+    for c in np.flatnonzero(~(norms <= _SATURATED)):
+        values = ops.to_numpy(v[c * chunk : (c + 1) * chunk])
+        norms[c] = _SATURATED if np.isfinite(values).all() else np.nan
+    return norms
 
 
 class SparseAllreduce:
@@ -115,8 +131,11 @@ class SparseAllreduce:
 
     def _check(self, grad):
         ops, dtype = check_array(grad, "grad")
-        if dtype.kind != "f":
-            raise TypeError(f"SparseAllreduce needs a floating gradient, got {dtype}")
+        if dtype.kind != "f" or dtype.itemsize < 4:
+            raise TypeError(
+                f"SparseAllreduce needs a floating gradient of float32 or float64 (the residual "
+                f"accumulates in its dtype), got {dtype}"
+            )
         if ops.kind == "device":
             from ..cuda import arrays
 
@@ -157,22 +176,22 @@ class SparseAllreduce:
         leaves this object as it was. `extra` (an int < 2**63) is folded into what the ranks agree
         on (LazyAllreduce's push-order checksum)."""
         self._staged = None
-        try:
+        times = {}
+        try:  # everything before the first message: a failure here must reach the peers
             ops, dtype, shape, g = self._check(grad)
+            n, chunk, momentum = g.size, self.chunk_elems, self.momentum
+            u, v = self._state or (ops.zeros(n if momentum else 0, dtype), ops.zeros(n, dtype))
+            u_new, v_new = self._spare or (ops.empty(n if momentum else 0, dtype), ops.empty(n, dtype))
+            nchunks = (n + chunk - 1) // chunk
+            density = self.current_density()
+            tag = ("sparse", self._fingerprint(n, dtype, density, extra))
+            t = time.perf_counter()
+            norms = ops.to_numpy(ops.accumulate_norms(u_new, v_new, u, v, g, momentum, chunk))
+            local_norms = _wire_norms(ops, norms, v_new, chunk)
+            times["residual + norms"] = time.perf_counter() - t
         except Exception:
             reject(ctx, "sparse")
             raise
-        n, chunk, momentum = g.size, self.chunk_elems, self.momentum
-        u, v = self._state or (ops.zeros(n if momentum else 0, dtype), ops.zeros(n, dtype))
-        u_new, v_new = self._spare or (ops.empty(n if momentum else 0, dtype), ops.empty(n, dtype))
-        nchunks = (n + chunk - 1) // chunk
-        density = self.current_density()
-        tag = ("sparse", self._fingerprint(n, dtype, density, extra))
-        times = {}
-
-        t = time.perf_counter()
-        local_norms = ops.to_numpy(ops.accumulate_norms(u_new, v_new, u, v, g, momentum, chunk))
-        times["residual + norms"] = time.perf_counter() - t
         try:
             norms = allreduce_on(ctx, local_norms, "sum", None, "auto", None, tag)
             if not np.isfinite(norms).all():
@@ -221,15 +240,21 @@ class SparseAllreduce:
 
     def _allreduce_fp16(self, ctx: CommContext, ops, packed, v_new, ids, selected_norms, tag) -> None:
         """Allreduce `packed` as float16 and leave the reduced values in it. The payload is scaled by a
-        power of two so that no chunk's bound (its allreduced L1 norm, over the world size for a mean)
-        exceeds _WIRE_BOUND; what this rank's rounding to float16 left out stays in v_new."""
+        power of two that brings the largest chunk bound (its allreduced L1 norm, over the world size
+        for a mean) just under _WIRE_BOUND: no sum can overflow, and small gradients use float16's
+        precision instead of vanishing below its range. What this rank's rounding to float16 left
+        out stays in v_new."""
         size = ctx.size
         bound = float(selected_norms.max()) if selected_norms.size else 0.0
+        if bound >= _SATURATED:  # a rank's norm may have been clipped: bound by the dtype's range
+            bound = float(np.finfo(packed.dtype).max) * self.chunk_elems * size
         if self.op == "mean":
             bound /= size
-        scale = 1.0
-        while bound * scale > _WIRE_BOUND:
+        scale = 1.0  # a power of two bringing the bound just under _WIRE_BOUND, up or down
+        while bound * scale > _WIRE_BOUND and scale > _MIN_SCALE:
             scale *= 0.5
+        while 0 < bound * scale * 2 <= _WIRE_BOUND and scale < _MAX_SCALE:
+            scale *= 2.0
         per_rank = scale / size if self.op == "mean" else scale  # the mean divides before the cast
         wire = ops.empty(packed.size, WIRE_DTYPE)
         ops.cast_scaled(wire, packed, per_rank)
