@@ -133,6 +133,9 @@ class CommContext:
     def free(self):
         if self._user_comm is None:  # already freed
             return
+        # Marked first: completing a pending Idup can complete the user's own deferred Comm_free, whose
+        # attribute callback (_delete_context) calls this again, inside MPI; it must then do nothing.
+        self._user_comm = None
         if self._background is not None:
             self._background.free()
         if not MPI.Is_finalized():
@@ -140,7 +143,6 @@ class CommContext:
                 plan.free()
             self.rd_plans.clear()
             self.comm.Free()
-        self._user_comm = None
 
 
 def _free_all() -> None:

@@ -387,3 +387,14 @@ def test_gradient_buffers_with_sparse_fp16():
     grad[...] = 2.0
     on_all_ranks(lambda: push_step(lazy, [grad]))
     np.testing.assert_allclose(grad, 2.0 * WORLD.size)
+
+
+@pytest.mark.parallel([2])
+def test_freeing_a_communicator_used_only_for_async_calls():
+    # Completing gflow's pending duplicate at exit completed the user's deferred Comm_free, whose
+    # attribute callback freed the same context again inside MPI: MPICH aborted the job at exit.
+    for _ in range(3):
+        comm = WORLD.Dup()
+        got = gflow.allreduce_async(np.ones(4), comm=comm).wait(timeout=20)
+        comm.Free()
+        np.testing.assert_array_equal(got, WORLD.size)
