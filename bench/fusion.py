@@ -15,7 +15,8 @@ layer's gradient appears and is communicated:
     lazy + overlap        push each gradient as it appears (segments go out while compute goes on)
     lazy + fp16 + overlap the same with compression="fp16"
 (The lazy contenders' gradients live in the fusion pool, LazyAllreduce.gradient_buffers, as DDP's
-gradient_as_bucket_view: pushing costs no copy. With fp16 the pool is float16, so pushing casts.)
+gradient_as_bucket_view: pushing costs no copy; flush() copies the results back, except in "lazy,
+reduced in place" (reduce_in_place=True). With fp16 the pool is float16, so pushing casts.)
 Without compute (ratio 0) an iteration is the communication alone, on the gradients as they are.
     single buffer (+fp16) one allreduce of all the bytes at once, no compute: the floor for fusion
     compute only          the compute alone
@@ -129,8 +130,11 @@ def worker(args) -> None:
     layer_reps = [round(args.ratio * t_comm * n / total / compute.seconds_each) for n in sizes]
     lazy = gflow.LazyAllreduce(threshold_bytes=args.threshold, op="mean")
     pooled = lazy.gradient_buffers([(n,) for n in sizes])  # gradients living in the fusion pool
-    for g, v in zip(pooled, pristine, strict=True):
+    lazy_ip = gflow.LazyAllreduce(threshold_bytes=args.threshold, op="mean")
+    pooled_ip = lazy_ip.gradient_buffers([(n,) for n in sizes], reduce_in_place=True)
+    for g, g_ip, v in zip(pooled, pooled_ip, pristine, strict=True):
         g[...] = v
+        g_ip[...] = v
     lazy16 = gflow.LazyAllreduce(threshold_bytes=args.threshold, op="mean", compression="fp16")
 
     def backward(on_grad, into=grads):
@@ -149,11 +153,11 @@ def worker(args) -> None:
         for h in handles:
             h.wait()
 
-    def lazy_after():
-        backward(lambda g: None, pooled)
-        for g in pooled:
-            lazy.push(g)
-        lazy.flush()
+    def lazy_after(fuser=lazy, into=pooled):
+        backward(lambda g: None, into)
+        for g in into:
+            fuser.push(g)
+        fuser.flush()
 
     def lazy_overlap(fuser=lazy, into=pooled):
         backward(fuser.push, into)
@@ -163,6 +167,7 @@ def worker(args) -> None:
         "per-tensor": per_tensor,
         "per-tensor + overlap": per_tensor_overlap,
         "lazy": lazy_after,
+        "lazy, reduced in place": lambda: lazy_after(lazy_ip, pooled_ip),
         "lazy + overlap": lazy_overlap,
         "lazy + fp16 + overlap": lambda: lazy_overlap(lazy16, grads),
         "single buffer": single,
@@ -178,6 +183,7 @@ def worker(args) -> None:
     wire = {
         "per-tensor": sum(wire_bytes(int(b), p, small) for b in nbytes),
         "lazy": sum(wire_bytes(s, p, small) for s in segments),
+        "lazy, reduced in place": sum(wire_bytes(s, p, small) for s in segments),
         "lazy + fp16": sum(wire_bytes(s // 2, p, small) for s in segments),
         "single buffer": wire_bytes(int(nbytes.sum()), p, small),
         "single buffer, fp16": wire_bytes(int(nbytes.sum()) // 2, p, small),

@@ -238,10 +238,11 @@ def test_lazy_argument_errors():
 
 
 @pytest.mark.parallel([1, 3])
-def test_lazy_gradient_buffers_live_in_the_pool():
+@pytest.mark.parametrize("reduce_in_place", [False, True])
+def test_lazy_gradient_buffers_live_in_the_pool(reduce_in_place):
     shapes = [(3, 5), (1000,), (7,), (40, 50), (2,)]
     lazy = gflow.LazyAllreduce(threshold_bytes=4 * 1500, op="sum")
-    grads = lazy.gradient_buffers(shapes)
+    grads = lazy.gradient_buffers(shapes, reduce_in_place=reduce_in_place)
     assert [g.shape for g in grads] == shapes
     rng = rank_rng(17)
     for step in range(2):
@@ -265,3 +266,5 @@ def test_lazy_gradient_buffers_live_in_the_pool():
     assert all(any(np.shares_memory(g, pool) for pool in lazy._pool) for g in grads)
     with pytest.raises(ValueError, match="float16"):
         gflow.LazyAllreduce(compression="fp16").gradient_buffers([(3,)])
+    with pytest.raises(ValueError, match="dense segments"):
+        gflow.LazyAllreduce(sparse={"density": 0.5}).gradient_buffers([(3,)], reduce_in_place=True)
