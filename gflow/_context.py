@@ -122,12 +122,14 @@ class CommContext:
             self._scratch[key] = buf
         return buf[:nbytes].view(dtype)
 
-    def reset_background(self) -> None:
-        """Drop a failed background context, so the next async call makes a fresh one. Called from
-        the caller's thread where the failure is observed (Handle.wait, LazyAllreduce.flush): every
-        rank observes it at the same call, so the fresh duplicate is made collectively."""
-        if self._background is not None and self._background.failed is not None:
-            self._background.free()
+    def reset_background(self, failed: "CommContext") -> None:
+        """Drop the background context `failed` if it is still the current one and did fail, so the
+        next async call makes a fresh one. Called from the caller's thread where a failure on it is
+        observed (Handle.wait, LazyAllreduce.flush): every rank observes it at the same call, so the
+        fresh duplicate is made collectively. Only the context the failed work ran on is dropped:
+        a newer one may be failing too, but whether it is marked yet depends on timing."""
+        if self._background is failed and failed.failed is not None:
+            failed.free()
             self._background = None
 
     def free(self):

@@ -22,8 +22,9 @@ class Handle:
     """An operation in flight. Holds every buffer the operation uses, so none can be freed before
     it finishes, whatever the caller drops."""
 
-    def __init__(self, description: str, keep: tuple, on_failure=None):
+    def __init__(self, description: str, keep: tuple, on_failure=None, ctx=None):
         self.description = description
+        self.context = ctx  # the background CommContext the operation runs on (or None)
         self._keep = keep
         self._on_failure = on_failure
         self._finished = threading.Event()
@@ -45,7 +46,7 @@ class Handle:
         self._keep = ()
         if self._error is not None:
             if self._on_failure is not None:  # it acts only where the failure was collective
-                self._on_failure()
+                self._on_failure(self.context)
             raise self._error
         return self._result
 
@@ -65,7 +66,7 @@ class Engine:
         self._lock = threading.Lock()
 
     def submit(self, description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
-        handle = Handle(description, keep, on_failure)
+        handle = Handle(description, keep, on_failure, ctx)
         with self._lock:
             if self._thread is None:
                 if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -113,6 +114,6 @@ def shutdown(timeout: float = 10.0) -> None:
 def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
     """Run fn() on the background thread after everything submitted before it; return its Handle.
     A GflowError from fn marks `ctx` (a background CommContext) failed: see CommContext.check_usable;
-    on_failure runs in the caller's thread when Handle.wait raises (CommContext.reset_background, which
-    acts only on a context marked failed)."""
+    on_failure(ctx) runs in the caller's thread when Handle.wait raises (CommContext.reset_background,
+    which acts only on a context marked failed)."""
     return _engine.submit(description, fn, keep, ctx, on_failure)

@@ -299,10 +299,11 @@ class LazyAllreduce:
             except Exception as exc:  # noqa: BLE001 - raised below, once every segment has finished
                 error = error or exc
         if error is not None:
-            for _, _, csc in fired:
+            parent = context(self._comm)
+            for handle, _, csc in fired:
                 if csc is not None:
                     csc.discard()
-            context(self._comm).reset_background()
+                parent.reset_background(handle.context)
             raise error
         overflow = False
         for (_, members, csc), result in zip(fired, results, strict=True):

@@ -15,7 +15,9 @@ value and every partial sum in it, so the float16 payload cannot overflow, and s
 scaled up into float16's range instead of vanishing. What each rank's float16 rounding did not send
 stays in its residual; only the float16 rounding of the sums themselves is not kept anywhere. Norms
 travel as float32, clipped for finite chunks too large for float32 sums and NaN for chunks holding
-NaN or inf, so a huge gradient is still sent and a non-finite one fails the step on every rank.
+NaN or inf, so a huge gradient is still sent (a step whose norms are beyond any float32 scale, about
+2**115, sends its chunks uncompressed: every rank sees the same norms, so every rank agrees) and a
+non-finite one fails the step on every rank.
 
 A step is atomic: the new residual is written beside the old one and becomes the state only when the
 step has succeeded on every rank (commit()), so a step that raises (ranks disagree, a NaN or inf
@@ -45,19 +47,23 @@ DEFAULT_CHUNK_ELEMS = 1024
 # The float16 payload is scaled so that every chunk's bound is at most this: half of float16's
 # largest value (65504), leaving room for the rounding of the bound and of partial sums.
 _WIRE_BOUND = 2.0**15
-_MIN_SCALE, _MAX_SCALE = 2.0**-149, 2.0**100  # the scale stays a float32 (subnormal at the bottom)
-# A chunk norm goes on the wire as float32, clipped here per rank so that the sum over any number of
-# ranks up to 2**20 stays finite: a huge but finite gradient is then sent, not mistaken for inf.
-_SATURATED = float(np.finfo(np.float32).max) * 2.0**-21
+# The scale's range: it and its inverse stay normal float32 numbers (the ops take float32 scales).
+_MIN_SCALE, _MAX_SCALE = 2.0**-100, 2.0**100
 
 
-def _wire_norms(ops, norms, v, chunk: int):
+def _norm_limit(size: int) -> float:
+    """The largest chunk norm a rank puts on the wire: the float32 sum over `size` ranks stays finite."""
+    return float(np.finfo(np.float32).max) / size * (1 - 2.0**-10)
+
+
+def _wire_norms(ops, norms, v, chunk: int, size: int):
     """The float32 chunk norms to allreduce: NaN for a chunk holding NaN or inf (every rank then
-    refuses the step), at most _SATURATED for a finite one whose norm is too large for float32 sums
-    (checked again in float64, only for those chunks)."""
-    for c in np.flatnonzero(~(norms <= _SATURATED)):
+    refuses the step), at most _norm_limit(size) for a finite one whose norm is larger (checked
+    again, only for those chunks, on the values themselves)."""
+    limit = _norm_limit(size)
+    for c in np.flatnonzero(~(norms <= limit)):
         values = ops.to_numpy(v[c * chunk : (c + 1) * chunk])
-        norms[c] = _SATURATED if np.isfinite(values).all() else np.nan
+        norms[c] = limit if np.isfinite(values).all() else np.nan
     return norms
 
 
@@ -187,7 +193,7 @@ class SparseAllreduce:
             tag = ("sparse", self._fingerprint(n, dtype, density, extra))
             t = time.perf_counter()
             norms = ops.to_numpy(ops.accumulate_norms(u_new, v_new, u, v, g, momentum, chunk))
-            local_norms = _wire_norms(ops, norms, v_new, chunk)
+            local_norms = _wire_norms(ops, norms, v_new, chunk, ctx.size)
             times["residual + norms"] = time.perf_counter() - t
         except Exception:
             reject(ctx, "sparse")
@@ -212,11 +218,16 @@ class SparseAllreduce:
             device_ids = ops.index_array(ids)
             ops.pack(packed, v_new, device_ids, chunk)
             times["pack"] = time.perf_counter() - t
-            if self.compression:
-                self._allreduce_fp16(ctx, ops, packed, v_new, device_ids, norms[ids], tag)
-            else:
+            scale = self._fp16_scale(norms[ids], ctx.size) if self.compression else None
+            if scale is not None:
+                self._allreduce_fp16(ctx, ops, packed, v_new, device_ids, scale, tag)
+            else:  # uncompressed, or values beyond float16's reach even scaled (every rank agrees)
+                op = self.op
+                if self.compression and op == "mean":  # huge values: divide first, as fp16 would
+                    ops.cast_scaled(packed, packed, 1.0 / ctx.size)
+                    op = "sum"
                 ops.fence()
-                allreduce_on(ctx, packed, self.op, packed, "auto", None, tag)
+                allreduce_on(ctx, packed, op, packed, "auto", None, tag)
                 ops.zero_chunks(v_new, device_ids, chunk)  # all of it was sent
         except MismatchError as exc:
             raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
@@ -229,7 +240,7 @@ class SparseAllreduce:
         ops.fence()
         times["scatter-add + clear"] = time.perf_counter() - t
 
-        payload = packed_len * (WIRE_DTYPE.itemsize if self.compression else np.dtype(dtype).itemsize)
+        payload = packed_len * (WIRE_DTYPE.itemsize if scale is not None else np.dtype(dtype).itemsize)
         stats = {
             "step": self.step_count, "density": density, "chunks": nchunks, "chunks_sent": k,
             "payload_bytes": payload, "norm_bytes": 4 * nchunks, "dense_bytes": n * np.dtype(dtype).itemsize,
@@ -238,23 +249,29 @@ class SparseAllreduce:
         self._staged = ((u_new, v_new), ops, shape, stats)
         return result
 
-    def _allreduce_fp16(self, ctx: CommContext, ops, packed, v_new, ids, selected_norms, tag) -> None:
-        """Allreduce `packed` as float16 and leave the reduced values in it. The payload is scaled by a
-        power of two that brings the largest chunk bound (its allreduced L1 norm, over the world size
-        for a mean) just under _WIRE_BOUND: no sum can overflow, and small gradients use float16's
-        precision instead of vanishing below its range. What this rank's rounding to float16 left
-        out stays in v_new."""
-        size = ctx.size
+    def _fp16_scale(self, selected_norms, size: int):
+        """The power of two that brings the largest bound of the selected chunks (its allreduced L1
+        norm, over the world size for a mean) just under _WIRE_BOUND, so no float16 sum can overflow
+        and small gradients keep float16's precision; None where no float32 scale can (norms beyond
+        about 2**115, or clipped on some rank): that step's payload then goes uncompressed."""
         bound = float(selected_norms.max()) if selected_norms.size else 0.0
-        if bound >= _SATURATED:  # a rank's norm may have been clipped: bound by the dtype's range
-            bound = float(np.finfo(packed.dtype).max) * self.chunk_elems * size
+        if bound >= _norm_limit(size):  # a rank's norm may have been clipped: the bound is unknown
+            return None
         if self.op == "mean":
             bound /= size
-        scale = 1.0  # a power of two bringing the bound just under _WIRE_BOUND, up or down
-        while bound * scale > _WIRE_BOUND and scale > _MIN_SCALE:
+        scale = 1.0
+        while bound * scale > _WIRE_BOUND:
             scale *= 0.5
+            if scale < _MIN_SCALE:
+                return None
         while 0 < bound * scale * 2 <= _WIRE_BOUND and scale < _MAX_SCALE:
             scale *= 2.0
+        return scale
+
+    def _allreduce_fp16(self, ctx: CommContext, ops, packed, v_new, ids, scale: float, tag) -> None:
+        """Allreduce `packed` as float16, scaled by `scale` (see _fp16_scale), and leave the reduced
+        values in it. What this rank's rounding to float16 left out stays in v_new."""
+        size = ctx.size
         per_rank = scale / size if self.op == "mean" else scale  # the mean divides before the cast
         wire = ops.empty(packed.size, WIRE_DTYPE)
         ops.cast_scaled(wire, packed, per_rank)
