@@ -13,6 +13,12 @@ import faulthandler
 import os
 import sys
 
+# One BLAS/OpenMP thread per process: up to 4 ranks share 2 cores here, and several BLAS threads each
+# thrash them. Set before NumPy loads its BLAS; the ranks mpi-pytest spawns inherit it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 # Without GFLOW_TEST_GPU=1 the CUDA kernels run on Numba's simulator (set before anything imports numba).
 if os.environ.get("GFLOW_TEST_GPU") != "1":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
