@@ -169,6 +169,16 @@ class LazyAllreduce:
         dtype = WIRE_DTYPE if cast else np.dtype(members[0][0].dtype)
         total = sum(m.size for m, _ in members)
         index = len(self._fired)
+        csc = self._csc.get(index) if self.sparse else None
+        if csc is not None and csc.residual is not None and csc.residual.size != total:
+            self._fail_step(
+                ValueError(
+                    f"LazyAllreduce(sparse=...): segment {index} holds {total} elements in this step "
+                    f"and {csc.residual.size} in earlier ones; each sparse segment keeps its own "
+                    "residual, so every step must push the same tensors in the same order"
+                )
+            )
+            return
         buffer = self._buffers[index] if index < len(self._buffers) else None
         if buffer is None or buffer.size != total or buffer.dtype != dtype:
             buffer = ops.empty(total, dtype)
@@ -193,18 +203,7 @@ class LazyAllreduce:
                     ops.copy(piece, flat)
                 offset += flat.size
             ops.fence()
-        csc = None
         if self.sparse:
-            csc = self._csc.get(index)
-            if csc is not None and csc.residual is not None and csc.residual.size != total:
-                self._fail_step(
-                    ValueError(
-                        f"LazyAllreduce(sparse=...): segment {index} holds {total} elements in this step "
-                        f"and {csc.residual.size} in earlier ones; each sparse segment keeps its own "
-                        "residual, so every step must push the same tensors in the same order"
-                    )
-                )
-                return
             if csc is None:
                 csc = self._csc[index] = SparseAllreduce(op=name, compression=self.compression, **self.sparse)
             checksum = self._checksum
