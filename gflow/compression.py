@@ -126,3 +126,44 @@ class LossScaler:
             self._scale *= self.growth_factor
             self._good_steps = 0
         return True
+
+    def _settings(self) -> dict:
+        return {
+            "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval, "min_scale": self.min_scale,
+        }  # fmt: skip
+
+    def state_dict(self) -> dict:
+        """The scale and its counters, with the settings and world size, for a checkpoint (the same
+        on every rank: the scale is agreed by all of them)."""
+        from . import _state as st
+
+        state = st.header("LossScaler")
+        state.update(self._settings())
+        state.update(
+            world_size=st.world(self._comm)[1],
+            scale=self._scale,
+            good_steps=self._good_steps,
+            skipped_steps=self.skipped_steps,
+        )
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict().
+
+        Raises:
+            ValueError: the state was saved with other settings or at another world size, or is
+                malformed. Nothing is changed then.
+        """
+        from . import _state as st
+
+        who = "LossScaler.load_state_dict"
+        st.check_header(state, "LossScaler", who)
+        st.check_equal(state, self._settings(), who)
+        st.check_world_size(state, st.world(self._comm)[1], who)
+        scale = st.get(state, "scale", who)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < np.inf:
+            raise ValueError(f"{who}: scale must be a positive finite number, got {scale!r}")
+        good = st.get_count(state, "good_steps", who)
+        skipped = st.get_count(state, "skipped_steps", who)
+        self._scale, self._good_steps, self.skipped_steps = float(scale), good, skipped

@@ -323,3 +323,73 @@ class LazyAllreduce:
                 "LazyAllreduce with compression='fp16': a reduced value is inf or NaN; scale the gradients "
                 "down (gflow.LossScaler) or use compression=None"
             )
+
+    def _settings(self) -> dict:
+        from .._state import compression_name
+
+        sparse = None
+        if self.sparse is not None:  # as SparseAllreduce reads them, so {} and the defaults compare equal
+            csc = SparseAllreduce(op=self.op, compression=self.compression, **self.sparse)
+            sparse = {k: v for k, v in csc._settings().items() if k not in ("op", "compression")}
+        return {
+            "threshold_bytes": self.threshold_bytes, "op": self.op,
+            "compression": compression_name(self.compression), "sparse": sparse,
+        }  # fmt: skip
+
+    def _in_step(self) -> bool:
+        return bool(self._members or self._fired or self._error is not None)
+
+    def state_dict(self) -> dict:
+        """The settings, the world size and, with sparse=, each segment's SparseAllreduce state
+        (keyed by segment index; per rank: every rank saves its own). Dense fusion keeps nothing
+        from step to step besides its settings.
+
+        Raises:
+            RuntimeError: a step is in flight (pushed, not flushed).
+        """
+        from .. import _state as st
+
+        if self._in_step():
+            raise RuntimeError("LazyAllreduce.state_dict: a step is in flight (pushed, not flushed)")
+        rank, size = st.world(self._comm)
+        segments = {}
+        for index, csc in sorted(self._csc.items()):
+            segment = csc.state_dict()
+            # The segments' SparseAllreduce objects run on this object's communicator (see _fire).
+            segment["rank"], segment["world_size"] = rank, size
+            segments[index] = segment
+        state = st.header("LazyAllreduce")
+        state.update(self._settings())
+        state.update(world_size=size, segments=segments)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict() of this rank.
+
+        Raises:
+            ValueError: the state was saved with other settings, at another world size or (sparse)
+                on another rank, or is malformed. Nothing is changed then.
+            RuntimeError: a step is in flight (pushed, not flushed).
+        """
+        from .. import _state as st
+
+        who = "LazyAllreduce.load_state_dict"
+        if self._in_step():
+            raise RuntimeError(f"{who}: a step is in flight (pushed, not flushed); load between steps")
+        st.check_header(state, "LazyAllreduce", who)
+        st.check_equal(state, self._settings(), who)
+        st.check_world_size(state, st.world(self._comm)[1], who)
+        segments = st.get(state, "segments", who)
+        if not isinstance(segments, dict):
+            raise ValueError(f"{who}: segments must be a dict, got {type(segments).__name__}")
+        if segments and self.sparse is None:
+            raise ValueError(f"{who}: the state holds sparse segments; this object is dense")
+        loaded = {}
+        for index, segment in segments.items():
+            csc = SparseAllreduce(op=self.op, compression=self.compression, comm=self._comm, **self.sparse)
+            try:
+                csc.load_state_dict(segment)
+            except ValueError as exc:
+                raise ValueError(f"{who}: segment {index}: {exc}") from None
+            loaded[int(index)] = csc
+        self._csc = loaded

@@ -310,3 +310,87 @@ class SparseAllreduce:
             return result, flat
         flat = np.zeros(int(np.prod(shape, dtype=np.int64)), dtype)
         return flat.reshape(shape), flat
+
+    def _settings(self) -> dict:
+        from .._state import compression_name
+
+        return {
+            "density": self.density, "chunk_elems": self.chunk_elems, "momentum": self.momentum,
+            "warmup_steps": self.warmup_steps, "op": self.op,
+            "compression": compression_name(self.compression),
+        }  # fmt: skip
+
+    def state_dict(self) -> dict:
+        """This rank's state, for a checkpoint: settings, world size and rank, step count, and host
+        copies of the residual and velocity (None before the first step), with the gradient's shape
+        and dtype and the kind of memory they lived in.
+
+        Residuals are per rank: every rank saves its own state and loads it back on the same rank.
+
+        Raises:
+            RuntimeError: a step is in flight (inside LazyAllreduce: pushed, not flushed).
+        """
+        from .. import _state as st
+
+        if self._staged is not None:
+            raise RuntimeError("SparseAllreduce.state_dict: a step is in flight; take it between steps")
+        rank, size = st.world(self._comm)
+        u, v = self._state or (None, None)
+        state = st.header("SparseAllreduce")
+        state.update(self._settings())
+        state.update(
+            world_size=size,
+            rank=rank,
+            step_count=self.step_count,
+            residual=st.to_host(v, self._ops),
+            velocity=st.to_host(u, self._ops),
+            grad_shape=None if v is None else np.array(self._shape, dtype=np.int64),
+            grad_dtype=None if v is None else np.dtype(v.dtype).name,
+            memory=None if v is None else self._ops.kind,
+        )
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict() of this rank, into memory of the kind it was saved from.
+
+        Raises:
+            ValueError: the state was saved with other settings, at another world size or on another
+                rank (residuals are per rank: each rank must save and load its own checkpoint), or is
+                malformed. Nothing is changed then.
+            RuntimeError: a step is in flight.
+        """
+        from .. import _state as st
+
+        who = "SparseAllreduce.load_state_dict"
+        if self._staged is not None:
+            raise RuntimeError(f"{who}: a step is in flight; load between steps")
+        st.check_header(state, "SparseAllreduce", who)
+        st.check_equal(state, self._settings(), who)
+        rank, size = st.world(self._comm)
+        st.check_world_size(state, size, who)
+        saved_rank = st.get(state, "rank", who)
+        if saved_rank != rank:
+            raise ValueError(
+                f"{who}: rank differs: expected {rank} (this rank), got {saved_rank} (the state dict was "
+                "saved on another rank); residuals are per rank, so each rank must save and load its own "
+                "checkpoint"
+            )
+        step_count = st.get_count(state, "step_count", who)
+        v, u = st.get(state, "residual", who), st.get(state, "velocity", who)
+        if v is None:
+            if u is not None:
+                raise ValueError(f"{who}: the state has a velocity but no residual")
+            self._state, self._ops, self._shape = None, None, None
+        else:
+            shape = tuple(int(s) for s in st.get(state, "grad_shape", who))
+            dtype = np.dtype(st.get(state, "grad_dtype", who))
+            n = int(np.prod(shape, dtype=np.int64))
+            for name, a, length in (("residual", v, n), ("velocity", u, n if self.momentum else 0)):
+                if not isinstance(a, np.ndarray) or a.size != length or a.dtype != dtype:
+                    got = f"{a.size} {a.dtype} elements" if isinstance(a, np.ndarray) else type(a).__name__
+                    raise ValueError(f"{who}: {name}: expected {length} {dtype} elements, got {got}")
+            ops = st.ops_for_kind(st.get(state, "memory", who))
+            self._state = (st.from_host(u, ops), st.from_host(v, ops))
+            self._ops, self._shape = ops, shape
+        self._spare, self._staged, self.stats = None, None, {}
+        self.step_count = step_count
