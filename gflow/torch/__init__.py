@@ -1,0 +1,131 @@
+"""Horovod's PyTorch API on gflow: `import gflow.torch as hvd` runs scripts written for
+`import horovod.torch as hvd`, on CPU and CUDA tensors, launched with `mpiexec -n N python train.py`.
+
+    import gflow.torch as hvd
+    hvd.init()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+Where gflow differs from Horovod (each is documented where it applies): every rank must start its
+collectives in the same order (names are not used to match them); only the global process set;
+Adasum is not implemented; join() works when every rank joins; allgather/broadcast *_async run at the
+call; broadcast_optimizer_state does not step an empty optimizer. gflow's errors (MismatchError, ...)
+raised here are also HorovodInternalErrors. `import gflow` never imports torch; this module does.
+"""
+
+from ._basics import (
+    Adasum,
+    Average,
+    HorovodInternalError,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+)
+from ._ops import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    synchronize,
+)
+from .compression import Compression, Compressor
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .optimizer import DistributedOptimizer
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "Compressor",
+    "DistributedOptimizer",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "Sum",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
+    "global_process_set",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "synchronize",
+]

@@ -1,0 +1,239 @@
+"""Horovod's basics over mpi4py: init/shutdown, ranks and sizes, what is built, reduction ops, errors.
+
+`init()` takes the communicator (COMM_WORLD, an mpi4py intracommunicator, or a list of world ranks, as
+Horovod's does) and reads the topology once: local_* from MPI's COMM_TYPE_SHARED split (the ranks
+sharing a node's memory), cross_* from the split of the ranks that have the same local rank.
+"""
+
+import torch
+from mpi4py import MPI
+
+from ..errors import GflowError
+
+# Horovod's reduction ops are plain ints (its C library's enum values); so are these.
+Average = 0
+Sum = 1
+Adasum = 2
+Min = 3
+Max = 4
+Product = 5
+OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed as a whole (Horovod's name for it). gflow's own errors (gflow.GflowError:
+    MismatchError, NonFiniteError, CompressionOverflowError) raised through gflow.torch are instances
+    of this class too, so both `except hvd.HorovodInternalError` and `except gflow.MismatchError`
+    catch them."""
+
+
+_horovod_classes: dict = {}
+
+
+def as_horovod_error(exc: BaseException) -> BaseException:
+    """exc itself, or for a gflow.GflowError the same error as an instance of a class that derives
+    from both its own class and HorovodInternalError (same name, same message)."""
+    if not isinstance(exc, GflowError) or isinstance(exc, HorovodInternalError):
+        return exc
+    cls = type(exc)
+    both = _horovod_classes.get(cls)
+    if both is None:
+        both = type(cls.__name__, (cls, HorovodInternalError), {"__module__": cls.__module__})
+        both.__qualname__ = cls.__qualname__
+        _horovod_classes[cls] = both
+    new = both(*exc.args)
+    new.__traceback__ = exc.__traceback__
+    return new
+
+
+class ProcessSet:
+    """Horovod's process set. gflow.torch supports only the global one (`global_process_set`)."""
+
+    def __init__(self, ranks=None):
+        self.ranks = None if ranks is None else list(ranks)
+
+    def size(self) -> int:
+        return size() if self.ranks is None else len(self.ranks)
+
+    def rank(self) -> int:
+        return rank() if self.ranks is None else self.ranks.index(rank())
+
+    def included(self) -> bool:
+        return self.ranks is None or rank() in self.ranks
+
+    def __repr__(self) -> str:
+        return "ProcessSet(global)" if self is global_process_set else f"ProcessSet({self.ranks})"
+
+
+global_process_set = ProcessSet()
+
+
+def check_process_set(process_set, where: str) -> None:
+    if process_set is None or process_set is global_process_set:
+        return
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"{where}: process_set must be a ProcessSet, got {type(process_set).__name__}")
+    raise NotImplementedError(
+        f"{where}: gflow.torch supports only the global process set (hvd.global_process_set); "
+        f"got {process_set!r}"
+    )
+
+
+def add_process_set(process_set):
+    raise NotImplementedError(
+        "gflow.torch supports only the global process set; add_process_set is not available"
+    )
+
+
+def remove_process_set(process_set):
+    raise NotImplementedError(
+        "gflow.torch supports only the global process set; remove_process_set is not available"
+    )
+
+
+class _State:
+    comm = None  # the communicator every collective of gflow.torch runs on (gflow duplicates it)
+    rank = size = local_rank = local_size = cross_rank = cross_size = -1
+
+
+_state = _State()
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Initialise gflow.torch (collective over the communicator's ranks; calling it again re-reads it).
+
+    Args:
+        comm: None (MPI.COMM_WORLD), an mpi4py intracommunicator, or a list of ranks of COMM_WORLD
+            (a sub-communicator of those ranks is made; every rank of COMM_WORLD must call init with
+            the same list, and ranks outside it get a ValueError).
+        process_sets: None (or an empty list): only the global process set is supported.
+    """
+    if process_sets not in (None, []) and process_sets != ():
+        raise NotImplementedError(
+            "init: gflow.torch supports only the global process set (process_sets=None)"
+        )
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    elif isinstance(comm, (list, tuple)):
+        ranks = [int(r) for r in comm]
+        group = MPI.COMM_WORLD.Get_group().Incl(ranks)
+        sub = MPI.COMM_WORLD.Create(group)  # collective over COMM_WORLD: every rank calls it
+        group.Free()
+        if sub == MPI.COMM_NULL:
+            raise ValueError(f"init: this rank ({MPI.COMM_WORLD.Get_rank()}) is not in comm={ranks}")
+        comm = sub
+    elif not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        raise TypeError(
+            "init: comm must be None, an mpi4py intracommunicator or a list of ranks, "
+            f"got {type(comm).__name__}"
+        )
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
+    _state.rank, _state.size = comm.Get_rank(), comm.Get_size()
+    _state.local_rank, _state.local_size = local.Get_rank(), local.Get_size()
+    _state.cross_rank, _state.cross_size = cross.Get_rank(), cross.Get_size()
+    local.Free()
+    cross.Free()
+    _state.comm = comm
+
+
+def shutdown() -> None:
+    """Forget the communicator; is_initialized() is then False until the next init(). MPI stays up
+    (mpi4py finalizes it at exit), and async operations started before still complete."""
+    from . import _ops
+
+    _ops.forget_handles()
+    _state.comm = None
+    _state.rank = _state.size = _state.local_rank = _state.local_size = -1
+    _state.cross_rank = _state.cross_size = -1
+
+
+def is_initialized() -> bool:
+    return _state.comm is not None
+
+
+def comm():
+    """The communicator gflow.torch runs on; ValueError before init() (as Horovod)."""
+    if _state.comm is None:
+        raise ValueError("gflow.torch has not been initialized; use hvd.init().")
+    return _state.comm
+
+
+def _get(value: int) -> int:
+    if _state.comm is None:
+        raise ValueError("gflow.torch has not been initialized; use hvd.init().")
+    return value
+
+
+def rank() -> int:
+    return _get(_state.rank)
+
+
+def size() -> int:
+    return _get(_state.size)
+
+
+def local_rank() -> int:
+    return _get(_state.local_rank)
+
+
+def local_size() -> int:
+    return _get(_state.local_size)
+
+
+def cross_rank() -> int:
+    return _get(_state.cross_rank)
+
+
+def cross_size() -> int:
+    return _get(_state.cross_size)
+
+
+def is_homogeneous() -> bool:
+    """Whether every node runs the same number of ranks (collective)."""
+    sizes = comm().allgather(local_size())
+    return len(set(sizes)) == 1
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with MPI_THREAD_MULTIPLE (gflow's async collectives need it)."""
+    _get(0)
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    return True
+
+
+def mpi_built() -> bool:
+    return True
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    """True when torch was built with CUDA: gflow then reduces CUDA tensors (through Numba's CUDA
+    support, directly with a CUDA-aware MPI or staged through host memory)."""
+    return torch.version.cuda is not None

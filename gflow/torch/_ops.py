@@ -1,0 +1,737 @@
+"""Horovod's collectives on torch tensors, over gflow's collectives (tensors in, tensors out).
+
+Where this differs from Horovod, and why:
+- Every rank must start its collectives in the same order (MPI's rule, and gflow's). Names (`name=`)
+  are accepted and used only in messages, not to match operations across ranks.
+- allreduce and the allreduce_async family run on gflow's background thread (gflow.allreduce_async);
+  blocking allreduce/allreduce_ runs in the caller's thread. allgather and broadcast have no
+  background form in gflow: their *_async variants run at the call and return a finished handle
+  (errors are still raised by synchronize(), as for the others).
+- A rank whose own arguments are bad (not a tensor, not contiguous for an in-place op, a bad op...)
+  raises its TypeError/ValueError/NotImplementedError, and its peers raise MismatchError instead of
+  waiting for it (blocking calls raise at the call, async ones at synchronize()). Ranks passing
+  different element counts or dtypes raise MismatchError, a HorovodInternalError, on every rank.
+- dtypes: allreduce takes float16/32/64 and int32/64 (gflow's); allgather and broadcast move any dtype
+  (others travel as bytes). Integer Average is the sum times 1/size truncated toward zero, as
+  Horovod's scaling in C. Product is computed from an allgather (p times the memory of the tensor);
+  Adasum raises NotImplementedError.
+- Gradients: allreduce's backward is an allreduce with the same op and factors (Average and Sum only;
+  the gradient of Min/Max/Product raises NotImplementedError, where Horovod returns a meaningless one).
+  allgather's and broadcast's backward average the incoming gradients over the ranks, as Horovod's
+  does since 0.22 (each rank's loss is taken to be one of p equal shares of the objective).
+"""
+
+import itertools
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import gflow
+
+from .._context import context
+from ..collectives.api import reject, rejected_in_background
+from . import _basics
+from ._basics import Adasum, Average, Max, Min, Product, Sum, as_horovod_error, check_process_set
+from .compression import wire_compression
+
+_REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
+_MOVABLE_DIRECT = _REDUCIBLE  # moved by gflow as they are; other dtypes travel as int32 words
+_GFLOW_OP = {Sum: "sum", Min: "min", Max: "max"}
+
+
+# --- handles ---------------------------------------------------------------------------------------
+
+
+class _Pending:
+    """An operation started by an *_async call: gflow handles to wait for, then finish(results)."""
+
+    __slots__ = ("handles", "finish", "error")
+
+    def __init__(self, handles=(), finish=None, error=None):
+        self.handles = list(handles)
+        self.finish = finish
+        self.error = error
+
+
+_handle_map: dict = {}
+_counter = itertools.count()
+
+
+def _register(pending: _Pending) -> int:
+    handle = next(_counter)
+    _handle_map[handle] = pending
+    return handle
+
+
+def forget_handles() -> None:
+    _handle_map.clear()
+
+
+def poll(handle) -> bool:
+    """True once the operation of `handle` has finished; synchronize() then does not block."""
+    pending = _handle_map.get(handle)
+    if pending is None:
+        raise ValueError(f"poll: handle {handle!r} was not created or has already been synchronized")
+    return all(h.done() for h in pending.handles)
+
+
+def synchronize(handle):
+    """Wait for the operation of `handle` and return its output tensor (the input tensor itself for the
+    in-place variants; a list for the grouped ones). An unknown or already synchronized handle
+    returns None, as in Horovod.
+
+    Raises:
+        HorovodInternalError: the collective failed on every rank (gflow's MismatchError etc., which
+            are instances of it); TypeError/ValueError: this rank's own arguments were bad.
+    """
+    pending = _handle_map.pop(handle, None)
+    if pending is None:
+        return None
+    error, results = pending.error, []
+    for h in pending.handles:  # wait for all of them, even after a failure: the channel resets
+        try:
+            results.append(h.wait())
+        except Exception as exc:  # noqa: BLE001 - raised below, once all have finished
+            error = error or exc
+    if error is not None:
+        raise as_horovod_error(error).with_traceback(error.__traceback__)
+    return pending.finish(results)
+
+
+def _raise(exc):
+    raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+
+
+# --- argument checks -------------------------------------------------------------------------------
+
+
+def resolve_op(op, average, where: str):
+    """Horovod's op/average rule: op supersedes average; both given is a ValueError; default Average."""
+    if op is not None:
+        if average is not None:
+            raise ValueError(f"{where}: the op parameter supersedes average; provide only one of them")
+    elif average is not None:
+        op = Average if average else Sum
+    else:
+        op = Average
+    if isinstance(op, bool) or op not in _basics.OP_NAMES:
+        raise ValueError(f"{where}: op must be hvd.Average, Sum, Min, Max or Product, got {op!r}")
+    if op == Adasum:
+        raise NotImplementedError(f"{where}: op=hvd.Adasum is not implemented by gflow; use Average or Sum")
+    return op
+
+
+def check_tensor(tensor, where: str, arg: str = "tensor", in_place: bool = False, reduce: bool = False):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: {arg} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"{where}: {arg} is on device {tensor.device}; gflow.torch takes cpu and cuda tensors"
+        )
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{where}: {arg} must be a dense (strided) tensor, got layout {tensor.layout}")
+    if reduce and tensor.dtype not in _REDUCIBLE:
+        supported = ", ".join(str(t) for t in _REDUCIBLE)
+        raise TypeError(f"{where}: {arg} has dtype {tensor.dtype}; allreduce takes {supported}")
+    if in_place and not tensor.is_contiguous():
+        raise ValueError(
+            f"{where}: {arg} must be contiguous to be written in place; got strides {tensor.stride()} "
+            f"for shape {tuple(tensor.shape)}"
+        )
+
+
+def _check_factor(value, where: str, arg: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{where}: {arg} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _comm():
+    return _basics.comm()
+
+
+def _reject_blocking(collective: str, exc: Exception):
+    """This rank's arguments are bad: make the peers' blocking collective fail too, then raise."""
+    reject(context(_comm()), collective)
+    raise exc
+
+
+def _reject_async(collective: str, exc: Exception) -> int:
+    """As _reject_blocking, for a call whose peers queued a background collective: the rejection takes
+    this rank's place in the queue, and synchronize() raises exc."""
+    return _register(_Pending([rejected_in_background(context(_comm()), collective, exc)], None))
+
+
+# --- scaling -----------------------------------------------------------------------------------------
+
+
+def _scale_(t, factor: float) -> None:
+    """t *= factor in place; for integers, the product in float64 truncated toward zero (Horovod's C)."""
+    if factor == 1.0:
+        return
+    if t.dtype.is_floating_point:
+        t.mul_(factor)
+    else:
+        t.copy_((t.to(torch.float64) * factor).to(t.dtype))
+
+
+def _scaled(t, factor: float):
+    """A new tensor holding t * factor (as _scale_)."""
+    out = t.detach().clone(memory_format=torch.contiguous_format)
+    _scale_(out, factor)
+    return out
+
+
+# --- allreduce ---------------------------------------------------------------------------------------
+
+
+class _Plan:
+    """One allreduce, checked: what to send, how, and what to do with the result."""
+
+    def __init__(self, tensor, output, op, prescale, postscale, compression, where):
+        check_tensor(tensor, where, in_place=output is not None, reduce=True)
+        prescale = _check_factor(prescale, where, "prescale_factor")
+        postscale = _check_factor(postscale, where, "postscale_factor")
+        cname, compressor = wire_compression(compression, where)
+        if compressor is not None:
+            raise TypeError(f"{where}: only Compression.none and Compression.fp16 apply here")
+        floating = tensor.dtype.is_floating_point
+        self.gop = "mean" if (op == Average and floating) else _GFLOW_OP.get(op, "sum")
+        self.product = op == Product
+        # Integer Average: the sum, then scaled by postscale/size and truncated, as Horovod does in C.
+        self.post = postscale / _basics.size() if (op == Average and not floating) else postscale
+        self.compression = cname if (floating and tensor.dtype != torch.float16) else None
+        self.out = None if output is None else output.detach()
+        if prescale != 1.0:
+            self.src = _scaled(tensor, prescale)
+        elif output is tensor:
+            self.src = self.out  # the very object: gflow then knows it reduces in place
+        else:
+            self.src = tensor.detach().contiguous()
+        self.result_of = output  # the in-place variant returns the tensor itself
+
+    def finish(self, result):
+        _scale_(result, self.post)
+        return result if self.result_of is None else self.result_of
+
+    def run_product(self):
+        """Product: every rank multiplies all ranks' values in rank order (bitwise identical)."""
+        rows = self.src.reshape(1, -1)
+        everyone = gflow.allgather(rows, comm=_comm())
+        product = torch.prod(everyone, dim=0).reshape(self.src.shape)
+        if self.out is None:
+            return product
+        self.out.copy_(product)
+        return self.out
+
+
+def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, where):
+    try:
+        plan = _Plan(tensor, output, op, prescale, postscale, compression, where)
+    except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
+        _reject_blocking("allreduce", exc)
+    try:
+        if plan.product:
+            result = plan.run_product()
+        else:
+            result = gflow.allreduce(
+                plan.src, plan.gop, comm=_comm(), out=plan.out, compression=plan.compression
+            )
+    except gflow.GflowError as exc:
+        _raise(exc)
+    return plan.finish(result)
+
+
+def _allreduce_async(tensor, output, op, prescale, postscale, compression, where) -> int:
+    try:
+        plan = _Plan(tensor, output, op, prescale, postscale, compression, where)
+    except Exception as exc:  # noqa: BLE001
+        return _reject_async("allreduce", exc)
+    if plan.product:  # no background form: run now, report at synchronize()
+        try:
+            result = plan.run_product()
+        except Exception as exc:  # noqa: BLE001
+            return _register(_Pending(error=exc))
+        return _register(_Pending([], lambda _: plan.finish(result)))
+    h = gflow.allreduce_async(plan.src, plan.gop, comm=_comm(), out=plan.out, compression=plan.compression)
+    return _register(_Pending([h], lambda results: plan.finish(results[0])))
+
+
+def _op_args(op, average, where):
+    try:
+        return resolve_op(op, average, where), None
+    except Exception as exc:  # noqa: BLE001
+        return None, exc
+
+
+def allreduce_async(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+) -> int:
+    """Start reducing `tensor` over all ranks (not modified); return a handle for poll()/synchronize(),
+    which returns a new tensor. op: Average (default), Sum, Min, Max, Product. The result is
+    postscale_factor * op(prescale_factor * tensor)."""
+    op, exc = _op_args(op, average, "allreduce_async")
+    if exc is None:
+        exc = _process_set_error(process_set, "allreduce_async")
+    if exc is not None:
+        return _reject_async("allreduce", exc)
+    return _allreduce_async(tensor, None, op, prescale_factor, postscale_factor, None, "allreduce_async")
+
+
+def allreduce_async_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+) -> int:
+    """As allreduce_async, in place: synchronize() returns `tensor`, holding the result."""
+    op, exc = _op_args(op, average, "allreduce_async_")
+    if exc is None:
+        exc = _process_set_error(process_set, "allreduce_async_")
+    if exc is not None:
+        return _reject_async("allreduce", exc)
+    return _allreduce_async(tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_async_")
+
+
+def allreduce_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+):
+    """Reduce `tensor` over all ranks in place and return it."""
+    op, exc = _op_args(op, average, "allreduce_")
+    if exc is None:
+        exc = _process_set_error(process_set, "allreduce_")
+    if exc is not None:
+        _reject_blocking("allreduce", exc)
+    return _allreduce_blocking(tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_")
+
+
+def _process_set_error(process_set, where):
+    try:
+        check_process_set(process_set, where)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+class _AllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale, compression):
+        ctx.args = (op, prescale, postscale, compression)
+        return _allreduce_blocking(tensor, None, op, prescale, postscale, compression, "allreduce")
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, prescale, postscale, compression = ctx.args
+        if op not in (Average, Sum):
+            raise NotImplementedError(
+                f"the gradient of allreduce with op={_basics.OP_NAMES[op]} is not implemented "
+                "(Average and Sum are)"
+            )
+        grad = allreduce(
+            grad_output.contiguous(),
+            op=op,
+            compression=compression,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+        )
+        return grad, None, None, None, None
+
+
+def allreduce(
+    tensor,
+    average=None,
+    name=None,
+    compression=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=None,
+):
+    """Reduce `tensor` over all ranks and return a new tensor (the input is not modified).
+
+    Differentiable: the gradient is the allreduce of the incoming gradient with the same op and
+    factors. compression: Compression.none (default), Compression.fp16 (float16 on the wire) or a
+    compressor of your own (compress, reduce, decompress, as Horovod runs it).
+    """
+    op, exc = _op_args(op, average, "allreduce")
+    if exc is None:
+        exc = _process_set_error(process_set, "allreduce")
+    if exc is None:
+        try:
+            check_tensor(tensor, "allreduce")
+            cname, compressor = wire_compression(compression, "allreduce")
+        except Exception as error:  # noqa: BLE001
+            exc = error
+    if exc is not None:
+        _reject_blocking("allreduce", exc)
+    if compressor is not None:
+        compressed, cctx = compressor.compress(tensor)
+        reduced = _AllreduceFunction.apply(compressed, op, prescale_factor, postscale_factor, None)
+        return compressor.decompress(reduced, cctx)
+    wire = compression if cname else None
+    return _AllreduceFunction.apply(tensor, op, prescale_factor, postscale_factor, wire)
+
+
+# --- grouped allreduce -------------------------------------------------------------------------------
+
+
+def _grouped_start(tensors, in_place, op, prescale, postscale, compression, where) -> int:
+    """Fuse the tensors of each (device, dtype) into one flat buffer, allreduce each buffer in the
+    background, and split the results back (in place, or into new tensors)."""
+    try:
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"{where}: tensors must be a list of tensors, got {type(tensors).__name__}")
+        if not tensors:
+            raise ValueError(f"{where}: tensors is empty")
+        for i, t in enumerate(tensors):
+            check_tensor(t, where, f"tensors[{i}]", in_place=in_place, reduce=True)
+        groups: dict = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        plans = []
+        for members in groups.values():
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
+            plans.append((members, _Plan(flat, flat, op, prescale, postscale, compression, where)))
+    except Exception as exc:  # noqa: BLE001
+        return _reject_async("allreduce", exc)
+    handles = []
+    for _, plan in plans:
+        if plan.product:
+            handles.append(None)
+        else:
+            handles.append(
+                gflow.allreduce_async(
+                    plan.src, plan.gop, comm=_comm(), out=plan.out, compression=plan.compression
+                )
+            )
+    products = {}
+    for k, (_, plan) in enumerate(plans):
+        if plan.product:
+            try:
+                products[k] = plan.run_product()
+            except Exception as exc:  # noqa: BLE001
+                return _register(_Pending([h for h in handles if h is not None], error=exc))
+
+    def finish(results):
+        it = iter(results)
+        outputs = [None] * len(tensors)
+        for k, (members, plan) in enumerate(plans):
+            flat = plan.finish(products[k] if plan.product else next(it))
+            offset = 0
+            for i in members:
+                t = tensors[i]
+                piece = flat[offset : offset + t.numel()].view(t.shape)
+                offset += t.numel()
+                if in_place:
+                    t.detach().copy_(piece)
+                    outputs[i] = t
+                else:
+                    outputs[i] = piece.clone()
+        return outputs
+
+    return _register(_Pending([h for h in handles if h is not None], finish))
+
+
+def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, compression, where) -> int:
+    op, exc = _op_args(op, average, where)
+    if exc is None:
+        exc = _process_set_error(process_set, where)
+    if exc is not None:
+        return _reject_async("allreduce", exc)
+    return _grouped_start(tensors, in_place, op, prescale, postscale, compression, where)
+
+
+def grouped_allreduce_async(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+) -> int:
+    """Start reducing a list of tensors (fused); synchronize() returns a list of new tensors."""
+    return _grouped(
+        tensors,
+        False,
+        average,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        None,
+        "grouped_allreduce_async",
+    )
+
+
+def grouped_allreduce_async_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+) -> int:
+    """As grouped_allreduce_async, in place: synchronize() returns the tensors themselves."""
+    return _grouped(
+        tensors,
+        True,
+        average,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        None,
+        "grouped_allreduce_async_",
+    )
+
+
+def grouped_allreduce_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+):
+    """Reduce a list of tensors in place (fused); return the list."""
+    handle = _grouped(
+        tensors, True, average, op, prescale_factor, postscale_factor, process_set, None, "grouped_allreduce_"
+    )
+    return synchronize(handle)
+
+
+class _GroupedAllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, prescale, postscale, compression, *tensors):
+        ctx.args = (op, prescale, postscale, compression)
+        handle = _grouped_start(
+            list(tensors), False, op, prescale, postscale, compression, "grouped_allreduce"
+        )
+        return tuple(synchronize(handle))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, prescale, postscale, compression = ctx.args
+        if op not in (Average, Sum):
+            raise NotImplementedError(
+                f"the gradient of grouped_allreduce with op={_basics.OP_NAMES[op]} is not implemented"
+            )
+        reduced = grouped_allreduce(
+            [g.contiguous() for g in grads],
+            op=op,
+            compression=compression,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+        )
+        return (None, None, None, None, *reduced)
+
+
+def grouped_allreduce(
+    tensors,
+    average=None,
+    name=None,
+    compression=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=None,
+):
+    """Reduce a list of tensors (fused) and return a list of new tensors; differentiable."""
+    op, exc = _op_args(op, average, "grouped_allreduce")
+    if exc is None:
+        exc = _process_set_error(process_set, "grouped_allreduce")
+    if exc is None:
+        try:
+            cname, compressor = wire_compression(compression, "grouped_allreduce")
+            if not isinstance(tensors, (list, tuple)):
+                raise TypeError(
+                    f"grouped_allreduce: tensors must be a list of tensors, got {type(tensors).__name__}"
+                )
+        except Exception as error:  # noqa: BLE001
+            exc = error
+    if exc is not None:
+        return synchronize(_reject_async("allreduce", exc))
+    if compressor is not None:
+        pairs = [compressor.compress(t) for t in tensors]
+        reduced = _GroupedAllreduceFunction.apply(
+            op, prescale_factor, postscale_factor, None, *[c for c, _ in pairs]
+        )
+        return [compressor.decompress(r, cctx) for r, (_, cctx) in zip(reduced, pairs, strict=True)]
+    wire = compression if cname else None
+    return list(_GroupedAllreduceFunction.apply(op, prescale_factor, postscale_factor, wire, *tensors))
+
+
+# --- allgather ---------------------------------------------------------------------------------------
+
+
+def _to_words(t):
+    """A tensor of a dtype gflow does not move, as int32 words: (rows, words per row), each row of
+    t.shape[1:] padded to a multiple of 4 bytes."""
+    rows = t.reshape(1, -1) if t.dim() == 0 else t.reshape(t.shape[0], -1)
+    raw = rows.contiguous().view(torch.uint8)
+    nbytes = raw.shape[1]
+    padded = torch.zeros((raw.shape[0], -(-nbytes // 4) * 4), dtype=torch.uint8, device=t.device)
+    padded[:, :nbytes] = raw
+    return padded.view(torch.int32), nbytes
+
+
+def _from_words(words, nbytes, dtype, tail_shape):
+    raw = words.contiguous().view(torch.uint8)[:, :nbytes].contiguous()
+    return raw.view(dtype).reshape((words.shape[0],) + tuple(tail_shape))
+
+
+def _allgather_now(tensor, where):
+    try:
+        check_tensor(tensor, where)
+    except Exception as exc:  # noqa: BLE001
+        _reject_blocking("allgather", exc)
+    x = tensor.detach()
+    try:
+        if x.dtype in _MOVABLE_DIRECT:
+            return gflow.allgather(x.contiguous(), comm=_comm())
+        words, nbytes = _to_words(x)
+        gathered = gflow.allgather(words, comm=_comm())
+        return _from_words(gathered, nbytes, x.dtype, x.shape[1:] if x.dim() else ())
+    except gflow.GflowError as exc:
+        _raise(exc)
+
+
+def allgather_async(tensor, name=None, process_set=None) -> int:
+    """Concatenate every rank's tensor along the first dimension, in rank order (ranks may differ in
+    the first dimension only). Runs at the call; synchronize() returns the new tensor."""
+    exc = _process_set_error(process_set, "allgather_async")
+    try:
+        if exc is not None:
+            _reject_blocking("allgather", exc)
+        result = _allgather_now(tensor, "allgather_async")
+    except Exception as error:  # noqa: BLE001 - reported by synchronize(), as for the others
+        return _register(_Pending(error=error))
+    return _register(_Pending([], lambda _: result))
+
+
+class _AllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
+        ctx.scalar = tensor.dim() == 0
+        return _allgather_now(tensor, "allgather")
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        reduced = allreduce(grad_output.contiguous(), op=Average)
+        sizes = gflow.allgather(torch.tensor([ctx.dim0], dtype=torch.int64), comm=_comm())
+        offset = int(sizes[: _basics.rank()].sum())
+        grad = reduced.narrow(0, offset, ctx.dim0)
+        return grad.reshape(()) if ctx.scalar else grad
+
+
+def allgather(tensor, name=None, process_set=None):
+    """Concatenate every rank's tensor along the first dimension, in rank order; differentiable
+    (the gradient is this rank's slice of the ranks' average incoming gradient, as Horovod's)."""
+    exc = _process_set_error(process_set, "allgather")
+    if exc is None and not isinstance(tensor, torch.Tensor):
+        exc = TypeError(f"allgather: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if exc is not None:
+        _reject_blocking("allgather", exc)
+    return _AllgatherFunction.apply(tensor)
+
+
+# --- broadcast ---------------------------------------------------------------------------------------
+
+
+def _broadcast_now(tensor, root_rank, in_place: bool, where):
+    try:
+        check_tensor(tensor, where, in_place=in_place)
+        if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+            raise TypeError(f"{where}: root_rank must be an int, got {type(root_rank).__name__}")
+        if not 0 <= root_rank < _basics.size():
+            raise ValueError(f"{where}: root_rank must be in [0, {_basics.size()}), got {root_rank}")
+    except Exception as exc:  # noqa: BLE001
+        _reject_blocking("broadcast", exc)
+    x = tensor.detach()
+    try:
+        if x.dtype in _MOVABLE_DIRECT:
+            if in_place:
+                gflow.broadcast(x, int(root_rank), comm=_comm(), out=x)
+                return tensor
+            return gflow.broadcast(x.contiguous(), int(root_rank), comm=_comm())
+        words, nbytes = _to_words(x.reshape(1, -1))
+        words = gflow.broadcast(words, int(root_rank), comm=_comm())
+        result = _from_words(words, nbytes, x.dtype, (x.numel(),)).reshape(x.shape)
+    except gflow.GflowError as exc:
+        _raise(exc)
+    if in_place:
+        x.copy_(result)
+        return tensor
+    return result
+
+
+def _broadcast_async(tensor, root_rank, process_set, in_place, where) -> int:
+    exc = _process_set_error(process_set, where)
+    try:
+        if exc is not None:
+            _reject_blocking("broadcast", exc)
+        result = _broadcast_now(tensor, root_rank, in_place, where)
+    except Exception as error:  # noqa: BLE001 - reported by synchronize()
+        return _register(_Pending(error=error))
+    return _register(_Pending([], lambda _: result))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
+    """root_rank's tensor on every rank (a new tensor; the input is not modified). Runs at the call;
+    synchronize() returns the result."""
+    return _broadcast_async(tensor, root_rank, process_set, False, "broadcast_async")
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
+    """As broadcast_async, in place: synchronize() returns `tensor`, holding root_rank's values."""
+    return _broadcast_async(tensor, root_rank, process_set, True, "broadcast_async_")
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=None):
+    """Overwrite `tensor` with root_rank's values on every rank; return it."""
+    exc = _process_set_error(process_set, "broadcast_")
+    if exc is not None:
+        _reject_blocking("broadcast", exc)
+    return _broadcast_now(tensor, root_rank, True, "broadcast_")
+
+
+class _BroadcastFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank):
+        ctx.root_rank = root_rank
+        return _broadcast_now(tensor, root_rank, False, "broadcast")
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output.contiguous(), op=Average)
+        if _basics.rank() != ctx.root_rank:
+            grad = torch.zeros_like(grad)
+        return grad, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=None):
+    """root_rank's tensor on every rank, as a new tensor; differentiable (root's gradient is the ranks'
+    average incoming gradient, the others' zero, as Horovod's)."""
+    exc = _process_set_error(process_set, "broadcast")
+    if exc is None and not isinstance(tensor, torch.Tensor):
+        exc = TypeError(f"broadcast: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if exc is not None:
+        _reject_blocking("broadcast", exc)
+    return _BroadcastFunction.apply(tensor, root_rank)
+
+
+# --- barrier and join --------------------------------------------------------------------------------
+
+
+def barrier(process_set=None) -> None:
+    """Wait until every rank has reached the barrier (async operations already started go on)."""
+    check_process_set(process_set, "barrier")
+    _comm().Barrier()
+
+
+def join(device=-1) -> int:
+    """Wait until every rank has called join(); return the rank that called it last.
+
+    Horovod lets ranks that joined serve the others' allreduces with zeros, so ranks may run
+    different numbers of steps. gflow cannot: every rank must make the same collective calls. Here
+    join() works when every rank calls it (a barrier that reports the last rank to arrive, by each
+    rank's MPI.Wtime at the call: exact on one node, as good as the clocks' agreement across nodes
+    unless MPI_WTIME_IS_GLOBAL). It runs on gflow's background channel, after the async operations
+    already started: a rank still running DistributedOptimizer steps or async allreduces while the
+    others wait in join() makes every rank raise MismatchError (a HorovodInternalError) rather than
+    hang. (A blocking allreduce/allgather/broadcast facing peers in join() still waits, as in MPI.)
+    `device` is accepted and ignored.
+    """
+    arrival = torch.full((_basics.size(),), -np.inf, dtype=torch.float64)
+    arrival[_basics.rank()] = MPI.Wtime()
+    try:
+        latest = gflow.allreduce_async(arrival, "max", comm=_comm()).wait()
+    except gflow.GflowError as exc:
+        _raise(exc)
+    return int(torch.argmax(latest).item())  # ties: the lowest rank

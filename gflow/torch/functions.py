@@ -1,0 +1,188 @@
+"""Horovod's helpers: broadcast_parameters, broadcast_optimizer_state, broadcast_object, allgather_object.
+
+Objects travel pickled (torch tensors inside them pickle as tensors); the bytes go through gflow's
+broadcast/allgather like any tensor, so ranks that call different collectives fail together with
+MismatchError instead of hanging.
+"""
+
+import pickle
+from collections.abc import Mapping
+
+import torch
+
+import gflow
+
+from . import _basics, _ops
+
+
+def _payload(obj) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes padded to a multiple of 4, as int32 words (a dtype gflow moves)."""
+    padded = torch.zeros(-(-raw.numel() // 4) * 4, dtype=torch.uint8)
+    padded[: raw.numel()] = raw
+    return padded.view(torch.int32)
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """Return root_rank's obj (pickled, broadcast, unpickled) on every rank.
+
+    Typical use: `state = hvd.broadcast_object(optimizer.state_dict(), 0)`.
+    """
+    comm = _basics.comm()
+    if _basics.rank() == root_rank:
+        words = _words(_payload(obj))
+        length = torch.tensor([words.numel()], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    _ops.broadcast_(length, root_rank)
+    if _basics.rank() != root_rank:
+        words = torch.empty(int(length[0]), dtype=torch.int32)
+    try:
+        gflow.broadcast(words, root_rank, comm=comm, out=words)
+    except gflow.GflowError as exc:
+        _ops._raise(exc)
+    if _basics.rank() == root_rank:
+        return obj
+    return pickle.loads(words.view(torch.uint8).numpy().tobytes())
+
+
+def allgather_object(obj, name=None) -> list:
+    """Return the list of every rank's obj, in rank order."""
+    comm = _basics.comm()
+    raw = _payload(obj)
+    sizes = _ops.allgather(torch.tensor([raw.numel()], dtype=torch.int64))
+    try:
+        gathered = gflow.allgather(_words(raw), comm=comm).view(torch.uint8)
+    except gflow.GflowError as exc:
+        _ops._raise(exc)
+    objects, offset = [], 0
+    for n in sizes.tolist():
+        objects.append(pickle.loads(gathered[offset : offset + n].numpy().tobytes()))
+        offset += -(-n // 4) * 4
+    return objects
+
+
+def broadcast_parameters(params, root_rank=0) -> None:
+    """Overwrite each tensor in place with root_rank's values (every rank starts from the same weights).
+
+    Args:
+        params: model.state_dict(), a dict name -> tensor (broadcast in sorted name order), or a list
+            (or any iterable: model.parameters(), model.named_parameters()) of tensors or of
+            (name, tensor) pairs, in the same order on every rank. Any dtype.
+        root_rank: the rank whose values are sent.
+    """
+    if isinstance(params, Mapping):
+        items = list(params.items())
+        try:
+            items.sort(key=lambda item: item[0])
+        except TypeError:
+            pass  # names that do not compare: the dict's own order
+    elif isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
+        raise ValueError(f"broadcast_parameters: invalid params of type {type(params).__name__}")
+    else:
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    for _, tensor in items:
+        _ops.broadcast_(tensor, root_rank)
+
+
+class _Slot:
+    """A tensor's place in a pickled optimizer state: its index in the list broadcast separately."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index, shape, dtype):
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+    def __getstate__(self):
+        return (self.index, self.shape, self.dtype)
+
+    def __setstate__(self, state):
+        self.index, self.shape, self.dtype = state
+
+
+def _split(value, tensors: list):
+    """value with every tensor replaced by a _Slot (its host copy appended to `tensors`)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().to("cpu", copy=True).contiguous())
+        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _split(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_split(v, tensors) for v in value)
+    return value
+
+
+def _join(value, tensors: list):
+    if isinstance(value, _Slot):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _join(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_join(v, tensors) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
+    """Make every rank's optimizer state (per-parameter state and the param groups' settings, e.g.
+    the learning rate) root_rank's.
+
+    The structure travels pickled; the state tensors travel through gflow's broadcast, fused by
+    dtype. Unlike Horovod, an optimizer whose state is still empty is not stepped with zero
+    gradients first (that step changes the parameters under weight decay, and Adam's step count):
+    every rank just gets root's (empty) state. For a DistributedOptimizer, gflow's own per-rank
+    state (CSC residuals) is left alone. `model` is accepted and ignored.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "broadcast_optimizer_state: optimizer must be a torch.optim.Optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
+    wrapped = getattr(optimizer, "_gflow_wrapped", False)
+    is_root = _basics.rank() == root_rank
+    tensors: list = []
+    skeleton = None
+    if is_root:
+        state = optimizer._wrapped_state_dict() if wrapped else optimizer.state_dict()
+        skeleton = _split(state, tensors)
+    skeleton = broadcast_object(skeleton, root_rank)
+    if not is_root:
+        slots: list = []
+        _collect_slots(skeleton, slots)
+        tensors = [None] * len(slots)
+        for slot in slots:
+            tensors[slot.index] = torch.empty(slot.shape, dtype=slot.dtype)
+    by_dtype: dict = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        members = by_dtype[dtype]
+        flat = torch.cat([tensors[i].reshape(-1) for i in members]) if is_root else None
+        if not is_root:
+            flat = torch.empty(sum(tensors[i].numel() for i in members), dtype=dtype)
+        _ops.broadcast_(flat, root_rank)
+        offset = 0
+        for i in members:
+            n = tensors[i].numel()
+            tensors[i] = flat[offset : offset + n].view(tensors[i].shape).clone()
+            offset += n
+    if not is_root:
+        state = _join(skeleton, tensors)
+        if wrapped:
+            optimizer._wrapped_load_state_dict(state)
+        else:
+            optimizer.load_state_dict(state)
+
+
+def _collect_slots(value, slots: list) -> None:
+    if isinstance(value, _Slot):
+        slots.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect_slots(v, slots)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect_slots(v, slots)
