@@ -1,0 +1,442 @@
+"""A framework-neutral kit for data-parallel training: what a trainer needs between backward and the
+optimizer step, over arrays (NumPy, CuPy, torch tensors: anything gflow reduces).
+
+    params = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}      # the model's parameters, in model order
+    gflow.broadcast_parameters(params)                       # every rank starts from rank 0's weights
+    dp = gflow.DataParallel(params, compression="fp16", loss_scaler=gflow.LossScaler())
+    grads = dp.gradient_buffers()                            # where backward writes (pool views)
+    for batch in batches:
+        ...backward, last layer first: write grads["b2"], then dp.push("b2"); grads["w2"]; ...
+        if dp.synchronize():                                 # False: a skipped (overflowed) step
+            for name, p in params.items():
+                p -= lr * grads[name]                        # the mean gradient, unscaled
+
+Gradients go into gflow.LazyAllreduce in a fixed order, the reverse of the parameters' order (backward
+produces the last layer first), whatever order the trainer pushes them in: a gradient that is ready
+waits until every earlier one is, as DDP's buckets fire in order. LazyAllreduce needs every rank to push
+the same sizes in the same order, and backward's order may differ between ranks (threads, unused
+parameters); the fixed order makes that the kit's problem, not the trainer's. A parameter that no
+gradient reached in a step (unused on this rank) is pushed as zeros at synchronize().
+"""
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import _state as st
+from ._array import check_array, check_writable
+from .collectives.api import broadcast
+from .collectives.lazy import DEFAULT_THRESHOLD_BYTES, LazyAllreduce
+from .compression import LossScaler
+from .errors import NonFiniteError
+
+
+def _shape_of(x) -> tuple:
+    shape = getattr(x, "shape", None)
+    if shape is None:  # a bare __cuda_array_interface__ object
+        shape = x.__cuda_array_interface__["shape"]
+    return tuple(int(s) for s in shape)
+
+
+def _named(params, who: str):
+    """(keys, arrays, named) of a dict name -> array, a list/tuple of arrays (keys: indices) or of
+    (name, array) pairs (as torch's named_parameters() gives)."""
+    if isinstance(params, Mapping):
+        keys, arrays, named = list(params.keys()), list(params.values()), True
+        for key in keys:
+            if not isinstance(key, str):
+                raise TypeError(f"{who}: parameter names must be strings, got {key!r}")
+    else:
+        if isinstance(params, np.ndarray) or not hasattr(params, "__iter__"):
+            raise TypeError(
+                f"{who}: params must be a dict name -> array or a list of arrays, got {type(params).__name__}"
+            )
+        items = list(params)
+        named = bool(items) and all(
+            isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items
+        )
+        if named:
+            keys, arrays = [k for k, _ in items], [a for _, a in items]
+            seen = set()
+            for key in keys:
+                if key in seen:
+                    raise ValueError(f"{who}: the parameter name {key!r} appears twice")
+                seen.add(key)
+        else:
+            keys, arrays = list(range(len(items))), items
+    if not arrays:
+        raise ValueError(f"{who}: no parameters given")
+    first = {}
+    for key, a in zip(keys, arrays, strict=True):
+        if id(a) in first:
+            raise ValueError(
+                f"{who}: parameters {first[id(a)]!r} and {key!r} are the same array; pass a shared "
+                "(tied) parameter once, or its gradient is counted twice"
+            )
+        first[id(a)] = key
+    return keys, arrays, named
+
+
+def _fill_zero(x) -> None:
+    if isinstance(x, np.ndarray):
+        x[...] = 0
+        return
+    kind = check_array(x, "grad")[0]
+    kind.ops.clear(kind.write_view(x, "grad"))
+    kind.ops.fence()
+
+
+def _zeros_like(x):
+    """A zeroed array of x's kind, shape and dtype."""
+    if isinstance(x, np.ndarray):
+        return np.zeros(x.shape, x.dtype)
+    kind, dtype = check_array(x, "param")
+    z = kind.new(x, _shape_of(x), dtype)
+    _fill_zero(z)
+    return z
+
+
+def broadcast_parameters(params, root: int = 0, *, comm=None) -> None:
+    """Overwrite every parameter, in place, with root's values: every rank starts from the same weights.
+
+    Args:
+        params: a dict name -> array, a list/tuple of arrays, or of (name, array) pairs; each a
+            writable, C-contiguous NumPy, device array or tensor. Every rank passes the same shapes
+            and dtypes in the same order.
+        root: the rank whose values are sent.
+        comm: an mpi4py intracommunicator (default COMM_WORLD).
+
+    Raises:
+        TypeError, ValueError: bad params on this rank (the peers raise MismatchError).
+        MismatchError: the ranks passed different parameters.
+    """
+    _, arrays, _ = _named(params, "broadcast_parameters")
+    for a in arrays:
+        broadcast(a, root, comm=comm, out=a)
+
+
+class _Rejected:
+    """Pushed into LazyAllreduce in place of a gradient that failed DataParallel's checks: LazyAllreduce
+    refuses it, so the step fails on every rank (MismatchError on the peers) and the ranks stay in step."""
+
+
+class DataParallel:
+    """Data-parallel gradient averaging for a custom trainer: fusion, overlap, fp16 or sparse
+    communication and loss scaling behind push() and synchronize() (see the module docstring).
+
+    Args:
+        params: the model's parameters, in model order: a dict name -> array, a list/tuple of arrays
+            (keys are then indices), or of (name, array) pairs. Gradients have their shapes and dtypes.
+        op: "mean" (data parallelism's average) or "sum".
+        threshold_bytes: LazyAllreduce's segment size.
+        compression: None or "fp16" (LazyAllreduce's).
+        sparse: None, or SparseAllreduce settings (density, chunk_elems, momentum, warmup_steps):
+            coarse-grained sparse communication of each segment (each rank keeps a residual).
+        loss_scaler: a gflow.LossScaler, or None. The trainer multiplies its loss by loss_scale;
+            synchronize() unscales the gradients and skips a step that overflowed on any rank.
+        comm: an mpi4py intracommunicator (default COMM_WORLD).
+
+    Raises:
+        TypeError, ValueError: bad parameters or settings.
+    """
+
+    def __init__(
+        self,
+        params,
+        *,
+        op="mean",
+        threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+        compression=None,
+        sparse=None,
+        loss_scaler: LossScaler | None = None,
+        comm=None,
+    ):
+        keys, arrays, self._named = _named(params, "DataParallel")
+        shapes, dtypes = [], []
+        for key, a in zip(keys, arrays, strict=True):
+            dtype = check_array(a, f"DataParallel: parameter {key!r}")[1]
+            if dtype.kind != "f":
+                raise TypeError(f"DataParallel: parameter {key!r} must be floating, got {dtype}")
+            shapes.append(_shape_of(a))
+            dtypes.append(dtype)
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise TypeError(
+                f"loss_scaler must be a gflow.LossScaler or None, got {type(loss_scaler).__name__}"
+            )
+        self._lazy = LazyAllreduce(threshold_bytes, op=op, compression=compression, comm=comm, sparse=sparse)
+        self._scaler = loss_scaler
+        self._comm = comm
+        self._keys = keys
+        # Slot i is the i-th gradient pushed into LazyAllreduce: parameters in reverse order.
+        n = len(keys)
+        self._slot_of = {key: n - 1 - i for i, key in enumerate(keys)}
+        self._slot_params = arrays[::-1]
+        self._slot_shapes, self._slot_dtypes = shapes[::-1], dtypes[::-1]
+        self._buffers = None  # per slot, what gradient_buffers() handed out
+        self._zeros: dict = {}  # per slot, a zero gradient for a parameter unused on this rank
+        self._last = None  # per slot, the arrays holding the last step's reduced gradients
+        self.step_count = 0
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._ready: list = [None] * len(self._keys)  # per slot, the gradient pushed in this step
+        self._next = 0  # slots below this went into LazyAllreduce
+        self._error = None  # a push that failed its checks: synchronize() raises it
+
+    def _by_key(self, per_slot):
+        n = len(self._keys)
+        values = [per_slot[n - 1 - i] for i in range(n)]
+        return dict(zip(self._keys, values, strict=True)) if self._named else values
+
+    @property
+    def loss_scale(self) -> float:
+        """What to multiply the loss by before backward (1.0 without a loss scaler)."""
+        return 1.0 if self._scaler is None else self._scaler.scale
+
+    def gradient_buffers(self):
+        """Arrays for the gradients, keyed as params (a dict or a list): write each gradient into
+        its array and push(key) it.
+
+        When every parameter is a NumPy floating array of one dtype (and not dense fp16, whose pool
+        holds float16), they are views of LazyAllreduce's fusion pool, so pushing costs no copy;
+        otherwise new arrays of each parameter's kind. The same arrays on every call, zeroed on the
+        first. After synchronize() they hold the reduced gradients.
+        """
+        if self._buffers is None:
+            lazy = self._lazy
+            dtypes = set(self._slot_dtypes)
+            pool = (
+                all(type(p) is np.ndarray for p in self._slot_params)
+                and len(dtypes) == 1
+                and not (lazy.compression and not lazy.sparse)
+            )
+            if pool:
+                buffers = lazy.gradient_buffers(self._slot_shapes, dtypes.pop())
+                for b in buffers:
+                    b[...] = 0
+            else:
+                buffers = [_zeros_like(p) for p in self._slot_params]
+            self._buffers = buffers
+        return self._by_key(self._buffers)
+
+    def gradients(self):
+        """The arrays holding the last synchronize()'s reduced gradients, keyed as params: the arrays
+        pushed, or the zero arrays used for unused parameters. Also after a synchronize() that raised
+        NonFiniteError (what the step left in them); None before the first step."""
+        return None if self._last is None else self._by_key(self._last)
+
+    def push(self, key, grad=None) -> None:
+        """This parameter's gradient is ready (call it during backward, as soon as it is).
+
+        It goes to LazyAllreduce once every parameter after it in model order has been pushed too;
+        do not modify it until synchronize() has returned, which leaves the reduced gradient in it.
+
+        Args:
+            key: the parameter's name (params given as a dict or pairs) or index (a list).
+            grad: the gradient: an array of the parameter's shape and dtype, writable and C-contiguous
+                (any kind gflow reduces: NumPy, device array, tensor). Default: this parameter's
+                array from gradient_buffers().
+
+        Raises:
+            KeyError: no such parameter. ValueError: this parameter was already pushed in this step,
+                or grad is None and gradient_buffers() was never called. The step is unchanged.
+
+        A grad that fails its checks (not an array, another shape or dtype, read-only) fails the step:
+        synchronize() raises its TypeError/ValueError on this rank and MismatchError on the others.
+        """
+        try:
+            slot = self._slot_of.get(key)
+        except TypeError:  # unhashable
+            slot = None
+        if slot is None:
+            raise KeyError(f"DataParallel.push: unknown parameter {key!r}; the parameters are {self._keys}")
+        if self._ready[slot] is not None:
+            raise ValueError(
+                f"DataParallel.push: parameter {key!r} was already pushed in this step; push each "
+                "parameter at most once between synchronize() calls"
+            )
+        if grad is None:
+            if self._buffers is None:
+                raise ValueError(
+                    f"DataParallel.push({key!r}): no grad given and no gradient_buffers() to take it from"
+                )
+            grad = self._buffers[slot]
+        elif self._error is None:
+            try:
+                self._check_grad(slot, key, grad)
+            except (TypeError, ValueError) as exc:
+                self._error = exc
+                self._lazy.push(_Rejected())  # fails the step on every rank, in step with the peers
+        self._ready[slot] = grad
+        self._drain()
+
+    def _check_grad(self, slot: int, key, grad) -> None:
+        name = f"DataParallel.push({key!r}): grad"
+        dtype = check_array(grad, name)[1]
+        shape, want = _shape_of(grad), self._slot_shapes[slot]
+        if shape != want or dtype != self._slot_dtypes[slot]:
+            raise (TypeError if dtype != self._slot_dtypes[slot] else ValueError)(
+                f"{name}: expected the parameter's shape {want} and dtype {self._slot_dtypes[slot]}, "
+                f"got {shape} {dtype}"
+            )
+        check_writable(grad, name)
+        if isinstance(grad, np.ndarray) and not grad.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (the reduced gradient is written back into it)")
+        if any(g is grad for g in self._ready):
+            raise ValueError(f"{name} is the array already pushed for another parameter in this step")
+
+    def _drain(self) -> None:
+        """Push, in slot order, every gradient ready whose predecessors have all gone."""
+        ready, n = self._ready, len(self._ready)
+        while self._next < n and ready[self._next] is not None:
+            grad = ready[self._next]
+            self._next += 1
+            if self._error is not None:
+                continue  # the step failed here; LazyAllreduce ignores its pushes anyway
+            if self._scaler is not None and self._lazy.sparse is not None:
+                # A sparse residual carries gradients from step to step: it must hold them unscaled,
+                # or a change of scale would mix units. Non-finite values still fail the step on every
+                # rank (SparseAllreduce's NonFiniteError), which synchronize() counts as an overflow.
+                self._scaler.unscale(grad)
+            self._lazy.push(grad)
+
+    def synchronize(self) -> bool:
+        """End the step: push what is missing (zeros for parameters no gradient reached), reduce,
+        and with a loss scaler unscale and agree on overflow.
+
+        Returns:
+            True when the step should be applied (always without a loss scaler); False when some
+            rank's gradients overflowed: every rank then skips it, and the scale is lowered.
+
+        Raises:
+            TypeError, ValueError: one of this rank's pushes in this step failed its checks (the
+                others raise MismatchError).
+            GflowError: the collective failed (ranks disagree, or a non-finite value without a loss
+                scaler). On any error the step is forgotten: the next one starts afresh, and the
+                pushed arrays keep their local values (LazyAllreduce's guarantee; dense fp16 overflow
+                without a scaler leaves the reduced values, as there).
+        """
+        ready = self._ready
+        error = self._error
+        overflow = False
+        try:
+            if error is None:
+                for slot in range(self._next, len(ready)):
+                    if ready[slot] is None:
+                        ready[slot] = self._zero_gradient(slot)
+                self._drain()
+            try:
+                self._lazy.flush()
+            except NonFiniteError:
+                if self._scaler is None or error is not None:
+                    raise
+                overflow = True
+            if self._scaler is not None:
+                if self._lazy.sparse is None and not overflow:
+                    for grad in ready:
+                        overflow |= self._scaler.unscale(grad)
+                apply = self._scaler.update(overflow)
+            else:
+                apply = True
+        except Exception as exc:
+            if error is None and isinstance(exc, NonFiniteError):
+                self._last = ready  # the step ran on every rank; gradients() shows what it left
+            self._reset_step()
+            if error is not None:
+                raise error from exc
+            raise
+        self._last = ready
+        self._reset_step()
+        self.step_count += 1
+        return apply
+
+    def _zero_gradient(self, slot: int):
+        if self._buffers is not None:
+            grad = self._buffers[slot]
+        else:
+            grad = self._zeros.get(slot)
+            if grad is None:
+                grad = self._zeros[slot] = _zeros_like(self._slot_params[slot])
+        _fill_zero(grad)  # the last step's reduced values may be in it
+        return grad
+
+    def _in_step(self) -> bool:
+        return self._error is not None or any(g is not None for g in self._ready)
+
+    def state_dict(self) -> dict:
+        """This rank's state for a checkpoint: the settings, the parameters' names, shapes and dtypes,
+        step_count, the world size, and LazyAllreduce's and the LossScaler's states (plain dicts of
+        Python values and NumPy arrays). With sparse, residuals are per rank: each rank saves its own.
+
+        Raises:
+            RuntimeError: a step is in flight (pushed, not synchronized).
+        """
+        if self._in_step():
+            raise RuntimeError("DataParallel.state_dict: a step is in flight (pushed, not synchronized)")
+        state = st.header("DataParallel")
+        state.update(
+            names=list(self._keys),
+            shapes=[tuple(s) for s in self._slot_shapes[::-1]],
+            dtypes=[d.name for d in self._slot_dtypes[::-1]],
+            step_count=self.step_count,
+            world_size=st.world(self._comm)[1],
+            lazy=self._lazy.state_dict(),
+            loss_scaler=None if self._scaler is None else self._scaler.state_dict(),
+        )
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict() (this rank's own, with sparse communication).
+
+        Raises:
+            ValueError: the state was saved for other parameters, with other settings, at another
+                world size, on another rank (sparse), or with(out) a loss scaler where this object has
+                none (one); the message names what differs. Nothing is changed then.
+            RuntimeError: a step is in flight (pushed, not synchronized).
+        """
+        who = "DataParallel.load_state_dict"
+        if self._in_step():
+            raise RuntimeError(f"{who}: a step is in flight (pushed, not synchronized); load between steps")
+        st.check_header(state, "DataParallel", who)
+        st.check_world_size(state, st.world(self._comm)[1], who)
+        mine = {
+            "names": list(self._keys),
+            "shapes": [tuple(s) for s in self._slot_shapes[::-1]],
+            "dtypes": [d.name for d in self._slot_dtypes[::-1]],
+        }
+        for field, expected in mine.items():
+            got = st.get(state, field, who)
+            got = [tuple(int(s) for s in g) for g in got] if field == "shapes" else [_scalar(g) for g in got]
+            if len(got) != len(expected):
+                raise ValueError(
+                    f"{who}: the number of parameters differs: expected {len(expected)} (this object), "
+                    f"got {len(got)} (the state dict)"
+                )
+            for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+                if a != b:
+                    raise ValueError(
+                        f"{who}: parameter {self._keys[i]!r}: {field[:-1]} differs: expected {a!r} "
+                        f"(this object), got {b!r} (the state dict)"
+                    )
+        step_count = st.get_count(state, "step_count", who)
+        scaler_state = st.get(state, "loss_scaler", who)
+        if (scaler_state is None) != (self._scaler is None):
+            raise ValueError(
+                f"{who}: loss scaler differs: this object has "
+                f"{'none' if self._scaler is None else 'one'}, the state dict "
+                f"{'has none' if scaler_state is None else 'has one'}"
+            )
+        lazy_state = st.get(state, "lazy", who)
+        before = self._lazy.state_dict()
+        self._lazy.load_state_dict(lazy_state)
+        if self._scaler is not None:
+            try:
+                self._scaler.load_state_dict(scaler_state)
+            except Exception:
+                self._lazy.load_state_dict(before)
+                raise
+        self.step_count = step_count
+
+
+def _scalar(value):
+    return value.item() if isinstance(value, np.generic) else value

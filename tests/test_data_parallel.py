@@ -1,0 +1,313 @@
+"""gflow.DataParallel and broadcast_parameters: the trainer kit over LazyAllreduce, at world sizes 1 to 4.
+
+References are MPI's own Allreduce and float64 NumPy (tests/helpers.py); "identical" means bitwise, over
+MPI's own allgather.
+"""
+
+import numpy as np
+import pytest
+from helpers import WORLD, assert_close_to_reference, assert_same_on_all_ranks, on_all_ranks, rank_rng
+
+import gflow
+from gflow.data_parallel import DataParallel, broadcast_parameters
+
+SIZES = [1, 2, 3, 4]
+SHAPES = {"w1": (12, 9), "b1": (9,), "w2": (9, 5), "b2": (5,), "scale": ()}
+
+
+def make_params(seed, dtype=np.float32, shapes=SHAPES):
+    rng = np.random.default_rng(seed)  # the same on every rank
+    return {k: np.array(rng.standard_normal(s), dtype) for k, s in shapes.items()}
+
+
+def random_grads(rng, params):
+    return {k: np.array(rng.standard_normal(p.shape) * 3, p.dtype) for k, p in params.items()}
+
+
+def fp16_close(y, x):
+    """Within float16 rounding of the float64 mean: each rank's value and the result are rounded to
+    float16 once, and p - 1 additions round in float16 (as tests/test_pipeline.py)."""
+    everyone = np.stack(WORLD.allgather(x.astype(np.float64)))
+    scale = np.abs(everyone).sum(axis=0) / WORLD.size
+    tol = (WORLD.size + 2) * 2.0**-11 * scale + 2.0**-24
+    assert np.all(np.abs(y.astype(np.float64) - everyone.mean(axis=0)) <= tol)
+
+
+def identical(params):
+    """Every rank holds bitwise the same parameters."""
+    for p in params.values():
+        assert_same_on_all_ranks(np.ascontiguousarray(p))
+
+
+@pytest.mark.parallel(SIZES)
+def test_dense_equals_mpis_allreduce_mean():
+    for dtype, threshold, use_buffers in [
+        (np.float32, 64, True),  # many segments, pool views
+        (np.float64, 1 << 20, True),
+        (np.float32, 100, False),  # the trainer's own arrays
+    ]:
+        params = make_params(1, dtype)
+        dp = DataParallel(params, threshold_bytes=threshold)
+        buffers = dp.gradient_buffers() if use_buffers else None
+        if use_buffers:  # pool views: one contiguous block when fused in one segment
+            assert all(not b.flags.owndata for b in buffers.values())
+        for step in range(3):
+            grads = random_grads(rank_rng(10 * step + threshold), params)
+
+            def check(grads=grads, buffers=buffers, dp=dp, step=step, params=params):
+                pushed = {}
+                for key in reversed(list(params)):  # backward: last layer first
+                    if buffers is not None:
+                        buffers[key][...] = grads[key]
+                        dp.push(key)
+                        pushed[key] = buffers[key]
+                    else:
+                        pushed[key] = grads[key].copy()
+                        dp.push(key, pushed[key])
+                assert dp.synchronize() is True
+                assert dp.step_count == step + 1
+                assert all(dp.gradients()[k] is g for k, g in pushed.items())
+                for key, g in pushed.items():
+                    assert_close_to_reference(g, grads[key], "mean")
+                    assert_same_on_all_ranks(g)
+
+            on_all_ranks(check, f"{dtype.__name__} threshold={threshold} step={step}")
+
+
+@pytest.mark.parallel(SIZES)
+def test_any_push_order_and_an_unused_parameter_still_agree():
+    params = make_params(2)
+    keys = list(params)
+    dp = DataParallel(params, threshold_bytes=200)
+    buffers = dp.gradient_buffers()
+    for step in range(3):
+        rng = rank_rng(100 + step)
+        grads = random_grads(rng, params)
+        order = [keys[i] for i in rng.permutation(len(keys))]  # a different order on every rank
+        unused = "w1" if WORLD.rank == WORLD.size - 1 else None  # no gradient reached it on this rank
+        if unused:
+            buffers[unused][...] = 123.0  # stale values: synchronize() must push zeros instead
+            grads[unused] = np.zeros_like(grads[unused])
+
+        def check(grads=grads, order=order, unused=unused):
+            for key in order:
+                if key != unused:
+                    buffers[key][...] = grads[key]
+                    dp.push(key)
+            assert dp.synchronize()
+            for key in keys:
+                assert_close_to_reference(buffers[key], grads[key], "mean")
+                assert_same_on_all_ranks(buffers[key])
+
+        on_all_ranks(check, f"step {step}")
+
+    # Without gradient buffers, an unused parameter gets a zero array of its own.
+    dp = DataParallel(params)
+    grads = random_grads(rank_rng(7), params)
+    if WORLD.rank == 0:
+        grads["b2"][...] = 0
+
+    def own_arrays():
+        for key in keys:
+            if not (WORLD.rank == 0 and key == "b2"):
+                dp.push(key, grads[key].copy())
+        assert dp.synchronize()
+        for key, g in dp.gradients().items():
+            assert_close_to_reference(g, grads[key], "mean")
+
+    on_all_ranks(own_arrays, "own arrays")
+
+
+@pytest.mark.parallel(SIZES)
+def test_parameters_stay_bitwise_identical_dense_fp16_and_csc():
+    variants = [
+        {},
+        {"compression": "fp16"},
+        {"sparse": {"density": 0.2, "chunk_elems": 8, "momentum": 0.5, "warmup_steps": 2}},
+        {"sparse": {"density": 0.1, "chunk_elems": 4}, "compression": "fp16"},
+    ]
+    for settings in variants:
+        params = make_params(3)
+        for p in params.values():  # ranks start apart: broadcast_parameters brings them together
+            p += np.float32(WORLD.rank)
+        broadcast_parameters(params)
+        dp = DataParallel(params, threshold_bytes=256, **settings)
+        grads = dp.gradient_buffers()
+        rng = rank_rng(4)
+
+        def train(params=params, dp=dp, grads=grads, rng=rng):
+            for _ in range(6):
+                for key in reversed(list(params)):
+                    # a gradient that depends on the parameters, so a divergence would grow
+                    grads[key][...] = params[key] * np.float32(0.1) + rng.standard_normal(params[key].shape)
+                    dp.push(key)
+                assert dp.synchronize()
+                for key, p in params.items():
+                    p -= np.float32(0.05) * grads[key]
+                identical(params)
+
+        on_all_ranks(train, f"{settings}")
+
+
+@pytest.mark.parallel(SIZES)
+def test_one_ranks_overflow_skips_the_step_on_every_rank():
+    # Sparse at density 1 sends everything, so its result is the mean too.
+    for settings in [{}, {"compression": "fp16"}, {"sparse": {"density": 1.0, "chunk_elems": 4}}]:
+        params = make_params(5)
+        scaler = gflow.LossScaler(init_scale=2.0**10, growth_interval=100)
+        dp = DataParallel(params, loss_scaler=scaler, **settings)
+        grads = dp.gradient_buffers()
+        rng = rank_rng(5)
+        for step in range(3):
+            raw = random_grads(rng, params)
+            bad = step == 1 and WORLD.rank == WORLD.size - 1
+
+            def check(raw=raw, bad=bad, step=step, dp=dp, grads=grads, scaler=scaler, settings=settings,
+                      params=params):  # fmt: skip
+                scale = dp.loss_scale
+                for key in reversed(list(params)):
+                    grads[key][...] = raw[key] * np.float32(scale)  # backward of the scaled loss
+                    if bad and key == "b1":
+                        grads[key][2] = np.inf
+                    dp.push(key)
+                applied = dp.synchronize()
+                assert applied is (step != 1), f"step {step}: synchronize() returned {applied}"
+                assert WORLD.allgather(applied) == [applied] * WORLD.size
+                if applied:  # unscaled: the mean of the raw gradients
+                    for key in params:
+                        if "compression" in settings:
+                            fp16_close(grads[key], raw[key])
+                        else:
+                            assert_close_to_reference(grads[key], raw[key], "mean")
+                assert dp.loss_scale == 2.0**10 * (0.5 if step >= 1 else 1.0)
+                assert scaler.skipped_steps == (1 if step >= 1 else 0)
+
+            on_all_ranks(check, f"{settings} step {step}")
+        assert dp.step_count == 3
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_bad_pushes_raise_clear_errors_and_the_next_step_works():
+    params = make_params(6)
+    dp = DataParallel(params, threshold_bytes=128)
+    grads = dp.gradient_buffers()
+
+    ref = random_grads(rank_rng(8), params)
+
+    def key_errors():
+        state = dp.state_dict()
+        with pytest.raises(KeyError, match="unknown parameter 'nope'"):
+            dp.push("nope")
+        grads["b2"][...] = ref["b2"]
+        dp.push("b2")
+        with pytest.raises(ValueError, match="'b2' was already pushed in this step"):
+            dp.push("b2")
+        for call in (dp.state_dict, lambda: dp.load_state_dict(state)):
+            with pytest.raises(RuntimeError, match="in flight"):
+                call()
+
+    on_all_ranks(key_errors, "key errors")
+
+    def finish(b2_pushed=False):
+        # Those errors changed nothing: the step goes on and is right.
+        for key in reversed(list(params)):
+            if not (b2_pushed and key == "b2"):
+                grads[key][...] = ref[key]
+                dp.push(key)
+        assert dp.synchronize()
+        for key in params:
+            assert_close_to_reference(grads[key], ref[key], "mean")
+
+    on_all_ranks(lambda: finish(b2_pushed=True), "after key errors")
+
+    # A bad gradient on one rank fails the step on every rank: its own error there, MismatchError on
+    # the others. Then the next step works.
+    culprit = WORLD.size - 1
+    for bad, error, match in [
+        ("not an array", TypeError, "push\\('w2'\\): grad: expected a NumPy array"),
+        (np.zeros((9, 4), np.float32), ValueError, "expected the parameter's shape \\(9, 5\\)"),
+        (np.zeros((9, 5), np.float64), TypeError, "dtype float32, got \\(9, 5\\) float64"),
+        (np.zeros((9, 5), np.float32)[::1].T.copy().T, ValueError, "C-contiguous"),
+    ]:
+
+        def failing_step(bad=bad, error=error, match=match):
+            for key in reversed(list(params)):
+                grads[key][...] = 1.0
+                if key == "w2" and WORLD.rank == culprit:
+                    dp.push(key, bad)
+                else:
+                    dp.push(key)
+            expected = error if WORLD.rank == culprit else gflow.MismatchError
+            with pytest.raises(expected, match=match if WORLD.rank == culprit else None):
+                dp.synchronize()
+
+        on_all_ranks(failing_step, f"bad grad {bad!r:.30}")
+        on_all_ranks(finish, f"after bad grad {bad!r:.30}")
+
+
+@pytest.mark.parallel([2, 3])
+def test_parameters_that_differ_across_ranks_fail_every_rank():
+    shapes = dict(SHAPES)
+    if WORLD.rank == 1:
+        shapes["b1"] = (8,)
+    params = make_params(9, shapes=shapes)
+    dp = DataParallel(params)
+
+    def check():
+        for key in params:
+            dp.push(key, np.ones(params[key].shape, np.float32))
+        with pytest.raises(gflow.MismatchError):
+            dp.synchronize()
+
+    on_all_ranks(check)
+    on_all_ranks(lambda: pytest.raises(gflow.MismatchError, broadcast_parameters, params))
+
+
+def test_argument_errors_up_front():
+    a, b = np.zeros(3, np.float32), np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="'x' appears twice"):
+        DataParallel([("x", a), ("x", b)])
+    with pytest.raises(ValueError, match="'a' and 'b' are the same array"):
+        DataParallel({"a": a, "b": a})
+    with pytest.raises(TypeError, match="parameter 'b'.*got list"):
+        DataParallel({"a": a, "b": [1.0, 2.0]})
+    with pytest.raises(TypeError, match="must be floating, got int32"):
+        DataParallel([a, np.zeros(2, np.int32)])
+    with pytest.raises(ValueError, match="no parameters"):
+        DataParallel({})
+    with pytest.raises(TypeError, match="names must be strings"):
+        DataParallel({1: a})
+    with pytest.raises(TypeError, match="loss_scaler"):
+        DataParallel([a], loss_scaler=2.0)
+    with pytest.raises(ValueError, match="density"):
+        DataParallel([a], sparse={"density": 2.0})
+    dp = DataParallel([a, b])  # a list: keys are indices, buffers a list
+    with pytest.raises(ValueError, match="no grad given and no gradient_buffers"):
+        dp.push(0)
+    buffers = dp.gradient_buffers()
+    assert isinstance(buffers, list) and [x.shape for x in buffers] == [(3,), (4,)]
+    assert dp.gradient_buffers()[0] is buffers[0]  # the same arrays every time
+    buffers[0][...], buffers[1][...] = 1.0, 2.0
+    dp.push(1)
+    dp.push(0)
+    assert dp.synchronize() and dp.loss_scale == 1.0
+    np.testing.assert_array_equal(buffers[0], 1.0)
+
+
+@pytest.mark.parallel(SIZES)
+def test_broadcast_parameters_overwrites_in_place_with_roots_values():
+    root = WORLD.size - 1
+    for params in [make_params(10), list(make_params(11, np.float64).values())]:
+        values = params.values() if isinstance(params, dict) else params
+        objects = [id(p) for p in values]
+        for p in values:
+            p[...] = rank_rng(12).standard_normal(p.shape)
+        expected = WORLD.bcast([p.copy() for p in values], root=root)  # MPI's own broadcast
+
+        def check(params=params, values=values, objects=objects, expected=expected):
+            broadcast_parameters(params, root=root)
+            assert [id(p) for p in values] == objects
+            for p, e in zip(values, expected, strict=True):
+                np.testing.assert_array_equal(p, e)
+
+        on_all_ranks(check)
