@@ -1,10 +1,21 @@
-"""One adapter over the kinds of array gflow accepts.
+"""One adapter per kind of array: the collectives are written once over it and never ask what they hold.
 
-check_array() checks that an argument is an array gflow can communicate and returns the ops module for
-its kind (gflow/host.py for NumPy). Everything below the public functions works on flat views and
-calls that module for per-element work, so it never asks what kind of array it holds.
-These checks run on every call, so the common case is kept to a few attribute lookups.
+`check_array(x)` validates an argument and returns (kind, dtype). A kind knows how to view an array of
+its own flat (to read, or to read and write back), make a result of the same kind, check an `out=`,
+run a background collective as if in the caller's thread, and hand buffers to MPI through its
+transport: host memory directly; device memory directly (a CUDA-aware MPI) or staged through pinned
+host memory. The kinds:
+
+- HOST: NumPy arrays (ndarray subclasses are read as plain arrays; results are plain arrays);
+- device arrays: anything with __cuda_array_interface__ (CuPy, Numba, ...), gflow/cuda/arrays.py;
+- PyTorch tensors, gflow/_torch_arrays.py: a CPU tensor is handled through a zero-copy NumPy view
+  and its results are tensors; a CUDA tensor goes through __cuda_array_interface__. torch is never
+  imported here: a tensor can only exist once its user has imported torch.
+
+These checks run on every call, so the common case (a NumPy array) is kept to a few lookups.
 """
+
+import sys
 
 import numpy as np
 
@@ -18,19 +29,6 @@ def is_device(x) -> bool:
     return hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray"
 
 
-def ops_for(x):
-    """The per-element ops for x's kind of array (gflow/host.py or gflow/cuda/ops.py)."""
-    if isinstance(x, np.ndarray):
-        return host
-    if is_device(x):
-        from .cuda import ops
-
-        return ops
-    raise TypeError(
-        f"expected a NumPy array or an object with __cuda_array_interface__, got {type(x).__name__}"
-    )
-
-
 def plain(x):
     """x as a plain np.ndarray view when it is an ndarray subclass (np.memmap, np.matrix, a user's
     subclass), so that reshape and slicing behave as on any array; anything else unchanged."""
@@ -39,76 +37,159 @@ def plain(x):
     return x.view(np.ndarray)
 
 
-def check_array(x, name: str = "x"):
-    """Validate an input array; return (ops, dtype). Device arrays must be C-contiguous."""
-    if type(x) is np.ndarray:
-        return host, check_dtype(x.dtype)
-    try:
-        ops = ops_for(x)
-    except TypeError as exc:
-        raise TypeError(f"{name}: {exc}") from None
-    if ops is host:
-        return ops, check_dtype(x.dtype)
-    from .cuda import arrays
+class Direct:
+    """The transport of memory MPI reads as it is: a buffer stands for itself."""
 
-    shape, dtype, contiguous = arrays.describe(x, name)
-    check_dtype(dtype)
-    if not contiguous:
-        raise ValueError(
-            f"{name}: device arrays must be C-contiguous; got one of shape {shape} with other strides"
-        )
-    return ops, dtype
+    kind = "direct"
+
+    def __init__(self, ops, ring_only: bool = False):
+        self.ops = ops  # the per-element ops on the buffers handed to MPI
+        self.ring_only = ring_only  # the latency path reads its header on the host: not for device memory
+
+    def buffer_for(self, ctx, name: str, view):
+        """A buffer MPI can use in place of the flat `view`: the view itself."""
+        return view
+
+    def load(self, buffer, view) -> None:
+        """Make `buffer` hold `view`'s values."""
+        if buffer is not view:
+            self.ops.copy(buffer, view)
+
+    def store(self, view, buffer) -> None:
+        """Write `buffer`'s values into `view`."""
+        if buffer is not view:
+            self.ops.copy(view, buffer)
+
+    def send(self, ctx, view):
+        """`view`'s values in a buffer MPI can read."""
+        return view
+
+    def result(self, kind, x, flat, shape, dtype):
+        """A result of x's kind holding the flat buffer's values (made by a collective)."""
+        return kind.adopt(x, flat, shape, dtype)
 
 
-def size_of(x) -> int:
-    if isinstance(x, np.ndarray):
+class HostArrays:
+    """NumPy arrays: any layout is read (copied when not contiguous); results are plain ndarrays."""
+
+    name = "host"  # the memory the ranks agree on in their signatures
+    ops = host
+    _transport = Direct(host)
+
+    def check(self, x, name: str):
+        return check_dtype(x.dtype)
+
+    def shape(self, x) -> tuple:
+        return x.shape
+
+    def size(self, x) -> int:
         return x.size
-    from .cuda import arrays
 
-    return int(np.prod(arrays.describe(x)[0], dtype=np.int64))
+    def read(self, x, name: str = "x", spare=None):
+        """x's values as a flat contiguous array: x itself when contiguous, else a copy (into the
+        flat `spare` when given, which the caller may then overwrite)."""
+        x = plain(x)
+        if x.flags.c_contiguous:
+            return x.reshape(-1)
+        if spare is None:
+            return np.ascontiguousarray(x).reshape(-1)
+        np.copyto(spare.reshape(x.shape), x)
+        return spare
 
+    def write_view(self, x, name: str = "x"):
+        """A flat view of x that writes into x; a clear error when x is not contiguous."""
+        if not x.flags.c_contiguous:
+            raise ValueError(
+                f"{name} must be C-contiguous to be written in place; got an array with strides {x.strides}"
+            )
+        return plain(x).reshape(-1)
 
-def check_writable(x, name: str) -> None:
-    """Results are written into x: refuse a read-only array before any data moves."""
-    if isinstance(x, np.ndarray):
-        writable = x.flags.writeable
-    else:
-        from .cuda import arrays
+    def inout_view(self, x, name: str = "x"):
+        """A flat view gflow reads now and writes results into later (LazyAllreduce's pushes)."""
+        return self.write_view(x, name)
 
-        writable = arrays.writable(x)
-    if not writable:
-        raise ValueError(f"{name} is read-only; the result is written into it: pass a writable array")
+    def write_back(self, x, flat) -> None:
+        """After working on read(x)'s flat array in place: make x hold its values."""
+        x = plain(x)
+        if not x.flags.c_contiguous:
+            x[...] = flat.reshape(x.shape)
 
+    def writable(self, x) -> bool:
+        return bool(x.flags.writeable)
 
-def flat_view(x, name: str = "x"):
-    """A 1-D view of x without copying; a clear error when x is not contiguous."""
-    if not x.flags.c_contiguous:
-        raise ValueError(
-            f"{name} must be C-contiguous to be written in place; got an array with strides {x.strides}"
-        )
-    return plain(x).reshape(-1)
+    def new(self, x, shape, dtype):
+        return np.empty(shape, dtype=dtype)
 
+    def adopt(self, x, flat, shape, dtype):
+        return flat.reshape(shape)
 
-def prepare_out(x, out, ops, dtype, count: int, name: str = "out"):
-    """Return the array the result goes into (new, or out after checking it)."""
-    if ops is not host:
-        from .cuda import arrays
+    def shaped(self, flat, shape):
+        """A flat array of this kind's memory, seen with `shape` (for state a caller inspects)."""
+        return flat.reshape(shape)
 
-        return arrays.prepare_out(x, out, dtype, count, name)
-    if out is None:
-        return np.empty(x.shape, dtype=dtype)
-    if out is x:
-        flat_view(out, name)
+    def prepare_out(self, x, out, dtype, count: int, name: str = "out"):
+        """The array the result goes into: a new one, or `out` after checking it."""
+        if out is None:
+            return np.empty(x.shape, dtype=dtype)
+        if out is x:
+            self.write_view(out, name)
+            check_writable(out, name)
+            return out
+        if not isinstance(out, np.ndarray):
+            raise TypeError(
+                f"{name} must be the same kind of array as x (a NumPy array), got {type(out).__name__}"
+            )
+        if out.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {out.dtype}")
+        if out.size != count:
+            raise ValueError(f"{name}: expected {count} elements, got {out.size}")
+        self.write_view(out, name)
         check_writable(out, name)
         return out
-    if not isinstance(out, np.ndarray):
-        raise TypeError(
-            f"{name} must be the same kind of array as x (a NumPy array), got {type(out).__name__}"
-        )
-    if out.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {out.dtype}")
-    if out.size != count:
-        raise ValueError(f"{name}: expected {count} elements, got {out.size}")
-    flat_view(out, name)
-    check_writable(out, name)
-    return out
+
+    def transport(self):
+        return self._transport
+
+    def in_background(self, fn, *arrays):
+        """fn, to run on gflow's background thread as it would in the caller's: nothing to carry."""
+        return fn
+
+    def done(self, result):
+        """The result as the caller gets it, once nothing of gflow's is pending on it."""
+        return result
+
+
+HOST = HostArrays()
+
+
+def kind_of(x, name: str = "x"):
+    """The kind of x (see the module docstring); a TypeError naming what was got otherwise."""
+    if isinstance(x, np.ndarray):
+        return HOST
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        from ._torch_arrays import tensor_kind
+
+        return tensor_kind(x, name)
+    if is_device(x):
+        from .cuda.arrays import DEVICE
+
+        return DEVICE
+    raise TypeError(
+        f"{name}: expected a NumPy array, a torch tensor or an object with __cuda_array_interface__, "
+        f"got {type(x).__name__}"
+    )
+
+
+def check_array(x, name: str = "x"):
+    """Validate an input array; return (kind, dtype)."""
+    if type(x) is np.ndarray:
+        return HOST, check_dtype(x.dtype)
+    kind = kind_of(x, name)
+    return kind, kind.check(x, name)
+
+
+def check_writable(x, name: str, kind=None) -> None:
+    """Results are written into x: refuse a read-only array before any data moves."""
+    if not (kind or kind_of(x, name)).writable(x):
+        raise ValueError(f"{name} is read-only; the result is written into it: pass a writable array")

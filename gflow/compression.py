@@ -91,24 +91,15 @@ class LossScaler:
             TypeError: grad is not a floating array gflow accepts. ValueError: grad is read-only, or a device
                 array that is not C-contiguous (host arrays of any layout are unscaled in place).
         """
-        from ._array import check_array, check_writable, plain
+        from ._array import check_array, check_writable
 
-        ops, dtype = check_array(grad, "grad")
+        kind, dtype = check_array(grad, "grad")
         if dtype.kind != "f":
             raise TypeError(f"unscale needs a floating gradient, got {dtype}")
-        check_writable(grad, "grad")
-        if ops.kind == "device":
-            from .cuda import arrays
-
-            flat = arrays.input_view(grad, "grad")
-            return ops.cast_scaled(flat, flat, 1.0 / self._scale)
-        grad = plain(grad)
-        if grad.flags.c_contiguous:
-            flat = grad.reshape(-1)
-            return ops.cast_scaled(flat, flat, 1.0 / self._scale)
-        flat = np.ascontiguousarray(grad).reshape(-1)  # a copy: unscaled, then written back
-        overflow = ops.cast_scaled(flat, flat, 1.0 / self._scale)
-        grad[...] = flat.reshape(grad.shape)
+        check_writable(grad, "grad", kind)
+        flat = kind.read(grad, "grad")  # a copy only for a non-contiguous host array: written back
+        overflow = kind.ops.cast_scaled(flat, flat, 1.0 / self._scale)
+        kind.write_back(grad, flat)
         return overflow
 
     def update(self, overflow: bool) -> bool:

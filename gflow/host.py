@@ -133,6 +133,11 @@ def clear(x: np.ndarray) -> None:
     x.fill(0)
 
 
+def shaped(x: np.ndarray, shape) -> np.ndarray:
+    """x seen with `shape` (for state a caller inspects)."""
+    return x.reshape(shape)
+
+
 def zeros(n: int, dtype) -> np.ndarray:
     return np.zeros(n, dtype=dtype)
 

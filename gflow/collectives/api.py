@@ -1,15 +1,16 @@
 """The public collectives: argument checks, algorithm choice, and the call into the algorithms.
 
-Each public function checks its arguments, then hands host arrays to the *_flat functions of
-collectives/common.py, and device arrays to collectives/device.py, which moves them to MPI directly
-or through pinned host memory and calls the same *_flat functions with the ops for that memory.
-device.py is imported on the first device array, so host-only users never load Numba's CUDA support.
+Each public function checks its arguments, which gives it the kind of array it holds (gflow/_array.py),
+then works on flat views of the kind's memory: the kind's transport hands them to MPI (directly, or
+staged through pinned host memory for device arrays without a CUDA-aware MPI) and gives the ops for
+the memory MPI sees; the *_flat functions of collectives/common.py do the rest. Results are made by
+the kind, so they are of the caller's kind (a tensor for a tensor, CuPy for CuPy).
 """
 
 import numpy as np
 
 from .. import engine
-from .._array import check_array, plain, prepare_out, size_of
+from .._array import check_array
 from .._config import config
 from .._context import CommContext, context
 from .._validate import check_op, check_root, rejected_signature, signature
@@ -33,28 +34,23 @@ def reject(ctx: CommContext, collective: str) -> None:
                 ctx.failed = f"{collective} (rejected arguments): {exc}"
 
 
-def _flat_source(x, flat_buf, ops):
-    """x as a flat array MPI can send from: x itself when contiguous, else copied into flat_buf
-    (which the ring may then reduce in place)."""
-    if x.flags.c_contiguous:
-        return x.reshape(-1)
-    ops.copy(flat_buf.reshape(x.shape), x)
-    return flat_buf
-
-
-def _choose(algorithm: str, nbytes: int) -> str:
+def _choose(algorithm: str, nbytes: int, ring_only: bool = False) -> str:
+    """The algorithm for a message of nbytes; "ring" whatever was asked where the transport is
+    ring_only (device memory straight to MPI), once the request itself has been checked."""
     if algorithm == "auto":
-        return "recursive_doubling" if nbytes <= config.small_message_bytes else "ring"
-    if algorithm == "ring":
-        return algorithm
-    if algorithm == "recursive_doubling":
+        chosen = "recursive_doubling" if nbytes <= config.small_message_bytes else "ring"
+    elif algorithm == "ring":
+        chosen = algorithm
+    elif algorithm == "recursive_doubling":
         if nbytes > config.small_message_bytes:
             raise ValueError(
                 f"algorithm='recursive_doubling' takes at most config.small_message_bytes = "
                 f"{config.small_message_bytes} bytes, got {nbytes}"
             )
-        return algorithm
-    raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+        chosen = algorithm
+    else:
+        raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+    return "ring" if ring_only else chosen
 
 
 def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
@@ -117,27 +113,25 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compr
     """
     parent = context(comm)
     try:
-        ops = check_allreduce(x, op, out, algorithm, compression, need_out=False)[0]
+        kind = check_allreduce(x, op, out, algorithm, compression, need_out=False)[0]
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
     ctx = parent.background()
     run = lambda: allreduce_on(ctx, x, op, out, algorithm, compression)  # noqa: E731
-    if ops.kind == "device":
-        from ..cuda import arrays
-
-        run = arrays.on_callers_device(run, x, *([] if out is None else [out]))
+    run = kind.in_background(run, x, *([] if out is None else [out]))
     return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
 
 
 def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True):
-    """allreduce's local checks: (ops, dtype, op name, algorithm, compression, result array)."""
-    ops, dtype = check_array(x)
+    """allreduce's local checks: (kind, dtype, op name, algorithm, compression, result array)."""
+    kind, dtype = check_array(x)
     name = check_op(op, dtype)
     codec = check_compression(compression, dtype) if compression is not None else None
-    count = size_of(x)
-    chosen = _choose(algorithm, count * (WIRE_DTYPE.itemsize if codec else dtype.itemsize))
-    result = prepare_out(x, out, ops, dtype, count) if (need_out or out is not None) else None
-    return ops, dtype, name, chosen, codec, result
+    count = kind.size(x)
+    nbytes = count * (WIRE_DTYPE.itemsize if codec else dtype.itemsize)
+    chosen = _choose(algorithm, nbytes, kind.transport().ring_only)
+    result = kind.prepare_out(x, out, dtype, count) if (need_out or out is not None) else None
+    return kind, dtype, name, chosen, codec, result
 
 
 def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=("allreduce", 0)):
@@ -145,33 +139,28 @@ def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=("all
     (collective, extra) pair the ranks agree on: LazyAllreduce puts its push-order fingerprint there."""
     ctx.check_usable()
     try:
-        ops, dtype, name, chosen, codec, result = check_allreduce(x, op, out, algorithm, compression)
+        kind, dtype, name, chosen, codec, result = check_allreduce(x, op, out, algorithm, compression)
     except Exception:
         reject(ctx, "allreduce")
         raise
-    x = plain(x)
     if codec:
-        return _allreduce_fp16(ctx, x, result, ops, name, algorithm, tag)
-    if ops.kind == "device":
-        from . import device
+        return _allreduce_fp16(ctx, kind, x, result, name, algorithm, tag)
+    transport = kind.transport()
+    dst_view = kind.write_view(result, "out")
+    src = transport.send(ctx, kind.read(x, "x", spare=dst_view))
+    dst = transport.buffer_for(ctx, "stage_out", dst_view)
+    sig = signature(tag[0], chosen, src.size, dtype, name, extra=tag[1], kind=kind.name)
+    allreduce_flat(ctx, src, dst, transport.ops, sig, chosen, name)
+    transport.store(dst_view, dst)
+    return kind.done(result)
 
-        return device.allreduce(ctx, x, result, dtype, name, chosen, tag)
-    flat_out = plain(result).reshape(-1)
-    sig = signature(tag[0], chosen, x.size, dtype, name, extra=tag[1])
-    allreduce_flat(ctx, _flat_source(x, flat_out, ops), flat_out, ops, sig, chosen, name)
-    return result
 
-
-def _allreduce_fp16(ctx: CommContext, x, result, ops, name: str, algorithm: str, tag):
-    """Encode to float16 (dividing first for a mean), allreduce the float16 buffer in place, decode."""
-    if ops.kind == "device":
-        from ..cuda import arrays
-
-        src, dst = arrays.input_view(x), arrays.flat_view(result, "out")
-    else:
-        src, dst = x.reshape(-1), plain(result).reshape(-1)
-    n = src.size
-    wire = ctx.scratch("fp16_wire", n, WIRE_DTYPE, ops)
+def _allreduce_fp16(ctx: CommContext, kind, x, result, name: str, algorithm: str, tag):
+    """Encode to float16 (dividing first for a mean), allreduce the float16 buffer in place, decode.
+    The float16 buffer is of x's memory, so its own allreduce takes x's transport."""
+    ops = kind.ops
+    src, dst = kind.read(x), kind.write_view(result, "out")
+    wire = ctx.scratch("fp16_wire", src.size, WIRE_DTYPE, ops)
     encode(ops, wire, src, name, ctx.size)
     allreduce_on(ctx, wire, "sum" if name == "mean" else name, wire, algorithm, None, tag)
     if decode(ops, dst, wire):
@@ -202,18 +191,15 @@ def reduce_scatter(x, op="sum", *, comm=None):
     """
     ctx = context(comm)
     try:
-        ops, dtype = check_array(x)
+        kind, dtype = check_array(x)
         name = check_op(op, dtype)
     except Exception:
         reject(ctx, "reduce_scatter")
         raise
-    x = plain(x)
-    if ops.kind == "device":
-        from . import device
-
-        return device.reduce_scatter(ctx, x, dtype, name)
-    work = np.empty(x.size, dtype) if not x.flags.c_contiguous else None
-    return reduce_scatter_flat(ctx, _flat_source(x, work, ops), ops, dtype, name)
+    transport = kind.transport()
+    src = transport.send(ctx, kind.read(x))
+    shard = reduce_scatter_flat(ctx, src, transport.ops, dtype, name, kind=kind.name)
+    return kind.done(transport.result(kind, x, shard, (shard.size,), dtype))
 
 
 def allgather(x, *, comm=None):
@@ -234,50 +220,48 @@ def allgather(x, *, comm=None):
     """
     ctx = context(comm)
     try:
-        ops, dtype = check_array(x)
+        kind, dtype = check_array(x)
     except Exception:
         reject(ctx, "allgather")
         raise
-    x = plain(x)
-    if ops.kind == "device":
-        from . import device
-
-        return device.allgather(ctx, x, dtype)
-    rows = x.reshape(-1) if x.ndim == 0 else x
-    row_elems = int(np.prod(rows.shape[1:], dtype=np.int64))
-    result, nrows = allgather_flat(ctx, rows.reshape(-1), rows.shape[0], row_elems, ops, dtype)
-    return result.reshape((nrows,) + rows.shape[1:])
+    shape = tuple(kind.shape(x)) or (1,)
+    row_elems = int(np.prod(shape[1:], dtype=np.int64))
+    transport = kind.transport()
+    rows = transport.send(ctx, kind.read(x))
+    flat, nrows = allgather_flat(ctx, rows, shape[0], row_elems, transport.ops, dtype, kind=kind.name)
+    return kind.done(transport.result(kind, x, flat, (nrows,) + shape[1:], dtype))
 
 
-def broadcast(x, root=0, *, comm=None):
-    """Return a copy of root's x on every rank.
+def broadcast(x, root=0, *, comm=None, out=None):
+    """Return root's x on every rank.
 
     Args:
-        x: a NumPy or device array; every rank passes one of the same size and dtype (non-root
-            contents are ignored). Not modified.
+        x: a NumPy, device array or tensor; every rank passes one of the same size and dtype
+            (non-root contents are ignored). Not modified unless `out` is x.
         root: the rank whose data is sent.
         comm: as for allreduce.
+        out: where to write the result (same kind, dtype and size as x, C-contiguous); may be x,
+            which broadcasts in place (how a trainer makes every rank start from root's weights).
 
     Returns:
-        A new array of x's shape holding root's values.
+        `out`, or a new array of x's shape and kind, holding root's values.
 
     Raises:
         TypeError, ValueError, MismatchError: as for allreduce.
     """
     ctx = context(comm)
     try:
-        ops, dtype = check_array(x)
+        kind, dtype = check_array(x)
         root_rank = check_root(root, ctx.size)
+        result = kind.prepare_out(x, out, dtype, kind.size(x))
     except Exception:
         reject(ctx, "broadcast")
         raise
-    x = plain(x)
-    if ops.kind == "device":
-        from . import device
-
-        return device.broadcast(ctx, x, dtype, root_rank)
-    result = np.empty(x.shape, dtype)
+    transport = kind.transport()
+    dst_view = kind.write_view(result, "out")
+    buffer = transport.buffer_for(ctx, "stage_out", dst_view)
     if ctx.rank == root_rank:
-        np.copyto(result, x)
-    broadcast_flat(ctx, result.reshape(-1), ops, dtype, root_rank)
-    return result
+        transport.load(buffer, kind.read(x, "x", spare=dst_view))
+    broadcast_flat(ctx, buffer, transport.ops, dtype, root_rank, kind=kind.name)
+    transport.store(dst_view, buffer)
+    return kind.done(result)

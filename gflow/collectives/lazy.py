@@ -27,8 +27,8 @@ import zlib
 
 import numpy as np
 
-from .. import engine, host
-from .._array import check_array, check_writable, plain
+from .. import engine
+from .._array import HOST, check_array, check_writable
 from .._config import config
 from .._context import context
 from .._validate import DTYPE_CODE, check_op, signature
@@ -41,18 +41,6 @@ from .sparse import SparseAllreduce
 _SIZE_AND_TYPE = struct.Struct("<qq")  # what the push-order checksum covers, per tensor
 # Measured with bench/fusion.py (bench/RESULTS.md): larger segments stop paying on this machine.
 DEFAULT_THRESHOLD_BYTES = 4 * 2**20
-
-
-def _flat(x, ops):
-    if ops.kind == "device":
-        from ..cuda import arrays
-
-        return arrays.input_view(x, "grad")
-    if not x.flags.c_contiguous:
-        raise ValueError(
-            "LazyAllreduce.push: host arrays must be C-contiguous (results are written back into them)"
-        )
-    return plain(x).reshape(-1)
 
 
 class LazyAllreduce:
@@ -103,7 +91,7 @@ class LazyAllreduce:
         self._reset()
 
     def _reset(self) -> None:
-        self._members: list = []  # (flat view, ops) waiting for the next segment
+        self._members: list = []  # (flat view, kind of array) waiting for the next segment
         self._member_arrays: list = []  # the arrays pushed, for telling pool views apart
         self._pending_bytes = 0
         self._fired: list = []  # (handle, members to write the result into, SparseAllreduce or None)
@@ -135,23 +123,25 @@ class LazyAllreduce:
             and flags.writeable
             and flags.c_contiguous
         ):
-            ops, dtype = host, grad.dtype  # checked for the previous push: the common case, kept cheap
+            kind, dtype = HOST, grad.dtype  # checked for the previous push: the common case, kept cheap
             flat = grad.reshape(-1)
         else:
             try:
-                ops, dtype = check_array(grad, "grad")
+                kind, dtype = check_array(grad, "grad")
                 check_op(self.op, dtype)
                 if self.compression:
                     check_compression(self.compression, dtype)
-                check_writable(grad, "grad")
-                flat = _flat(grad, ops)
+                check_writable(grad, "grad", kind)
+                flat = kind.inout_view(grad, "grad")  # results are written back into it
             except Exception as exc:
                 self._fail_step(exc)
                 return
-            self._checked_dtype = dtype if ops is host else None
-        if self._members and (flat.dtype != self._members[0][0].dtype or ops is not self._members[0][1]):
+            self._checked_dtype = dtype if kind is HOST else None
+        if self._members and (
+            flat.dtype != self._members[0][0].dtype or kind.ops is not self._members[0][1].ops
+        ):
             self._fire()  # a segment holds one dtype and one kind of memory
-        self._members.append((flat, ops))
+        self._members.append((flat, kind))
         self._member_arrays.append(grad)
         on_wire = WIRE_DTYPE.itemsize if (self.compression and not self.sparse) else dtype.itemsize
         self._pending_bytes += flat.size * on_wire
@@ -164,7 +154,8 @@ class LazyAllreduce:
         pushed, self._member_arrays = self._member_arrays, []
         if not members:
             return
-        ops = members[0][1]
+        kind = members[0][1]
+        ops = kind.ops
         cast = self.compression and not self.sparse  # CSC keeps residuals in full precision
         dtype = WIRE_DTYPE if cast else np.dtype(members[0][0].dtype)
         total = sum(m.size for m, _ in members)
@@ -190,7 +181,7 @@ class LazyAllreduce:
             # result back at flush(), so that a failed step leaves them as they are; or, when asked,
             # straight into the pool.
             source = self._pool[index]
-            members = [] if self._reduce_in_place else [(source, ops)]
+            members = [] if self._reduce_in_place else [(source, kind)]
             if self._reduce_in_place:
                 buffer = source
         else:
@@ -212,10 +203,7 @@ class LazyAllreduce:
             wire_op = "sum" if (self.compression and name == "mean") else name
             tag = ("lazy", self._checksum)
             run = lambda: allreduce_on(ctx, source, wire_op, buffer, "auto", None, tag)  # noqa: E731
-        if ops.kind == "device":
-            from ..cuda import arrays
-
-            run = arrays.on_callers_device(run)
+        run = kind.in_background(run)
         handle = engine.submit(f"lazy allreduce segment {index}", run, keep=(source, buffer), ctx=ctx)
         self._fired.append((handle, members, csc))
 
@@ -309,15 +297,15 @@ class LazyAllreduce:
             if csc is not None:
                 csc.commit()
             offset = 0
-            for flat, ops in members:
+            for flat, kind in members:
                 piece = result[offset : offset + flat.size]
                 if self.compression and not self.sparse:
-                    overflow |= decode(ops, flat, piece)
+                    overflow |= decode(kind.ops, flat, piece)
                 else:
-                    ops.copy(flat, piece)
+                    kind.ops.copy(flat, piece)
                 offset += flat.size
             if members:
-                members[0][1].fence()
+                members[0][1].ops.fence()
         if overflow:
             raise CompressionOverflowError(
                 "LazyAllreduce with compression='fp16': a reduced value is inf or NaN; scale the gradients "

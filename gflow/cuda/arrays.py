@@ -155,7 +155,8 @@ def on_callers_device(fn, *inputs):
 
 
 def new_like(x, shape, dtype):
-    """A new device array of x's kind: CuPy for CuPy, a Numba device array for anything else."""
+    """A new device array of x's kind: CuPy for CuPy, a Numba device array for anything else
+    (torch tensors: gflow/_torch_arrays.py)."""
     if type(x).__module__.startswith("cupy"):
         import cupy
 
@@ -195,3 +196,123 @@ class pinned:  # noqa: N801 - used like the ops modules: pinned.kind, pinned.emp
     @staticmethod
     def empty(n: int, dtype):
         return cuda.pinned_array(n, dtype=dtype)
+
+
+class Staged:
+    """The transport of device memory through pinned host buffers (MPI not CUDA-aware): a buffer
+    standing for a device view is a pinned scratch buffer of the context, reused across calls, and the
+    reductions run on the host."""
+
+    kind = "staged"
+    ring_only = False
+
+    def __init__(self):
+        from .. import host
+
+        self.ops = host
+
+    def buffer_for(self, ctx, name: str, view):
+        return ctx.scratch(name, view.size, view.dtype, pinned)
+
+    def load(self, buffer, view) -> None:
+        to_host(buffer, view)
+
+    def store(self, view, buffer) -> None:
+        from_host(view, buffer)
+
+    def send(self, ctx, view):
+        from . import transport
+
+        transport.note_staging()
+        buffer = self.buffer_for(ctx, "stage_in", view)
+        self.load(buffer, view)
+        return buffer
+
+    def result(self, kind, x, flat, shape, dtype):
+        result = kind.new(x, shape, dtype)
+        from_host(kind.write_view(result, "result"), flat)
+        return result
+
+
+class DeviceArrays:
+    """Arrays exposing __cuda_array_interface__ (and the simulator's): C-contiguous only; results of
+    the caller's kind; every read waits for the stream that produced the array (sync_producer)."""
+
+    name = "device"
+    _direct = None
+
+    @property
+    def ops(self):
+        from . import ops
+
+        return ops
+
+    def check(self, x, name: str):
+        from .._validate import check_dtype
+
+        shape, dtype, contiguous = describe(x, name)
+        check_dtype(dtype)
+        if not contiguous:
+            raise ValueError(
+                f"{name}: device arrays must be C-contiguous; got one of shape {shape} with other strides"
+            )
+        return dtype
+
+    def shape(self, x) -> tuple:
+        return describe(x)[0]
+
+    def size(self, x) -> int:
+        return int(np.prod(describe(x)[0], dtype=np.int64))
+
+    def read(self, x, name: str = "x", spare=None):
+        return input_view(x, name)
+
+    def write_view(self, x, name: str = "x"):
+        return flat_view(x, name)
+
+    def inout_view(self, x, name: str = "x"):
+        return input_view(x, name)
+
+    def write_back(self, x, flat) -> None:
+        """read() was a view of x (device arrays are contiguous): nothing to write back."""
+
+    def writable(self, x) -> bool:
+        return writable(x)
+
+    def new(self, x, shape, dtype):
+        return new_like(x, shape, dtype)
+
+    def adopt(self, x, flat, shape, dtype):
+        result = self.new(x, shape, dtype)
+        self.ops.copy(self.write_view(result, "result"), flat)
+        return result
+
+    def shaped(self, flat, shape):
+        return flat
+
+    def prepare_out(self, x, out, dtype, count: int, name: str = "out"):
+        return prepare_out(x, out, dtype, count, name)
+
+    def transport(self):
+        """Direct to a CUDA-aware MPI (every size then takes the ring: the latency path inspects
+        its header on the host), else staged; decided once per process by gflow/cuda/transport.py."""
+        from . import transport
+
+        if not transport.cuda_aware():
+            return _STAGED
+        if self._direct is None:
+            from .._array import Direct
+
+            self._direct = Direct(self.ops, ring_only=True)
+        return self._direct
+
+    def in_background(self, fn, *arrays):
+        return on_callers_device(fn, *arrays)
+
+    def done(self, result):
+        self.ops.fence()  # the caller may use result on any stream once we return
+        return result
+
+
+DEVICE = DeviceArrays()
+_STAGED = Staged()

@@ -1,0 +1,189 @@
+"""PyTorch tensors as kinds of array (see gflow/_array.py).
+
+A CPU tensor is worked on through a zero-copy NumPy view of its storage (`t.detach().numpy()`), so it
+takes exactly the host path; results are tensors. A CUDA tensor is a device array: its
+__cuda_array_interface__ (of the detached tensor: torch refuses one on a tensor that requires grad)
+goes through gflow/cuda/arrays.py; results are CUDA tensors on the input's device. Only strided
+(dense) tensors of the dtypes gflow reduces are accepted. This module is imported when the first
+tensor arrives, so `import gflow` never imports torch.
+"""
+
+import numpy as np
+import torch
+
+from ._array import HOST
+
+_NUMPY_OF = {
+    torch.float16: np.dtype(np.float16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+}
+_TORCH_OF = {dtype: t for t, dtype in _NUMPY_OF.items()}
+
+
+def _check_tensor(x, name: str) -> np.dtype:
+    if x.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
+    dtype = _NUMPY_OF.get(x.dtype)
+    if dtype is None:
+        supported = ", ".join(str(t) for t in _NUMPY_OF)
+        raise TypeError(f"{name}: unsupported dtype {x.dtype}; supported: {supported}")
+    return dtype
+
+
+def _check_out_tensor(x, out, name: str) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor like x, got {type(out).__name__}")
+    if out.device != x.device:
+        raise ValueError(f"{name} must be on x's device ({x.device}), got a tensor on {out.device}")
+
+
+class TorchCPU:
+    """CPU tensors, through NumPy views of their storage: the host path, tensors back."""
+
+    name = "host"
+    ops = HOST.ops
+
+    @staticmethod
+    def _np(x):
+        return x.detach().numpy()
+
+    def check(self, x, name: str):
+        return _check_tensor(x, name)
+
+    def shape(self, x) -> tuple:
+        return tuple(x.shape)
+
+    def size(self, x) -> int:
+        return x.numel()
+
+    def read(self, x, name: str = "x", spare=None):
+        return HOST.read(self._np(x), name, spare)
+
+    def write_view(self, x, name: str = "x"):
+        return HOST.write_view(self._np(x), name)
+
+    def inout_view(self, x, name: str = "x"):
+        return HOST.inout_view(self._np(x), name)
+
+    def write_back(self, x, flat) -> None:
+        HOST.write_back(self._np(x), flat)
+
+    def writable(self, x) -> bool:
+        return True
+
+    def new(self, x, shape, dtype):
+        return torch.empty(tuple(shape), dtype=_TORCH_OF[np.dtype(dtype)])
+
+    def adopt(self, x, flat, shape, dtype):
+        return torch.from_numpy(flat.reshape(shape))
+
+    def shaped(self, flat, shape):
+        return torch.from_numpy(flat.reshape(shape))
+
+    def prepare_out(self, x, out, dtype, count: int, name: str = "out"):
+        if out is None:
+            return self.new(x, x.shape, dtype)
+        _check_out_tensor(x, out, name)
+        HOST.prepare_out(self._np(x), self._np(out), dtype, count, name)
+        return out
+
+    def transport(self):
+        return HOST.transport()
+
+    def in_background(self, fn, *arrays):
+        return fn
+
+    def done(self, result):
+        return result
+
+
+class TorchCUDA:
+    """CUDA tensors, through the __cuda_array_interface__ of the detached tensor: the device path,
+    CUDA tensors on the input's device back."""
+
+    name = "device"
+
+    def __init__(self):
+        from .cuda.arrays import DEVICE
+
+        self._device = DEVICE
+
+    @property
+    def ops(self):
+        return self._device.ops
+
+    def check(self, x, name: str):
+        dtype = _check_tensor(x, name)
+        if not x.is_contiguous():
+            raise ValueError(
+                f"{name}: device arrays must be C-contiguous; got a tensor of shape {tuple(x.shape)} "
+                f"with strides {x.stride()}"
+            )
+        return dtype
+
+    def shape(self, x) -> tuple:
+        return tuple(x.shape)
+
+    def size(self, x) -> int:
+        return x.numel()
+
+    def read(self, x, name: str = "x", spare=None):
+        return self._device.read(x.detach(), name)
+
+    def write_view(self, x, name: str = "x"):
+        return self._device.write_view(x.detach(), name)
+
+    def inout_view(self, x, name: str = "x"):
+        return self._device.inout_view(x.detach(), name)
+
+    def write_back(self, x, flat) -> None:
+        """read() was a view of x (CUDA tensors must be contiguous): nothing to write back."""
+
+    def writable(self, x) -> bool:
+        return True
+
+    def new(self, x, shape, dtype):
+        return torch.empty(tuple(shape), dtype=_TORCH_OF[np.dtype(dtype)], device=x.device)
+
+    def adopt(self, x, flat, shape, dtype):
+        result = self.new(x, shape, dtype)
+        self.ops.copy(self.write_view(result, "result"), flat)
+        return result
+
+    def shaped(self, flat, shape):
+        return flat
+
+    def prepare_out(self, x, out, dtype, count: int, name: str = "out"):
+        if out is None:
+            return self.new(x, x.shape, dtype)
+        _check_out_tensor(x, out, name)
+        self._device.prepare_out(x.detach(), out.detach(), dtype, count, name)
+        return out
+
+    def transport(self):
+        return self._device.transport()
+
+    def in_background(self, fn, *arrays):
+        return self._device.in_background(fn, *(a.detach() for a in arrays))
+
+    def done(self, result):
+        return self._device.done(result)
+
+
+TORCH_CPU = TorchCPU()
+_torch_cuda = None
+
+
+def tensor_kind(x, name: str = "x"):
+    """The kind of a tensor, by its device."""
+    global _torch_cuda
+    if x.device.type == "cpu":
+        return TORCH_CPU
+    if x.device.type == "cuda":
+        if _torch_cuda is None:
+            _torch_cuda = TorchCUDA()
+        return _torch_cuda
+    raise TypeError(f"{name}: tensors on {x.device.type} devices are not supported; expected cpu or cuda")
