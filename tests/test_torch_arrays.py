@@ -81,7 +81,8 @@ def test_reduce_scatter_allgather_broadcast_on_tensors():
     WORLD.Allreduce(x.numpy(), total, MPI.SUM)
     shard = gflow.reduce_scatter(x, "sum")
     assert isinstance(shard, torch.Tensor)
-    np.testing.assert_allclose(shard.numpy(), np.array_split(total.ravel(), WORLD.size)[WORLD.rank], rtol=1e-12)
+    mine = np.array_split(total.ravel(), WORLD.size)[WORLD.rank]
+    np.testing.assert_allclose(shard.numpy(), mine, rtol=1e-12)
     rows = _tensor(rng, (WORLD.rank + 1, 3), np.int32)
     gathered = gflow.allgather(rows)
     assert isinstance(gathered, torch.Tensor) and gathered.dtype == torch.int32

@@ -122,8 +122,7 @@ class SparseAllreduce:
         current state: read it between steps; the next step may reuse its memory."""
         if self._state is None:
             return None
-        v = self._state[1]
-        return v.reshape(self._shape) if self._ops.kind == "host" else v
+        return self._ops.shaped(self._state[1], self._shape)
 
     def current_density(self) -> float:
         if self.warmup_steps and self.step_count < self.warmup_steps:
@@ -136,29 +135,21 @@ class SparseAllreduce:
         return update
 
     def _check(self, grad):
-        ops, dtype = check_array(grad, "grad")
+        kind, dtype = check_array(grad, "grad")
         if dtype.kind != "f" or dtype.itemsize < 4:
             raise TypeError(
                 f"SparseAllreduce needs a floating gradient of float32 or float64 (the residual "
                 f"accumulates in its dtype), got {dtype}"
             )
-        if ops.kind == "device":
-            from ..cuda import arrays
-
-            shape, flat = arrays.describe(grad)[0], arrays.input_view(grad, "grad")
-        else:
-            shape, flat = grad.shape, np.ascontiguousarray(grad).reshape(-1)
+        shape, flat = kind.shape(grad), kind.read(grad, "grad")
         if self._state is not None:
             v = self._state[1]
-            before = (v.size, np.dtype(v.dtype), self._ops.kind)
-            if before != (flat.size, dtype, ops.kind):
+            if (v.size, np.dtype(v.dtype), self._ops) != (flat.size, dtype, kind.ops):
                 raise ValueError(
-                    "SparseAllreduce: the gradient changed: expected {} {} elements ({} array), ".format(
-                        *before
-                    )
-                    + f"got {flat.size} {dtype} ({ops.kind} array)"
+                    f"SparseAllreduce: the gradient changed: expected {v.size} {np.dtype(v.dtype)} "
+                    f"elements ({self._ops.kind} memory), got {flat.size} {dtype} ({kind.ops.kind} memory)"
                 )
-        return ops, dtype, shape, flat
+        return kind, dtype, shape, flat
 
     def _fingerprint(self, n: int, dtype, density: float, extra: int) -> int:
         """What the ranks must agree on besides the payload sizes: the gradient's size and dtype, the
@@ -184,7 +175,8 @@ class SparseAllreduce:
         self._staged = None
         times = {}
         try:  # everything before the first message: a failure here must reach the peers
-            ops, dtype, shape, g = self._check(grad)
+            kind, dtype, shape, g = self._check(grad)
+            ops = kind.ops
             n, chunk, momentum = g.size, self.chunk_elems, self.momentum
             u, v = self._state or (ops.zeros(n if momentum else 0, dtype), ops.zeros(n, dtype))
             u_new, v_new = self._spare or (ops.empty(n if momentum else 0, dtype), ops.empty(n, dtype))
@@ -233,7 +225,9 @@ class SparseAllreduce:
             raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
 
         t = time.perf_counter()
-        result, flat_result = self._new_result(grad, ops, dtype, shape)
+        result = kind.new(grad, shape, dtype)
+        flat_result = kind.write_view(result, "result")
+        ops.clear(flat_result)
         ops.scatter_add(flat_result, packed, device_ids, chunk)
         if momentum:
             ops.zero_chunks(u_new, device_ids, chunk)
@@ -298,18 +292,6 @@ class SparseAllreduce:
     def discard(self) -> None:
         """Forget the last step: the state stays as before it."""
         self._staged = None
-
-    @staticmethod
-    def _new_result(grad, ops, dtype, shape):
-        if ops.kind == "device":
-            from ..cuda import arrays
-
-            result = arrays.new_like(grad, shape, dtype)
-            flat = arrays.flat_view(result, "result")
-            ops.clear(flat)
-            return result, flat
-        flat = np.zeros(int(np.prod(shape, dtype=np.int64)), dtype)
-        return flat.reshape(shape), flat
 
     def _settings(self) -> dict:
         from .._state import compression_name
