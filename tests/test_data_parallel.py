@@ -311,3 +311,37 @@ def test_broadcast_parameters_overwrites_in_place_with_roots_values():
                 np.testing.assert_array_equal(p, e)
 
         on_all_ranks(check)
+
+
+@pytest.mark.parallel(2)
+def test_the_example_trains_and_resumes_bitwise(tmp_path, capsys):
+    """examples/train_mlp.py: a run resumed from its checkpoint prints what the uninterrupted run
+    prints (CSC with momentum correction and loss scaling: the most state to carry)."""
+    import importlib.util
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("train_mlp", os.path.join(root, "examples", "train_mlp.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    base = ["--device", "cpu", "--density", "0.05", "--loss-scale", "--warmup-epochs", "1", "--batch", "128"]
+    ckpt = str(tmp_path / "mlp")
+
+    def run(*extra):
+        capsys.readouterr()
+        acc = example.main(base + list(extra))
+        lines = capsys.readouterr().out.splitlines()
+        return acc, [re.sub(r"  [0-9.]+ s", "", line) for line in lines]  # without the timings
+
+    def check():
+        whole_acc, whole = run("--epochs", "2")
+        run("--epochs", "1", "--checkpoint", ckpt)
+        assert os.path.exists(f"{ckpt}.rank{WORLD.rank}.pkl")
+        acc, resumed = run("--epochs", "2", "--checkpoint", ckpt, "--resume")
+        assert acc == whole_acc > 0.8
+        if WORLD.rank == 0:
+            assert resumed[0] == "resumed after epoch 1"
+            assert resumed[1:] == whole[-2:] and "epoch   2" in resumed[1], (whole, resumed)
+
+    on_all_ranks(check)
