@@ -39,7 +39,6 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import gflow  # noqa: E402
-from gflow.data_parallel import DataParallel, broadcast_parameters  # noqa: E402
 
 HIDDEN = 256
 
@@ -191,7 +190,7 @@ def main(argv=None) -> float:
     steps_per_epoch = len(ytr) // args.batch
 
     params = init_params(xp, args.seed)
-    broadcast_parameters(params)  # the same start everywhere, whatever each rank drew
+    gflow.broadcast_parameters(params)  # the same start everywhere, whatever each rank drew
     sparse = None
     momentum = args.momentum
     if args.density is not None:
@@ -202,7 +201,7 @@ def main(argv=None) -> float:
         momentum = 0.0  # in the residual, not in the optimizer
     elif momentum is None:
         momentum = 0.9
-    dp = DataParallel(
+    dp = gflow.DataParallel(
         params,
         compression=None if args.compression == "none" else args.compression,
         sparse=sparse,

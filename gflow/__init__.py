@@ -8,6 +8,7 @@ from .collectives.api import allgather, allreduce, allreduce_async, broadcast, r
 from .collectives.lazy import LazyAllreduce
 from .collectives.sparse import SparseAllreduce
 from .compression import LossScaler
+from .data_parallel import DataParallel, broadcast_parameters
 from .engine import Handle
 from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompressionOverflowError",
+    "DataParallel",
     "GflowError",
     "Handle",
     "LazyAllreduce",
@@ -26,6 +28,7 @@ __all__ = [
     "allreduce",
     "allreduce_async",
     "broadcast",
+    "broadcast_parameters",
     "config",
     "reduce_scatter",
 ]
