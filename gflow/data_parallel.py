@@ -265,8 +265,7 @@ class DataParallel:
             try:
                 self._check_grad(slot, key, grad)
             except (TypeError, ValueError) as exc:
-                self._error = exc
-                self._lazy.push(_Rejected())  # fails the step on every rank, in step with the peers
+                self._fail(exc)
         self._ready[slot] = grad
         self._drain()
 
@@ -297,8 +296,20 @@ class DataParallel:
                 # A sparse residual carries gradients from step to step: it must hold them unscaled,
                 # or a change of scale would mix units. Non-finite values still fail the step on every
                 # rank (SparseAllreduce's NonFiniteError), which synchronize() counts as an overflow.
-                self._scaler.unscale(grad)
+                try:
+                    self._scaler.unscale(grad)
+                except Exception as exc:  # noqa: BLE001 - raised by synchronize(), in step with the peers
+                    self._fail(exc)
+                    continue
             self._lazy.push(grad)
+
+    def _fail(self, error: Exception) -> None:
+        """This rank's step failed before its reduction: synchronize() raises `error` here. A gradient
+        LazyAllreduce refuses fails the step there, so the peers' synchronize() raises MismatchError
+        instead of waiting for this rank, and the next step starts in step everywhere."""
+        if self._error is None:
+            self._error = error
+            self._lazy.push(_Rejected())
 
     def synchronize(self) -> bool:
         """End the step: push what is missing (zeros for parameters no gradient reached), reduce,
@@ -317,14 +328,17 @@ class DataParallel:
                 without a scaler leaves the reduced values, as there).
         """
         ready = self._ready
-        error = self._error
         overflow = False
-        try:
-            if error is None:
+        if self._error is None:
+            try:
                 for slot in range(self._next, len(ready)):
                     if ready[slot] is None:
                         ready[slot] = self._zero_gradient(slot)
                 self._drain()
+            except Exception as exc:  # noqa: BLE001 - raised below, after the peers were told
+                self._fail(exc)
+        error = self._error
+        try:
             try:
                 self._lazy.flush()
             except NonFiniteError:
