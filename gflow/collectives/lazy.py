@@ -196,7 +196,9 @@ class LazyAllreduce:
             ops.fence()
         if self.sparse:
             if csc is None:
-                csc = self._csc[index] = SparseAllreduce(op=name, compression=self.compression, **self.sparse)
+                csc = self._csc[index] = SparseAllreduce(
+                    op=name, compression=self.compression, comm=self._comm, **self.sparse
+                )
             checksum = self._checksum
             run = lambda: csc.step_on(ctx, source, extra=checksum).reshape(-1)  # noqa: E731
         else:
@@ -242,7 +244,7 @@ class LazyAllreduce:
             pending += size * dtype.itemsize
             if pending >= self.threshold_bytes or i == len(sizes) - 1:
                 group = list(range(start, i + 1))
-                buffer = np.empty(sum(sizes[j] for j in group), dtype)
+                buffer = np.zeros(sum(sizes[j] for j in group), dtype)
                 views, offset = [], 0
                 for j in group:
                     views.append(buffer[offset : offset + sizes[j]].reshape(shapes[j]))
