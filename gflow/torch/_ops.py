@@ -22,6 +22,7 @@ Where this differs from Horovod, and why:
 """
 
 import itertools
+import math
 
 import numpy as np
 import torch
@@ -551,34 +552,41 @@ def grouped_allreduce(
 
 def _to_words(t):
     """A tensor of a dtype gflow does not move, as int32 words: (rows, words per row), each row of
-    t.shape[1:] padded to a multiple of 4 bytes."""
-    rows = t.reshape(1, -1) if t.dim() == 0 else t.reshape(t.shape[0], -1)
-    raw = rows.contiguous().view(torch.uint8)
-    nbytes = raw.shape[1]
-    padded = torch.zeros((raw.shape[0], -(-nbytes // 4) * 4), dtype=torch.uint8, device=t.device)
-    padded[:, :nbytes] = raw
-    return padded.view(torch.int32), nbytes
+    t.shape[1:] padded to a multiple of 4 bytes; and the row's length in bytes."""
+    rows = t.reshape(1, 1) if t.dim() == 0 else t.reshape(t.shape[0], math.prod(t.shape[1:]))
+    nbytes = rows.shape[1] * rows.element_size()
+    padded = torch.zeros((rows.shape[0], -(-nbytes // 4) * 4), dtype=torch.uint8, device=t.device)
+    if nbytes and rows.shape[0]:
+        padded[:, :nbytes] = rows.contiguous().view(torch.uint8)
+    return padded.view(torch.int32) if padded.shape[1] else padded.to(torch.int32), nbytes
 
 
 def _from_words(words, nbytes, dtype, tail_shape):
+    """Undo _to_words for the rows in `words`."""
+    shape = (words.shape[0], *tail_shape)
+    if nbytes == 0 or words.shape[0] == 0:
+        return torch.empty(shape, dtype=dtype, device=words.device)
     raw = words.contiguous().view(torch.uint8)[:, :nbytes].contiguous()
-    return raw.view(dtype).reshape((words.shape[0],) + tuple(tail_shape))
+    return raw.view(dtype).reshape(shape)
 
 
 def _allgather_now(tensor, where):
     try:
         check_tensor(tensor, where)
-    except Exception as exc:  # noqa: BLE001
-        _reject_blocking("allgather", exc)
-    x = tensor.detach()
-    try:
+        x = tensor.detach()
         if x.dtype in _MOVABLE_DIRECT:
-            return gflow.allgather(x.contiguous(), comm=_comm())
-        words, nbytes = _to_words(x)
+            words, nbytes = x.contiguous(), None
+        else:
+            words, nbytes = _to_words(x)
+    except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
+        _reject_blocking("allgather", exc)
+    try:
         gathered = gflow.allgather(words, comm=_comm())
-        return _from_words(gathered, nbytes, x.dtype, x.shape[1:] if x.dim() else ())
     except gflow.GflowError as exc:
         _raise(exc)
+    if nbytes is None:
+        return gathered
+    return _from_words(gathered, nbytes, x.dtype, x.shape[1:] if x.dim() else ())
 
 
 def allgather_async(tensor, name=None, process_set=None) -> int:
@@ -631,20 +639,24 @@ def _broadcast_now(tensor, root_rank, in_place: bool, where):
             raise TypeError(f"{where}: root_rank must be an int, got {type(root_rank).__name__}")
         if not 0 <= root_rank < _basics.size():
             raise ValueError(f"{where}: root_rank must be in [0, {_basics.size()}), got {root_rank}")
+        x = tensor.detach()
+        if x.dtype in _MOVABLE_DIRECT:
+            words = nbytes = None
+        else:
+            words, nbytes = _to_words(x.reshape(1, x.numel()))
     except Exception as exc:  # noqa: BLE001
         _reject_blocking("broadcast", exc)
-    x = tensor.detach()
+    root = int(root_rank)
     try:
-        if x.dtype in _MOVABLE_DIRECT:
+        if words is None:
             if in_place:
-                gflow.broadcast(x, int(root_rank), comm=_comm(), out=x)
+                gflow.broadcast(x, root, comm=_comm(), out=x)
                 return tensor
-            return gflow.broadcast(x.contiguous(), int(root_rank), comm=_comm())
-        words, nbytes = _to_words(x.reshape(1, -1))
-        words = gflow.broadcast(words, int(root_rank), comm=_comm())
-        result = _from_words(words, nbytes, x.dtype, (x.numel(),)).reshape(x.shape)
+            return gflow.broadcast(x.contiguous(), root, comm=_comm())
+        words = gflow.broadcast(words, root, comm=_comm())
     except gflow.GflowError as exc:
         _raise(exc)
+    result = _from_words(words, nbytes, x.dtype, (x.numel(),)).reshape(x.shape)
     if in_place:
         x.copy_(result)
         return tensor

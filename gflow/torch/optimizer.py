@@ -144,25 +144,27 @@ class _DistributedOptimizer:
         every rank; step() raises CompressionOverflowError / NonFiniteError instead of applying them.
         """
         params = self._gflow_params
+        self._overflow = None
         try:
             for index, p in enumerate(params):
                 if self._pushed[index] is None and p.grad is not None:
                     self._push(index, p)
-            used = torch.tensor([entry is not None for entry in self._pushed], dtype=torch.int32)
-            mask = gflow.allreduce_async(used, "max", comm=_basics.comm())
-            error = overflow = None
+            overflow = None
             try:
                 self._dp.synchronize()
-            except gflow.NonFiniteError as exc:
+            except gflow.NonFiniteError as exc:  # on every rank alike: see the docstring
                 overflow = exc
-            except Exception as exc:  # noqa: BLE001 - raised below, after the mask's handle
-                error = exc
+            except Exception as exc:  # noqa: BLE001 - every rank raises (gflow guarantees it)
+                raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+            # Which parameters some rank had a gradient for. Asked only now, when every rank's
+            # background queue is empty: whether the kit's segments went out during backward or at
+            # synchronize() depends on which parameters each rank used, so a collective queued
+            # before them could meet a segment on another rank.
+            used = torch.tensor([entry is not None for entry in self._pushed], dtype=torch.int32)
             try:
-                used = mask.wait()
-            except Exception as exc:  # noqa: BLE001
-                error = error or exc
-            if error is not None:
-                raise as_horovod_error(error).with_traceback(error.__traceback__)
+                used = gflow.allreduce_async(used, "max", comm=_basics.comm()).wait()
+            except gflow.GflowError as exc:
+                raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
             self._gflow_write_back(used, overflow)
         finally:
             self._gflow_reset_step()

@@ -1,0 +1,460 @@
+"""gflow.torch, Horovod's API: every collective against MPI's own (mpi4py's Allreduce/allgather/bcast) or
+float64 torch over every rank's inputs, at world sizes 1 to 4; gradients against torch's autograd over the
+whole computation in float64; argument errors on one rank and mismatches across ranks.
+
+DistributedOptimizer is tested in tests/test_torch_optimizer.py.
+"""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import WORLD, assert_same_on_all_ranks, on_all_ranks, rank_rng
+from mpi4py import MPI
+
+import gflow
+import gflow.torch as hvd
+
+torch.set_num_threads(1)
+SIZES = [1, 2, 3, 4]
+FLOATS = (torch.float32, torch.float64)
+INTS = (torch.int32, torch.int64)
+MPI_OPS = {hvd.Sum: MPI.SUM, hvd.Average: MPI.SUM, hvd.Min: MPI.MIN, hvd.Max: MPI.MAX, hvd.Product: MPI.PROD}
+
+
+@pytest.fixture(autouse=True)
+def _init():
+    hvd.init()
+
+
+def random_tensor(rng, shape, dtype):
+    if dtype.is_floating_point:
+        return torch.from_numpy(np.asarray(rng.standard_normal(shape) * 3)).to(dtype)
+    return torch.from_numpy(np.asarray(rng.integers(-50, 50, size=shape))).to(dtype)
+
+
+def everyone(x: torch.Tensor) -> np.ndarray:
+    """Every rank's x, stacked, in float64 (MPI's own allgather)."""
+    return np.stack(WORLD.allgather(x.detach().numpy().astype(np.float64)))
+
+
+def mpi_allreduce(x: np.ndarray, op) -> np.ndarray:
+    """MPI's own Allreduce in float64 (for Average: its sum, divided)."""
+    out = np.empty_like(x)
+    WORLD.Allreduce(np.ascontiguousarray(x), out, MPI_OPS[op])
+    return out / WORLD.size if op == hvd.Average else out
+
+
+def expected_allreduce(x: torch.Tensor, op, pre=1.0, post=1.0) -> np.ndarray:
+    """post * op(pre * x) over the ranks, in float64; for integers Horovod's C scaling (truncation)."""
+    if x.dtype.is_floating_point:
+        return post * mpi_allreduce(pre * x.numpy().astype(np.float64), op)
+    scaled = np.trunc(x.numpy().astype(np.float64) * pre)
+    reduced = mpi_allreduce(scaled, hvd.Sum if op == hvd.Average else op)
+    factor = post / WORLD.size if op == hvd.Average else post
+    return np.trunc(reduced * factor)
+
+
+def assert_allreduce(y, x, op, pre=1.0, post=1.0):
+    assert isinstance(y, torch.Tensor) and y.dtype == x.dtype and y.shape == x.shape
+    ref = expected_allreduce(x, op, pre, post)
+    got = y.numpy().astype(np.float64)
+    if not x.dtype.is_floating_point:
+        np.testing.assert_array_equal(got, ref)
+        return
+    eps = float(torch.finfo(x.dtype).eps)
+    if op in (hvd.Min, hvd.Max):  # exact, but for the roundings of pre- and postscaling
+        np.testing.assert_allclose(got, ref, rtol=2 * eps, atol=0)
+        return
+    if op == hvd.Product:
+        np.testing.assert_allclose(got, ref, rtol=4 * WORLD.size * eps, atol=0)
+        return
+    magnitude = abs(post) * everyone(x * pre).__abs__().sum(axis=0)
+    if op == hvd.Average:
+        magnitude = magnitude / WORLD.size
+    tol = 4 * WORLD.size * eps * magnitude + 1e-30
+    assert np.all(np.abs(got - ref) <= tol), f"max error {np.abs(got - ref).max()}"
+
+
+@pytest.mark.parallel(SIZES)
+def test_init_reads_the_topology_from_mpi():
+    def check():
+        assert hvd.is_initialized()
+        assert (hvd.rank(), hvd.size()) == (WORLD.rank, WORLD.size)
+        local = WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=WORLD.rank)
+        cross = WORLD.Split(color=local.rank, key=WORLD.rank)
+        assert (hvd.local_rank(), hvd.local_size()) == (local.rank, local.size)
+        assert (hvd.cross_rank(), hvd.cross_size()) == (cross.rank, cross.size)
+        local.Free()
+        cross.Free()
+        assert hvd.mpi_threads_supported() == (MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        assert hvd.mpi_enabled() and hvd.mpi_built()
+        assert not (hvd.gloo_enabled() or hvd.gloo_built() or hvd.nccl_built())
+        assert hvd.cuda_built() == (torch.version.cuda is not None)
+        assert hvd.global_process_set.size() == WORLD.size
+        hvd.shutdown()
+        assert not hvd.is_initialized()
+        with pytest.raises(ValueError, match="hvd.init"):
+            hvd.rank()
+        hvd.init(comm=list(range(WORLD.size)))  # a list of ranks, as Horovod takes
+        assert (hvd.rank(), hvd.size()) == (WORLD.rank, WORLD.size)
+        hvd.init(comm=MPI.COMM_WORLD)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_allreduce_family_against_mpis_allreduce():
+    rng = rank_rng(11)
+    cases = [(dt, op) for dt in FLOATS for op in (hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product)]
+    cases += [(dt, op) for dt in INTS for op in (hvd.Average, hvd.Sum, hvd.Min, hvd.Max)]
+    for dtype, op in cases:
+        for shape, pre, post in [
+            ((5, 7), 1.0, 1.0),
+            ((40_000,), 0.5, 3.0),
+            ((2, 0), 1.0, 1.0),
+            ((), 2.0, 0.25),
+        ]:
+            x = random_tensor(rng, shape, dtype)
+            before = x.clone()
+
+            def check(x=x, op=op, pre=pre, post=post, before=before):
+                kw = dict(op=op, prescale_factor=pre, postscale_factor=post)
+                assert_allreduce(hvd.allreduce(x, **kw), x, op, pre, post)
+                h = hvd.allreduce_async(x, name="a", **kw)
+                assert isinstance(h, int)
+                y = hvd.synchronize(h)
+                assert_allreduce(y, x, op, pre, post)
+                assert_same_on_all_ranks(y.numpy())
+                assert torch.equal(x, before), "the input was modified"
+                z = x.clone()
+                assert hvd.allreduce_(z, **kw) is z
+                assert_allreduce(z, x, op, pre, post)
+                z = x.clone()
+                h = hvd.allreduce_async_(z, **kw)
+                while not hvd.poll(h):
+                    time.sleep(0.001)
+                assert hvd.synchronize(h) is z
+                assert_allreduce(z, x, op, pre, post)
+                assert hvd.synchronize(h) is None  # as Horovod: a synchronized handle is gone
+
+            on_all_ranks(check, f"{dtype} op={op} shape={shape}")
+    x = random_tensor(rng, (6,), torch.float32)
+    on_all_ranks(lambda: assert_allreduce(hvd.allreduce(x, average=False), x, hvd.Sum), "average=False")
+    on_all_ranks(lambda: assert_allreduce(hvd.allreduce(x, average=True), x, hvd.Average), "average=True")
+
+
+@pytest.mark.parallel(SIZES)
+def test_grouped_allreduce_against_mpis_allreduce():
+    rng = rank_rng(12)
+    for op in (hvd.Average, hvd.Sum, hvd.Max):
+        tensors = [random_tensor(rng, (3, 4), torch.float32), random_tensor(rng, (50_000,), torch.float32)]
+        tensors += [random_tensor(rng, (7,), torch.float64), random_tensor(rng, (2, 2), torch.int64)]
+        if op == hvd.Average:
+            tensors.pop()  # integer Average is the allreduce family's test
+
+        def check(tensors=tensors, op=op):
+            kw = dict(op=op, postscale_factor=2.0)
+            for ys in (
+                hvd.grouped_allreduce(tensors, **kw),
+                hvd.synchronize(hvd.grouped_allreduce_async(tensors, **kw)),
+            ):
+                assert len(ys) == len(tensors)
+                for y, x in zip(ys, tensors, strict=True):
+                    assert_allreduce(y, x, op, post=2.0)
+            copies = [t.clone() for t in tensors]
+            assert all(a is b for a, b in zip(hvd.grouped_allreduce_(copies, **kw), copies, strict=True))
+            for y, x in zip(copies, tensors, strict=True):
+                assert_allreduce(y, x, op, post=2.0)
+            copies = [t.clone() for t in tensors]
+            out = hvd.synchronize(hvd.grouped_allreduce_async_(copies, **kw))
+            assert all(a is b for a, b in zip(out, copies, strict=True))
+            for y, x in zip(copies, tensors, strict=True):
+                assert_allreduce(y, x, op, post=2.0)
+
+        on_all_ranks(check, f"op={op}")
+
+
+@pytest.mark.parallel(SIZES)
+def test_fp16_compression_and_user_compressors():
+    rng = rank_rng(13)
+    x = random_tensor(rng, (1000,), torch.float32)
+
+    class Halve(hvd.Compressor):
+        """A user compressor: float64 on the wire, and counts its calls."""
+
+        calls = 0
+
+        @staticmethod
+        def compress(tensor):
+            Halve.calls += 1
+            return tensor.to(torch.float64), tensor.dtype
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor.to(ctx)
+
+    def check():
+        for op in (hvd.Average, hvd.Sum):
+            y = hvd.allreduce(x, op=op, compression=hvd.Compression.fp16)
+            assert y.dtype == torch.float32
+            ref = expected_allreduce(x, op)
+            # each rank's value (divided by p for Average) and every partial sum round to float16 once
+            scale = everyone(x).__abs__().sum(axis=0) / (WORLD.size if op == hvd.Average else 1)
+            assert np.all(np.abs(y.numpy() - ref) <= (WORLD.size + 2) * 2.0**-11 * scale + 2.0**-24)
+            assert_same_on_all_ranks(y.numpy())
+            assert_allreduce(hvd.allreduce(x, op=op, compression=hvd.Compression.none), x, op)
+        ints = torch.arange(5, dtype=torch.int64) + WORLD.rank
+        assert_allreduce(hvd.allreduce(ints, op=hvd.Sum, compression=hvd.Compression.fp16), ints, hvd.Sum)
+        y = hvd.allreduce(x, compression=Halve)
+        assert Halve.calls == 1 and y.dtype == torch.float32
+        assert_allreduce(y, x, hvd.Average)
+        ys = hvd.grouped_allreduce([x, 2 * x], compression=hvd.Compression.fp16)
+        assert all(y.dtype == torch.float32 for y in ys)
+        overflow = torch.full((4,), 6e4) if WORLD.size > 1 else torch.full((4,), 1e5)
+        with pytest.raises(hvd.HorovodInternalError, match="inf or NaN"):
+            hvd.allreduce(overflow, op=hvd.Sum, compression=hvd.Compression.fp16)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_allgather_and_broadcast_against_mpi():
+    rng = rank_rng(14)
+    dtypes = FLOATS + INTS + (torch.float16, torch.bool, torch.uint8, torch.int8, torch.bfloat16)
+    for dtype in dtypes:
+        for tail in [(), (3,), (2, 5)]:
+            rows = int(rng.integers(0, 4)) if tail else 1
+            x = random_tensor(rng, (rows, *tail) if tail else (), torch.float64).to(dtype)
+            xb = random_tensor(rng, (2, *tail) if tail else (), torch.float64).to(dtype)  # same shape
+
+            def check(x=x, xb=xb):
+                pieces = WORLD.allgather(x.reshape((-1, *x.shape[1:]) if x.dim() else (1,)))
+                ref = torch.cat(pieces)
+                for y in (hvd.allgather(x), hvd.synchronize(hvd.allgather_async(x, name="g"))):
+                    assert y.dtype == x.dtype and torch.equal(y, ref)
+                for root in range(WORLD.size):
+                    ref = WORLD.bcast(xb, root=root)
+                    before = xb.clone()
+                    y = hvd.broadcast(xb, root)
+                    assert torch.equal(y, ref) and torch.equal(xb, before)
+                    assert torch.equal(hvd.synchronize(hvd.broadcast_async(xb, root)), ref)
+                    z = xb.clone()
+                    assert hvd.broadcast_(z, root) is z and torch.equal(z, ref)
+                    z = xb.clone()
+                    assert hvd.synchronize(hvd.broadcast_async_(z, root_rank=root)) is z
+                    assert torch.equal(z, ref)
+
+            on_all_ranks(check, f"{dtype} tail={tail}")
+
+
+@pytest.mark.parallel(SIZES)
+def test_gradients_against_torch_autograd_over_every_rank():
+    """The global computation (every rank's input and output weights) rebuilt on each rank in float64:
+    allreduce's backward is its gradient of the sum of the ranks' losses, allgather's and broadcast's
+    that of their mean (Horovod's choice, hvd 0.22 on)."""
+    rng = rank_rng(15)
+    p, r = WORLD.size, WORLD.rank
+    x = random_tensor(rng, (r + 2, 3), torch.float32)  # allgather: different first dimensions
+    w_gather = torch.from_numpy(rng.standard_normal((sum(i + 2 for i in range(p)), 3))).float()
+    xs = [torch.from_numpy(a).requires_grad_() for a in WORLD.allgather(x.numpy().astype(np.float64))]
+    ws = [torch.from_numpy(a) for a in WORLD.allgather(w_gather.numpy().astype(np.float64))]
+
+    def check():
+        leaf = x.clone().requires_grad_()
+        (hvd.allgather(leaf) * w_gather).sum().backward()
+        total = sum((torch.cat(xs) * w).sum() for w in ws) / p
+        ref = torch.autograd.grad(total, xs[r])[0]
+        torch.testing.assert_close(leaf.grad.double(), ref, rtol=1e-5, atol=1e-5)
+
+        for op, pre, post in [(hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 1.0), (hvd.Sum, 0.5, 3.0)]:
+            x2 = random_tensor(rank_rng(17), (4, 3), torch.float32)
+            w = torch.from_numpy(rank_rng(16).standard_normal(x2.shape)).float()
+            leaf = x2.clone().requires_grad_()
+            (hvd.allreduce(leaf, op=op, prescale_factor=pre, postscale_factor=post) * w).sum().backward()
+            x2s = [
+                torch.from_numpy(a).requires_grad_() for a in WORLD.allgather(x2.numpy().astype(np.float64))
+            ]
+            w2s = [torch.from_numpy(a) for a in WORLD.allgather(w.numpy().astype(np.float64))]
+            out = post * sum(pre * a for a in x2s) / (p if op == hvd.Average else 1)
+            ref = torch.autograd.grad(sum((out * v).sum() for v in w2s), x2s[r])[0]
+            torch.testing.assert_close(leaf.grad.double(), ref, rtol=1e-5, atol=1e-5)
+
+            leaves = [x2.clone().requires_grad_(), (2 * x2).clone().requires_grad_()]
+            outs = hvd.grouped_allreduce(leaves, op=op, prescale_factor=pre, postscale_factor=post)
+            (outs[0] * w).sum().backward()
+            torch.testing.assert_close(leaves[0].grad.double(), ref, rtol=1e-5, atol=1e-5)
+            assert leaves[1].grad is None or not leaves[1].grad.any()
+
+        for root in range(p):
+            leaf = x2.clone().requires_grad_()
+            (hvd.broadcast(leaf, root) * w).sum().backward()
+            out = x2s[root]
+            ref = torch.autograd.grad(sum((out * v).sum() for v in w2s) / p, x2s[r], allow_unused=True)[0]
+            ref = torch.zeros_like(x2s[r]) if ref is None else ref
+            torch.testing.assert_close(leaf.grad.double(), ref, rtol=1e-5, atol=1e-5)
+
+        leaf = x2.clone().requires_grad_()
+        with pytest.raises(NotImplementedError, match="Max"):
+            hvd.allreduce(leaf, op=hvd.Max).sum().backward()
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_object_parameter_and_optimizer_state_broadcasts():
+    p, r = WORLD.size, WORLD.rank
+
+    def check():
+        obj = {"rank": r, "tensor": torch.arange(r + 1.0), "nested": [("x" * r, None), {r: 1.5}]}
+        for root in range(p):
+            got = hvd.broadcast_object(obj, root_rank=root)
+            ref = WORLD.bcast(obj, root=root)
+            assert got["rank"] == ref["rank"] and got["nested"] == ref["nested"]
+            assert torch.equal(got["tensor"], ref["tensor"])
+        gathered = hvd.allgather_object(("y" * (3 * r), r))
+        assert gathered == WORLD.allgather(("y" * (3 * r), r))
+
+        torch.manual_seed(100 + r)  # a different model on every rank
+        model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3), torch.nn.Flatten())
+        model(torch.randn(2, 2, 5, 5))  # BatchNorm's running statistics and num_batches_tracked move
+        root = p - 1
+        hvd.broadcast_parameters(model.state_dict(), root_rank=root)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, WORLD.bcast(value, root=root)), name
+        torch.manual_seed(200 + r)
+        for param in model.parameters():
+            param.data.normal_()
+        hvd.broadcast_parameters(model.named_parameters(), root_rank=0)
+        hvd.broadcast_parameters(list(model.parameters()), root_rank=0)
+        for param in model.parameters():
+            assert_same_on_all_ranks(param.detach().numpy())
+
+        opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1), betas=(0.8, 0.9))
+        for _ in range(r + 1):  # a different state on every rank
+            model(torch.randn(2, 2, 5, 5)).pow(2).mean().backward()
+            opt.step()
+        hvd.broadcast_optimizer_state(opt, root_rank=root)
+        mine, ref = opt.state_dict(), WORLD.bcast(opt.state_dict(), root=root)
+        assert mine["param_groups"] == ref["param_groups"]
+        assert mine["state"].keys() == ref["state"].keys()
+        for key, state in mine["state"].items():
+            for name, value in state.items():
+                assert torch.equal(value, ref["state"][key][name]), (key, name)
+        fresh = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.5)
+        hvd.broadcast_optimizer_state(fresh, root_rank=0)  # an empty state: the settings come over
+        assert fresh.param_groups[0]["lr"] == 0.1 and not fresh.state
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_join_barrier_and_handles():
+    p, r = WORLD.size, WORLD.rank
+
+    def check():
+        hvd.barrier()
+        time.sleep(0.15 * r)
+        assert hvd.join() == p - 1  # the last rank to arrive
+        assert hvd.join(device=0) in range(p)
+        with pytest.raises(ValueError, match="handle"):
+            hvd.poll(10**9)
+        assert hvd.synchronize(10**9) is None
+        handles = [hvd.allreduce_async(torch.full((3,), float(i)), op=hvd.Sum) for i in range(5)]
+        assert len(set(handles)) == 5
+        for i, h in reversed(list(enumerate(handles))):  # any order of synchronize
+            assert torch.equal(hvd.synchronize(h), torch.full((3,), float(i * p)))
+
+    on_all_ranks(check)
+    if p > 1:
+        # A rank that joins while the others still reduce: every rank raises instead of hanging.
+        def joined_early():
+            if r == 0:
+                with pytest.raises(hvd.HorovodInternalError):
+                    hvd.join()
+            else:
+                h = hvd.allreduce_async(torch.ones(5))
+                with pytest.raises(gflow.MismatchError):
+                    hvd.synchronize(h)
+            assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(p)))
+
+        on_all_ranks(joined_early, "join on rank 0 only")
+
+
+@pytest.mark.parallel(SIZES)
+def test_bad_arguments_fail_on_their_rank_and_the_peers_never_hang():
+    """One rank's bad argument: that rank raises its TypeError/ValueError/NotImplementedError, every
+    other rank a MismatchError (also a HorovodInternalError); the next collective works everywhere."""
+    p, r = WORLD.size, WORLD.rank
+    bad_rank = p - 1
+    good = torch.ones(4, 3)
+    strided = torch.ones(4, 6)[:, ::2]
+    cases = [
+        ("not a tensor", lambda: hvd.allreduce(np.ones(3)), TypeError, "torch.Tensor"),
+        ("strided in place", lambda: hvd.allreduce_(strided), ValueError, "contiguous"),
+        ("meta device", lambda: hvd.allreduce(torch.ones(3, device="meta")), ValueError, "device"),
+        ("bool allreduce", lambda: hvd.allreduce(torch.ones(3, dtype=torch.bool)), TypeError, "dtype"),
+        ("adasum", lambda: hvd.allreduce(good, op=hvd.Adasum), NotImplementedError, "Adasum"),
+        ("op and average", lambda: hvd.allreduce(good, average=True, op=hvd.Sum), ValueError, "supersedes"),
+        ("bad op", lambda: hvd.allreduce(good, op=42), ValueError, "op"),
+        (
+            "process set",
+            lambda: hvd.allreduce(good, process_set=hvd.ProcessSet([0])),
+            NotImplementedError,
+            "global",
+        ),
+        ("bad compression", lambda: hvd.allreduce(good, compression="zip"), TypeError, "compression"),
+        ("async strided", lambda: hvd.synchronize(hvd.allreduce_async_(strided)), ValueError, "contiguous"),
+        ("grouped", lambda: hvd.grouped_allreduce([good, "x"]), TypeError, "tensors\\[1\\]"),
+        ("broadcast root", lambda: hvd.broadcast(good, root_rank=p), ValueError, "root_rank"),
+        ("broadcast_ strided", lambda: hvd.broadcast_(strided, 0), ValueError, "contiguous"),
+        ("allgather list", lambda: hvd.allgather([1, 2]), TypeError, "torch.Tensor"),
+        ("async allgather", lambda: hvd.synchronize(hvd.allgather_async("x")), TypeError, "torch.Tensor"),
+    ]
+    peers = {
+        "async strided": lambda: hvd.synchronize(hvd.allreduce_async_(good.clone())),
+        "grouped": lambda: hvd.grouped_allreduce([good, good]),
+        "broadcast root": lambda: hvd.broadcast(good, 0),
+        "broadcast_ strided": lambda: hvd.broadcast_(good.clone(), 0),
+        "allgather list": lambda: hvd.allgather(good),
+        "async allgather": lambda: hvd.synchronize(hvd.allgather_async(good)),
+    }
+    for label, bad, error, match in cases:
+
+        def check(label=label, bad=bad, error=error, match=match):
+            if r == bad_rank:
+                with pytest.raises(error, match=match):
+                    bad()
+            else:
+                with pytest.raises(gflow.MismatchError) as info:
+                    peers.get(label, lambda: hvd.allreduce(good))()
+                assert isinstance(info.value, hvd.HorovodInternalError)
+            assert torch.equal(hvd.allreduce(good, op=hvd.Sum), good * p)
+
+        on_all_ranks(check, label)
+
+    def mismatched_shapes():
+        x = torch.ones(3 + r)
+        for call in (hvd.allreduce, lambda t: hvd.synchronize(hvd.allreduce_async(t))):
+            if p > 1:
+                with pytest.raises(hvd.HorovodInternalError) as info:
+                    call(x)
+                assert isinstance(info.value, gflow.MismatchError)
+            assert torch.equal(hvd.allreduce(good, op=hvd.Sum), good * p)
+        x = torch.ones(3, dtype=torch.float64 if r == 0 else torch.float32)
+        if p > 1:
+            with pytest.raises(hvd.HorovodInternalError):
+                hvd.broadcast(x, 0)
+
+    on_all_ranks(mismatched_shapes, "mismatched shapes and dtypes")
+
+
+def test_import_gflow_does_not_import_torch():
+    code = (
+        "import sys, gflow; assert 'torch' not in sys.modules; "
+        "import gflow.torch; assert 'torch' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,477 @@
+"""gflow.torch.DistributedOptimizer at world sizes 1 to 4.
+
+The reference is the same model trained in one process, in float64 torch, on all ranks' batches
+(each rank's loss averaged, as data parallelism averages gradients), step after step; "identical"
+means bitwise equal on every rank (MPI's own allgather of the bytes).
+"""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import WORLD, assert_same_on_all_ranks, on_all_ranks
+
+import gflow
+import gflow.torch as hvd
+
+torch.set_num_threads(1)
+SIZES = [1, 2, 3, 4]
+PER_RANK = 4  # samples per rank per step
+
+
+@pytest.fixture(autouse=True)
+def _init():
+    hvd.init()
+
+
+class Net(torch.nn.Module):
+    """A conv layer, no BatchNorm; `unused` is never used; `extra` is used on rank 0 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.randn(5))
+        self.conv = torch.nn.Conv2d(1, 3, 3)
+        self.fc = torch.nn.Linear(3 * 4 * 4, 4)
+        self.extra = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x, use_extra=False):
+        out = self.fc(torch.relu(self.conv(x)).flatten(1))
+        return out + self.extra if use_extra else out
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return Net().to(dtype)
+
+
+def batches(steps, seed=1):
+    """Every rank's batch of every step (the same on every rank): (x, y) of p * PER_RANK samples."""
+    g = torch.Generator().manual_seed(seed)
+    n = WORLD.size * PER_RANK
+    return [
+        (torch.randn(n, 1, 6, 6, generator=g), torch.randint(0, 4, (n,), generator=g)) for _ in range(steps)
+    ]
+
+
+def rank_loss(model, x, y, rank, parts=1, scale=1.0, scaler=None):
+    """Rank `rank`'s loss on its share of (x, y), backward in `parts` micro-batches (times `scale`, or
+    through scaler.scale); returns nothing."""
+    xs = x[rank * PER_RANK : (rank + 1) * PER_RANK].to(next(model.parameters()).dtype)
+    ys = y[rank * PER_RANK : (rank + 1) * PER_RANK]
+    for xm, ym in zip(xs.chunk(parts), ys.chunk(parts), strict=True):
+        loss = F.cross_entropy(model(xm, use_extra=rank == 0), ym) / parts
+        (loss * scale if scaler is None else scaler.scale(loss)).backward()
+
+
+def reference_step(model, opt, x, y, op="mean", clip=None):
+    """One step of the single-process reference: the ranks' losses averaged (or summed), in float64."""
+    opt.zero_grad()
+    total = 0
+    for r in range(WORLD.size):
+        xs = x[r * PER_RANK : (r + 1) * PER_RANK].double()
+        total = total + F.cross_entropy(model(xs, use_extra=r == 0), y[r * PER_RANK : (r + 1) * PER_RANK])
+    (total / (WORLD.size if op == "mean" else 1)).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+
+
+def assert_identical(model):
+    for name, p in model.named_parameters():
+        try:
+            assert_same_on_all_ranks(p.detach().numpy())
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+
+
+def assert_close_to(model, ref, atol, rtol=1e-4):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().double(), q.detach(), atol=atol, rtol=rtol, msg=name)
+
+
+class ToFloat64(hvd.Compressor):
+    """A user compressor: float64 on the wire."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor.to(torch.float64), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx)
+
+
+@pytest.mark.parallel(SIZES)
+def test_training_equals_one_process_on_the_concatenated_batch():
+    """Dense, fp16 (float16 on the wire: within 2e-3 here), backward_passes_per_step=2, op=Sum,
+    gradient_predivide_factor and a user compressor: parameters after every step equal the
+    single-process float64 reference, and are bitwise identical on every rank; the unused parameter
+    keeps grad None and its value (under weight decay too), the one used on rank 0 only is updated
+    everywhere."""
+    r = WORLD.rank
+    modes = {
+        "dense": dict(kw={}, atol=1e-5),
+        "fp16": dict(kw=dict(compression=hvd.Compression.fp16), atol=2e-3),
+        "bpps2": dict(kw=dict(backward_passes_per_step=2), atol=1e-5, parts=2),
+        "sum": dict(kw=dict(op=hvd.Sum), atol=1e-5, op="sum"),
+        "predivide": dict(kw=dict(gradient_predivide_factor=4.0), atol=1e-5),
+        "compressor": dict(kw=dict(compression=ToFloat64, threshold_bytes=256), atol=1e-5),
+    }
+    data = batches(4)
+    for mode, spec in modes.items():
+
+        def check(spec=spec):
+            model = make_model(seed=r)  # every rank different: broadcast_parameters must fix it
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            ref = copy.deepcopy(model).double()
+            unused_before = model.unused.detach().clone()
+            sgd = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+            opt = torch.optim.SGD(model.parameters(), **sgd)
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **spec["kw"])
+            ref_opt = torch.optim.SGD(ref.parameters(), **sgd)
+            for x, y in data:
+                opt.zero_grad()
+                rank_loss(model, x, y, r, parts=spec.get("parts", 1))
+                opt.step()
+                reference_step(ref, ref_opt, x, y, op=spec.get("op", "mean"))
+                assert_identical(model)
+                assert_close_to(model, ref, atol=spec["atol"])
+                assert model.unused.grad is None and torch.equal(model.unused.detach(), unused_before)
+                assert model.extra.grad is not None
+
+        on_all_ranks(check, mode)
+
+
+@pytest.mark.parallel(SIZES)
+def test_sparse_communication_loses_nothing_and_moves_sgd_momentum():
+    r, p = WORLD.rank, WORLD.size
+    data = batches(4)
+
+    def nothing_lost():
+        # momentum 0: the updates applied plus every rank's residual add up to the gradients pushed
+        model = make_model()
+        sparse = dict(density=0.3, chunk_elems=8)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            named_parameters=model.named_parameters(),
+            sparse=sparse,
+            threshold_bytes=1 << 30,  # one segment: its residual is every gradient, last parameter first
+        )
+        names = [n for n, _ in model.named_parameters()]
+        params = dict(model.named_parameters())
+        pushed = {n: np.zeros(params[n].shape) for n in names}
+        applied = {n: np.zeros(params[n].shape) for n in names}
+        for x, y in data:
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            for n in names:
+                local = params[n].grad
+                local = np.zeros(params[n].shape) if local is None else local.double().numpy()
+                pushed[n] += np.sum(WORLD.allgather(local), axis=0) / p
+            opt.step()
+            for n in names:
+                if params[n].grad is not None:
+                    applied[n] += params[n].grad.double().numpy()
+            assert_identical(model)
+        segment = opt.state_dict()["gflow"]["lazy"]["segments"][0]
+        residual = np.asarray(segment["residual"], dtype=np.float64).reshape(-1)
+        total_residual = np.sum(WORLD.allgather(residual), axis=0) / p
+        offset = 0
+        for n in reversed(names):
+            size = params[n].numel()
+            kept = total_residual[offset : offset + size].reshape(params[n].shape)
+            offset += size
+            np.testing.assert_allclose(applied[n] + kept, pushed[n], rtol=1e-5, atol=1e-6, err_msg=n)
+        assert offset == residual.size
+
+    on_all_ranks(nothing_lost, "nothing lost")
+
+    def fp16_identical():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16,
+            sparse=dict(density=0.25, chunk_elems=16),
+            threshold_bytes=512,
+        )
+        for x, y in data:
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            opt.step()
+            assert_identical(model)
+
+    on_all_ranks(fp16_identical, "CSC + fp16 bitwise identical")
+
+    def momentum_moves_into_csc():
+        # SGD(momentum=m) with sparse=: the momentum is CSC's (Deep Gradient Compression's momentum
+        # correction), SGD's is 0, so the update is accelerated once: the same as momentum=m given to
+        # CSC beside a plain SGD. At density 1 every chunk is sent each step and momentum factor
+        # masking clears the velocity with it: the update is then plain SGD's, not momentum SGD's.
+        sparse = dict(density=0.3, chunk_elems=8)
+        models = [make_model(), make_model(), make_model()]
+        ref = copy.deepcopy(models[2]).double()
+        opts = [
+            hvd.DistributedOptimizer(
+                torch.optim.SGD(models[0].parameters(), lr=0.1, momentum=0.9), sparse=sparse
+            ),
+            hvd.DistributedOptimizer(
+                torch.optim.SGD(models[1].parameters(), lr=0.1), sparse=dict(sparse, momentum=0.9)
+            ),
+            hvd.DistributedOptimizer(
+                torch.optim.SGD(models[2].parameters(), lr=0.1, momentum=0.9), sparse=dict(density=1.0)
+            ),
+        ]
+        assert all(g["momentum"] == 0.0 for opt in opts for g in opt.param_groups)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for x, y in data:
+            for model, opt in zip(models, opts, strict=True):
+                opt.zero_grad()
+                rank_loss(model, x, y, r)
+                opt.step()
+                assert_identical(model)
+            for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+                assert torch.equal(a, b)
+            reference_step(ref, ref_opt, x, y)
+            assert_close_to(models[2], ref, atol=1e-5)
+
+    on_all_ranks(momentum_moves_into_csc, "SGD momentum moved into CSC")
+
+
+@pytest.mark.parallel(SIZES)
+def test_checkpoint_and_resume_equals_an_uninterrupted_run():
+    r = WORLD.rank
+    data = batches(5)
+    setups = {
+        "adam": (lambda m: torch.optim.Adam(m.parameters(), lr=0.01), {}),
+        "csc": (
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            dict(sparse=dict(density=0.3, chunk_elems=8)),
+        ),
+    }
+    for label, (make_opt, kw) in setups.items():
+
+        def run(stop_at=None, make_opt=make_opt, kw=kw):
+            model = make_model()
+            opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(), **kw)
+            for step, (x, y) in enumerate(data):
+                if step == stop_at:  # a restart: fresh objects, then the checkpoint loaded
+                    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+                    model = make_model(seed=123)
+                    opt = hvd.DistributedOptimizer(
+                        make_opt(model), named_parameters=model.named_parameters(), **kw
+                    )
+                    model.load_state_dict(saved[0])
+                    opt.load_state_dict(saved[1])
+                opt.zero_grad()
+                rank_loss(model, x, y, r)
+                opt.step()
+            return model, opt
+
+        def check(label=label):
+            whole, opt = run()
+            resumed, _ = run(stop_at=2)
+            for (name, a), b in zip(whole.named_parameters(), resumed.parameters(), strict=True):
+                assert torch.equal(a, b), name
+            assert "gflow" in opt.state_dict()
+            plain = torch.optim.Adam(whole.parameters()).state_dict()  # no "gflow" key: loads too
+            if label == "adam":
+                opt.load_state_dict(plain)
+
+        on_all_ranks(check, label)
+
+
+@pytest.mark.parallel(SIZES)
+def test_gradient_clipping_and_grad_scaler_patterns():
+    r = WORLD.rank
+    data = batches(4)
+
+    def clipping():
+        model = make_model()
+        ref = copy.deepcopy(model).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # active: the norms are larger
+            with opt.skip_synchronize():
+                opt.step()
+            reference_step(ref, ref_opt, x, y, clip=0.05)
+            assert_identical(model)
+            assert_close_to(model, ref, atol=1e-5)
+        opt.zero_grad()
+        rank_loss(model, *data[0], r)
+        opt.synchronize()
+        with pytest.warns(UserWarning, match="skip_synchronize"):
+            opt.step()
+
+    on_all_ranks(clipping, "clipping")
+
+    def grad_scaler():
+        model = make_model()
+        ref = copy.deepcopy(model).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for x, y in data:
+            opt.zero_grad()
+            rank_loss(model, x, y, r, scaler=scaler)
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+            reference_step(ref, ref_opt, x, y)
+            assert_identical(model)
+            assert_close_to(model, ref, atol=1e-5)
+
+    on_all_ranks(grad_scaler, "GradScaler, dense")
+
+    def grad_scaler_fp16_overflow():
+        # float16 on the wire overflows at a scale of 2**24: every rank sees inf, GradScaler skips
+        # the step on every rank and lowers the scale, and training goes on.
+        model = make_model()
+        start = [p.detach().clone() for p in model.parameters()]
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16,
+        )
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, backoff_factor=2.0**-6)
+        scales = []
+        for x, y in data:
+            opt.zero_grad()
+            rank_loss(model, x, y, r, scaler=scaler)
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scales.append(scaler.get_scale())
+            scaler.update()
+            assert_identical(model)
+        assert scales[0] == 2.0**24 and scaler.get_scale() < 2.0**24, scales
+        assert not all(torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))
+        # Without a scaler, step() refuses to apply the overflowed gradients (on every rank).
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        rank_loss(model, *data[0], r, scale=2.0**24)
+        with pytest.raises(gflow.CompressionOverflowError) as info:
+            opt.step()
+        assert isinstance(info.value, hvd.HorovodInternalError)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        opt.zero_grad()
+        rank_loss(model, *data[1], r)
+        opt.step()
+        assert_identical(model)
+
+    on_all_ranks(grad_scaler_fp16_overflow, "GradScaler, fp16 overflow")
+
+
+@pytest.mark.parallel(SIZES)
+def test_a_failed_step_keeps_values_and_the_next_step_works():
+    """One rank starts a collective the others do not: every rank's step() raises a HorovodInternalError
+    (gflow's error: the ranks disagree), parameters and local gradients are unchanged, and the next step
+    equals the reference."""
+    r, p = WORLD.rank, WORLD.size
+    data = batches(3)
+
+    def check():
+        model = make_model()
+        ref = copy.deepcopy(model).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+            named_parameters=model.named_parameters(),
+            threshold_bytes=300,  # several segments, some fired during backward
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+        for step, (x, y) in enumerate(data):
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            if step == 1 and p > 1:
+                params = [q.detach().clone() for q in model.parameters()]
+                grads = [None if q.grad is None else q.grad.clone() for q in model.parameters()]
+                stray = hvd.allreduce_async(torch.ones(7)) if r == p - 1 else None
+                with pytest.raises(hvd.HorovodInternalError, match="disagree") as info:
+                    opt.step()
+                assert isinstance(info.value, gflow.GflowError)
+                if stray is not None:
+                    with pytest.raises(gflow.MismatchError):
+                        hvd.synchronize(stray)
+                for q, before, grad in zip(model.parameters(), params, grads, strict=True):
+                    assert torch.equal(q.detach(), before)
+                    assert (q.grad is None and grad is None) or torch.equal(q.grad, grad)
+                opt.zero_grad()  # the failed step is forgotten: no "zero_grad before step" error
+                rank_loss(model, x, y, r)
+            opt.step()
+            reference_step(ref, ref_opt, x, y)
+            assert_identical(model)
+            assert_close_to(model, ref, atol=1e-5)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([1, 2])
+def test_bad_arguments_are_named():
+    r = WORLD.rank
+
+    def check():
+        model = make_model()
+        named = list(model.named_parameters())
+
+        def sgd(**kw):
+            return torch.optim.SGD(model.parameters(), lr=0.1, **kw)
+
+        def wrap(opt=None, named=named, **kw):
+            return hvd.DistributedOptimizer(sgd() if opt is None else opt, named, **kw)
+
+        cases = [
+            (TypeError, "torch.optim.Optimizer", lambda: hvd.DistributedOptimizer(model)),
+            (ValueError, "unique", lambda: wrap(named=[("a", q) for _, q in named])),
+            (ValueError, "not named", lambda: wrap(named=named[1:])),
+            (ValueError, "tuples", lambda: wrap(named=list(model.parameters()))),
+            (ValueError, "backward_passes_per_step", lambda: wrap(backward_passes_per_step=0)),
+            (TypeError, "backward_passes_per_step", lambda: wrap(backward_passes_per_step=1.5)),
+            (NotImplementedError, "Adasum", lambda: wrap(op=hvd.Adasum)),
+            (ValueError, "op", lambda: wrap(op=hvd.Max)),
+            (ValueError, "predivide", lambda: wrap(op=hvd.Sum, gradient_predivide_factor=2.0)),
+            (ValueError, "predivide", lambda: wrap(gradient_predivide_factor=0)),
+            (TypeError, "compression", lambda: wrap(compression=object())),
+            (TypeError, "sparse", lambda: wrap(sparse=True)),
+            (ValueError, "density", lambda: wrap(sparse=dict(density=2.0))),
+            (ValueError, "nesterov", lambda: wrap(sgd(momentum=0.9, nesterov=True), sparse={})),
+            (ValueError, "once", lambda: wrap(sgd(momentum=0.9), sparse=dict(momentum=0.5))),
+            (NotImplementedError, "global", lambda: wrap(process_set=hvd.ProcessSet([0]))),
+            (ValueError, "threshold_bytes", lambda: wrap(threshold_bytes=0)),
+        ]
+        for error, match, call in cases:
+            with pytest.raises(error, match=match):
+                call()
+        plain = sgd(momentum=0.9)
+        with pytest.raises(ValueError, match="once"):
+            hvd.DistributedOptimizer(plain, named, sparse=dict(momentum=0.5))
+        assert plain.param_groups[0]["momentum"] == 0.9  # a refused wrap leaves the optimizer as it was
+        opt = hvd.DistributedOptimizer(sgd(), named)
+        with pytest.raises(ValueError, match="already"):
+            hvd.DistributedOptimizer(opt, named)
+        assert isinstance(opt, torch.optim.SGD) and type(opt).__name__ == "SGD"
+        x, y = batches(1)[0]
+        rank_loss(model, x, y, r)
+        with pytest.raises(AssertionError, match="zero_grad"):
+            opt.zero_grad()
+        with pytest.raises(AssertionError, match="backward_passes_per_step"):
+            rank_loss(model, x, y, r)
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.zero_grad()
+
+    on_all_ranks(check)
