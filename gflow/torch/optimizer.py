@@ -448,9 +448,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             momentum m > 0 the momentum moves into CSC (Deep Gradient Compression's momentum
             correction: sparse momentum m, and the param groups' momentum set to 0, so the update is
             not accelerated twice); SGD with nesterov, dampening or different momenta per group raise
-            ValueError. With any other optimizer CSC uses momentum 0 unless sparse gives one. The
-            residuals are per rank: each rank saves and loads its own state_dict. Keep the loss
-            scale constant (torch.amp.GradScaler's changing scale mixes units in the residual).
+            ValueError. With any other optimizer CSC uses momentum 0 unless sparse gives one. CSC
+            clears the velocity of what it sends (DGC's momentum factor masking), so at density 1
+            the update is plain SGD's; SGD's weight decay then applies after CSC, not before its
+            momentum. The residuals are per rank: each rank saves and loads its own state_dict.
+            Keep the loss scale constant (torch.amp.GradScaler's changing scale mixes units in the
+            residual).
 
     Returns:
         The distributed optimizer (its class is a subclass of the wrapped optimizer's class).
