@@ -236,7 +236,7 @@ def test_allgather_and_broadcast_against_mpi():
                 ref = torch.cat(pieces)
                 for y in (hvd.allgather(x), hvd.synchronize(hvd.allgather_async(x, name="g"))):
                     assert y.dtype == x.dtype and torch.equal(y, ref)
-                for root in range(WORLD.size):
+                for root in sorted({0, WORLD.size - 1}):
                     ref = WORLD.bcast(xb, root=root)
                     before = xb.clone()
                     y = hvd.broadcast(xb, root)
@@ -310,7 +310,7 @@ def test_object_parameter_and_optimizer_state_broadcasts():
 
     def check():
         obj = {"rank": r, "tensor": torch.arange(r + 1.0), "nested": [("x" * r, None), {r: 1.5}]}
-        for root in range(p):
+        for root in sorted({0, p - 1}):
             got = hvd.broadcast_object(obj, root_rank=root)
             ref = WORLD.bcast(obj, root=root)
             assert got["rank"] == ref["rank"] and got["nested"] == ref["nested"]
