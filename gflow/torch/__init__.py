@@ -70,6 +70,7 @@ from ._ops import (
 from .compression import Compression, Compressor
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
@@ -83,6 +84,7 @@ __all__ = [
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",
