@@ -107,6 +107,8 @@ def describe(sig) -> str:
         text += f", push-order checksum {int(sig[5])}"
     elif collective == "sparse":
         text += f", gradient size and settings fingerprint {int(sig[5])}"
+    elif collective == "allreduce" and int(sig[5]):
+        text += f", shape fingerprint {int(sig[5])}"
     elif int(sig[5]):
         text += f", extra={int(sig[5])}"
     return text

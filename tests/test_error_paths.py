@@ -424,3 +424,24 @@ def test_waiting_on_an_old_failed_handle_leaves_a_newer_channel_alone():
     on_all_ranks(lambda: expect((TypeError, gflow.MismatchError), second.wait))
     on_all_ranks(lambda: expect(gflow.GflowError, behind_second.wait, "earlier"))
     on_all_ranks(lambda: np.testing.assert_array_equal(gflow.allreduce_async(x).wait(10), WORLD.size))
+
+
+@pytest.mark.parallel([2, 3])
+def test_allreduce_compares_shapes_not_only_element_counts():
+    # Found with gflow.torch (issue 8): (2, 3) on one rank against (3, 2) elsewhere reduced silently,
+    # where Horovod fails on a shape mismatch. Blocking, async, fp16 and the latency and ring paths.
+    shape = (3, 2) if WORLD.rank == LAST else (2, 3)
+    for n, call in [
+        (1, lambda x: gflow.allreduce(x)),
+        (1, lambda x: gflow.allreduce_async(x).wait()),
+        (1, lambda x: gflow.allreduce(x, "mean", compression="fp16")),
+        (40000, lambda x: gflow.allreduce(x, algorithm="ring")),
+    ]:
+        x = random_array(rank_rng(60), (shape[0] * n, shape[1]), np.float32)
+
+        def mismatch(call=call, x=x):
+            expect(gflow.MismatchError, lambda: call(x), f"shape \\({x.shape[0]}, {x.shape[1]}\\)")
+
+        on_all_ranks(mismatch, "shape mismatch")
+        y = gflow.allreduce(x.reshape(-1))  # flat on every rank: same shape, fine
+        assert_close_to_reference(y, x.reshape(-1), "sum")

@@ -7,6 +7,9 @@ the memory MPI sees; the *_flat functions of collectives/common.py do the rest. 
 the kind, so they are of the caller's kind (a tensor for a tensor, CuPy for CuPy).
 """
 
+import struct
+import zlib
+
 import numpy as np
 
 from .. import engine
@@ -134,15 +137,36 @@ def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True):
     return kind, dtype, name, chosen, codec, result
 
 
-def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=("allreduce", 0)):
+_USER_CALL = ("allreduce", 0)
+
+
+def _shape_fingerprint(shape) -> int:
+    """What the ranks of a user's allreduce agree on besides the element count: a checksum of the
+    shape, so that (2, 3) against (3, 2) fails as Horovod's shape check does instead of reducing."""
+    return zlib.crc32(struct.pack(f"<{len(shape)}q", *shape)) if len(shape) else 0
+
+
+def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=_USER_CALL):
     """allreduce on a given context (the caller's, or the engine's for allreduce_async). `tag` is the
-    (collective, extra) pair the ranks agree on: LazyAllreduce puts its push-order fingerprint there."""
+    (collective, extra) pair the ranks agree on: LazyAllreduce puts its push-order fingerprint there;
+    a user's call (the default) a fingerprint of x's shape."""
     ctx.check_usable()
     try:
         kind, dtype, name, chosen, codec, result = check_allreduce(x, op, out, algorithm, compression)
     except Exception:
         reject(ctx, "allreduce")
         raise
+    if tag is _USER_CALL:
+        shape = tuple(kind.shape(x))
+        tag = ("allreduce", _shape_fingerprint(shape))
+        try:
+            return _allreduce_checked(ctx, kind, x, dtype, name, chosen, codec, result, algorithm, tag)
+        except MismatchError as exc:
+            raise MismatchError(f"{exc}. This rank passed an array of shape {shape}") from exc
+    return _allreduce_checked(ctx, kind, x, dtype, name, chosen, codec, result, algorithm, tag)
+
+
+def _allreduce_checked(ctx: CommContext, kind, x, dtype, name, chosen, codec, result, algorithm, tag):
     if codec:
         return _allreduce_fp16(ctx, kind, x, result, name, algorithm, tag)
     transport = kind.transport()
