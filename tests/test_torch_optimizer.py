@@ -6,6 +6,7 @@ means bitwise equal on every rank (MPI's own allgather of the bytes).
 """
 
 import copy
+import io
 import warnings
 
 import numpy as np
@@ -259,7 +260,10 @@ def test_checkpoint_and_resume_equals_an_uninterrupted_run():
             opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(), **kw)
             for step, (x, y) in enumerate(data):
                 if step == stop_at:  # a restart: fresh objects, then the checkpoint loaded
-                    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+                    file = io.BytesIO()  # torch.load's default (weights_only) must take gflow's state
+                    torch.save((model.state_dict(), opt.state_dict()), file)
+                    file.seek(0)
+                    saved = torch.load(file, weights_only=True)
                     model = make_model(seed=123)
                     opt = hvd.DistributedOptimizer(
                         make_opt(model), named_parameters=model.named_parameters(), **kw

@@ -12,6 +12,7 @@ import warnings
 import weakref
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 import gflow
@@ -270,14 +271,14 @@ class _DistributedOptimizer:
         """The wrapped optimizer's state dict, plus this rank's gflow state (DataParallel.state_dict():
         with sparse=, the residuals, which are per rank) under the key "gflow"."""
         state = super().state_dict()
-        state["gflow"] = self._dp.state_dict()
+        state["gflow"] = _as_tensors(self._dp.state_dict())
         return state
 
     def load_state_dict(self, state_dict):
         """Load a state_dict(); a plain optimizer state dict (without "gflow") loads too, leaving
         gflow's state as it is."""
         state_dict = dict(state_dict)
-        kit_state = state_dict.pop("gflow", None)
+        kit_state = _as_arrays(state_dict.pop("gflow", None))
         before = None
         if kit_state is not None:
             before = self._dp.state_dict()
@@ -522,3 +523,28 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
                     group["momentum"] = m
         raise
     return distributed
+
+
+def _as_tensors(state):
+    """The kit's state with its NumPy arrays (and NumPy scalars) as tensors and Python values, so that
+    torch.save/torch.load(weights_only=True), the default since torch 2.6, take the optimizer's state."""
+    if isinstance(state, dict):
+        return {key: _as_tensors(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_as_tensors(value) for value in state)
+    if isinstance(state, np.ndarray):
+        return torch.from_numpy(state.copy())
+    if isinstance(state, np.generic):
+        return state.item()
+    return state
+
+
+def _as_arrays(state):
+    """_as_tensors undone: tensors back to the NumPy arrays the kit's load_state_dict reads."""
+    if isinstance(state, dict):
+        return {key: _as_arrays(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_as_arrays(value) for value in state)
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu().numpy().copy()
+    return state
