@@ -81,7 +81,7 @@ def info() -> int:
         "small_message_bytes": gflow.config.small_message_bytes,
         "ring_segment_bytes": gflow.config.ring_segment_bytes,
     }
-    for name in ("numba", "numba_cuda", "cupy"):
+    for name in ("numba", "numba_cuda", "cupy", "torch"):
         try:
             module = __import__(name)
             lines[name] = getattr(module, "__version__", "installed")
