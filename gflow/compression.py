@@ -25,9 +25,9 @@ def check_compression(compression, dtype: np.dtype):
     return "fp16"
 
 
-def encode(ops, wire, src, op: str, size: int) -> None:
-    """Cast src into the float16 wire buffer, dividing by size first for a mean."""
-    ops.cast_scaled(wire, src, 1.0 / size if op == "mean" else 1.0)
+def encode(ops, wire, src, op: str, size: int, scale: float = 1.0) -> None:
+    """Cast src (times scale) into the float16 wire buffer, dividing by size first for a mean."""
+    ops.cast_scaled(wire, src, scale / size if op == "mean" else scale)
 
 
 def decode(ops, dst, wire) -> bool:

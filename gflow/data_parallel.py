@@ -25,7 +25,8 @@ import numpy as np
 
 from . import _state as st
 from ._array import check_array, check_writable
-from .collectives.api import broadcast
+from ._context import context
+from .collectives.api import broadcast, reject
 from .collectives.lazy import DEFAULT_THRESHOLD_BYTES, LazyAllreduce
 from .compression import LossScaler
 from .errors import NonFiniteError
@@ -110,7 +111,11 @@ def broadcast_parameters(params, root: int = 0, *, comm=None) -> None:
         TypeError, ValueError: bad params on this rank (the peers raise MismatchError).
         MismatchError: the ranks passed different parameters.
     """
-    _, arrays, _ = _named(params, "broadcast_parameters")
+    try:
+        _, arrays, _ = _named(params, "broadcast_parameters")
+    except Exception:
+        reject(context(comm), "broadcast")  # the peers wait in their first broadcast: fail them too
+        raise
     for a in arrays:
         broadcast(a, root, comm=comm, out=a)
 
@@ -162,6 +167,11 @@ class DataParallel:
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(
                 f"loss_scaler must be a gflow.LossScaler or None, got {type(loss_scaler).__name__}"
+            )
+        if loss_scaler is not None and loss_scaler._comm is not comm:
+            raise ValueError(
+                "loss_scaler must agree on overflow over DataParallel's communicator: make it with "
+                "gflow.LossScaler(comm=...) and the same comm you pass here"
             )
         self._lazy = LazyAllreduce(threshold_bytes, op=op, compression=compression, comm=comm, sparse=sparse)
         self._scaler = loss_scaler
@@ -261,6 +271,13 @@ class DataParallel:
                     f"DataParallel.push({key!r}): no grad given and no gradient_buffers() to take it from"
                 )
             grad = self._buffers[slot]
+            if self._error is None and any(g is grad for g in self._ready):
+                self._fail(
+                    ValueError(
+                        f"DataParallel.push({key!r}): its buffer was already pushed for another parameter "
+                        "in this step"
+                    )
+                )
         elif self._error is None:
             try:
                 self._check_grad(slot, key, grad)
@@ -294,14 +311,13 @@ class DataParallel:
                 continue  # the step failed here; LazyAllreduce ignores its pushes anyway
             if self._scaler is not None and self._lazy.sparse is not None:
                 # A sparse residual carries gradients from step to step: it must hold them unscaled,
-                # or a change of scale would mix units. Non-finite values still fail the step on every
-                # rank (SparseAllreduce's NonFiniteError), which synchronize() counts as an overflow.
-                try:
-                    self._scaler.unscale(grad)
-                except Exception as exc:  # noqa: BLE001 - raised by synchronize(), in step with the peers
-                    self._fail(exc)
-                    continue
-            self._lazy.push(grad)
+                # or a change of scale would mix units. They are unscaled on their way into the
+                # fusion buffer, so a failed step leaves the pushed array as it was (a retry neither
+                # loses nor doubles it). Non-finite values still fail the step on every rank
+                # (SparseAllreduce's NonFiniteError), which synchronize() counts as an overflow.
+                self._lazy.push(grad, scale=1.0 / self._scaler.scale)
+            else:
+                self._lazy.push(grad)
 
     def _fail(self, error: Exception) -> None:
         """This rank's step failed before its reduction: synchronize() raises `error` here. A gradient

@@ -345,3 +345,109 @@ def test_the_example_trains_and_resumes_bitwise(tmp_path, capsys):
             assert resumed[1:] == whole[-2:] and "epoch   2" in resumed[1], (whole, resumed)
 
     on_all_ranks(check)
+
+
+# Review findings (issue 8): each reproduces a reviewer's case.
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_failed_sparse_step_under_loss_scaling_keeps_the_scaled_gradients(compression):
+    # The gradients were unscaled in place as they were pushed, so after a step that failed on another
+    # rank they held g / scale, and a retry reduced g / scale**2: gradients lost.
+    rng = rank_rng(70)
+    params = {"w": np.zeros(64, np.float32), "b": np.zeros(8, np.float32)}
+    dp = DataParallel(
+        params,
+        sparse={"density": 1.0, "chunk_elems": 8},
+        compression=compression,
+        loss_scaler=gflow.LossScaler(init_scale=4.0),
+    )
+    grads = dp.gradient_buffers()
+    local = {k: np.array(rng.standard_normal(v.shape) * 4, np.float32) for k, v in grads.items()}
+    for k in grads:
+        grads[k][...] = local[k]
+    bad = WORLD.rank == WORLD.size - 1
+
+    def failing_step():
+        dp.push("b")
+        dp.push("w", np.zeros(63, np.float32) if bad else None)
+        with pytest.raises(ValueError if bad else gflow.MismatchError):
+            dp.synchronize()
+
+    on_all_ranks(failing_step, "failing step")
+    for k in grads:
+        if not bad:
+            np.testing.assert_array_equal(grads[k], local[k])  # as pushed, still scaled
+        grads[k][...] = local[k]
+    dp.push("b")
+    dp.push("w")
+    assert dp.synchronize()
+    for k in grads:
+        want = np.mean(WORLD.allgather(local[k].astype(np.float64) / 4.0), axis=0)
+        np.testing.assert_allclose(grads[k], want, rtol=2e-3 if compression else 1e-6, atol=1e-3)
+
+
+@pytest.mark.parallel([2])
+def test_a_loss_scaler_on_another_communicator_is_refused():
+    # LossScaler() agrees over COMM_WORLD: with DataParallel(comm=COMM_SELF) its agreement hung.
+    from mpi4py import MPI
+
+    with pytest.raises(ValueError, match="communicator"):
+        DataParallel({"w": np.zeros(4, np.float32)}, comm=MPI.COMM_SELF, loss_scaler=gflow.LossScaler())
+    dp = DataParallel(
+        {"w": np.zeros(4, np.float32)},
+        comm=MPI.COMM_SELF,
+        loss_scaler=gflow.LossScaler(init_scale=1.0, comm=MPI.COMM_SELF),
+    )
+    dp.gradient_buffers()["w"][...] = WORLD.rank
+    dp.push("w")
+    assert dp.synchronize()
+    assert dp.gradient_buffers()["w"][0] == WORLD.rank  # reduced over this rank alone
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("case", ["tied", "names", "empty"])
+def test_broadcast_parameters_with_bad_params_on_one_rank_fails_every_rank(case):
+    # The bad rank raised before any message and its peers waited in their first broadcast forever.
+    good = {"a": np.ones(4, np.float32), "b": np.ones(3, np.float32)}
+    shared = np.ones(4, np.float32)
+    bad = {
+        "tied": [shared, np.ones(3, np.float32), shared],
+        "names": {0: np.ones(4, np.float32)},
+        "empty": {},
+    }
+    mine = bad[case] if WORLD.rank == WORLD.size - 1 else good
+
+    def call():
+        with pytest.raises((TypeError, ValueError, gflow.MismatchError)) as info:
+            broadcast_parameters(mine)
+        if WORLD.rank != WORLD.size - 1:
+            assert isinstance(info.value, gflow.MismatchError)
+
+    on_all_ranks(call, case)
+    x = np.full(5, float(WORLD.rank), np.float32)
+    broadcast_parameters([x], root=0)  # the ranks are still in step
+    assert (x == 0).all()
+
+
+@pytest.mark.parallel([2, 3])
+def test_one_buffer_pushed_for_two_parameters_is_refused_in_either_order():
+    # push("b", grads["a"]) then push("a") (the default buffer, already pushed) was accepted: a's
+    # buffer was reduced twice and b's kept its local value.
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    dp = DataParallel(params)
+    grads = dp.gradient_buffers()
+
+    def twice():
+        dp.push("b", grads["a"])
+        dp.push("a")
+        with pytest.raises(ValueError, match="already pushed"):
+            dp.synchronize()
+
+    on_all_ranks(twice, "one buffer for two parameters")
+    grads["a"][...], grads["b"][...] = 1.0, 2.0
+    dp.push("b")
+    dp.push("a")
+    dp.synchronize()
+    assert (grads["a"] == 1.0).all() and (grads["b"] == 2.0).all()

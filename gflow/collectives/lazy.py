@@ -93,6 +93,7 @@ class LazyAllreduce:
     def _reset(self) -> None:
         self._members: list = []  # (flat view, kind of array) waiting for the next segment
         self._member_arrays: list = []  # the arrays pushed, for telling pool views apart
+        self._member_scales: list = []  # what each pushed array is multiplied by on its way in
         self._pending_bytes = 0
         self._fired: list = []  # (handle, members to write the result into, SparseAllreduce or None)
         self._checksum = 0
@@ -104,12 +105,17 @@ class LazyAllreduce:
         next segment or final exchange, so their flush() fails too."""
         if self._error is None:
             self._error = error
-            self._members, self._member_arrays, self._pending_bytes = [], [], 0
+            self._members, self._member_arrays, self._member_scales = [], [], []
+            self._pending_bytes = 0
             self._fired.append((rejected_in_background(context(self._comm), "lazy", error), [], None))
 
-    def push(self, grad) -> None:
+    def push(self, grad, *, scale: float = 1.0) -> None:
         """Queue grad for reduction; the result is written into it by flush(). Do not modify grad
         until then.
+
+        `scale` multiplies grad's values on their way into the fusion buffer (grad itself is not
+        changed, so a failed step leaves it as pushed): how a loss-scaled gradient is unscaled
+        before it enters a sparse residual, at no extra pass.
 
         A grad that is not a writable, C-contiguous array of a dtype this op takes fails the step:
         flush() raises its TypeError/ValueError here and MismatchError on the other ranks.
@@ -143,6 +149,7 @@ class LazyAllreduce:
             self._fire()  # a segment holds one dtype and one kind of memory
         self._members.append((flat, kind))
         self._member_arrays.append(grad)
+        self._member_scales.append(float(scale))
         on_wire = WIRE_DTYPE.itemsize if (self.compression and not self.sparse) else dtype.itemsize
         self._pending_bytes += flat.size * on_wire
         self._checksum = zlib.crc32(_SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype]), self._checksum)
@@ -152,6 +159,7 @@ class LazyAllreduce:
     def _fire(self) -> None:
         members, self._members, self._pending_bytes = self._members, [], 0
         pushed, self._member_arrays = self._member_arrays, []
+        scales, self._member_scales = self._member_scales, []
         if not members:
             return
         kind = members[0][1]
@@ -176,7 +184,7 @@ class LazyAllreduce:
             self._buffers[index : index + 1] = [buffer]
         ctx = context(self._comm).background()
         name = check_op(self.op, np.dtype(members[0][0].dtype))
-        if self._in_place(index, pushed):
+        if self._in_place(index, pushed) and all(scale == 1.0 for scale in scales):
             # The gradients already sit in the pool: reduce from there into `buffer` and write the
             # result back at flush(), so that a failed step leaves them as they are; or, when asked,
             # straight into the pool.
@@ -186,10 +194,12 @@ class LazyAllreduce:
                 buffer = source
         else:
             source, offset = buffer, 0
-            for flat, _ in members:
+            for (flat, _), scale in zip(members, scales, strict=True):
                 piece = buffer[offset : offset + flat.size]
                 if cast:
-                    encode(ops, piece, flat, name, ctx.size)
+                    encode(ops, piece, flat, name, ctx.size, scale)
+                elif scale != 1.0:
+                    ops.cast_scaled(piece, flat, scale)
                 else:
                     ops.copy(piece, flat)
                 offset += flat.size
