@@ -210,7 +210,10 @@ class LazyAllreduce:
                     op=name, compression=self.compression, comm=self._comm, **self.sparse
                 )
             checksum = self._checksum
-            run = lambda: csc.step_on(ctx, source, extra=checksum).reshape(-1)  # noqa: E731
+            # The update goes into `buffer`, reused step after step (a new array each step cost a
+            # fresh allocation and its page faults); it is the source itself unless the source is
+            # the gradient pool, which must keep its values until the whole step has succeeded.
+            run = lambda: csc.step_on(ctx, source, extra=checksum, out=buffer)  # noqa: E731
         else:
             wire_op = "sum" if (self.compression and name == "mean") else name
             tag = ("lazy", self._checksum)

@@ -167,11 +167,13 @@ class SparseAllreduce:
             f"op={self.op}, compression={self.compression}"
         )
 
-    def step_on(self, ctx: CommContext, grad, extra: int = 0):
+    def step_on(self, ctx: CommContext, grad, extra: int = 0, out=None):
         """One step on a given context (the caller's, or the engine's inside LazyAllreduce), not yet
         committed: the state changes only at commit(), so a step that raises or is never committed
         leaves this object as it was. `extra` (an int < 2**63) is folded into what the ranks agree
-        on (LazyAllreduce's push-order checksum)."""
+        on (LazyAllreduce's push-order checksum). `out`: a flat array of grad's kind, size and dtype
+        (grad itself may be it: grad is read in full before the update is written) that the update
+        goes into instead of a new array; LazyAllreduce reuses its segment buffers so."""
         self._staged = None
         times = {}
         try:  # everything before the first message: a failure here must reach the peers
@@ -225,7 +227,7 @@ class SparseAllreduce:
             raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
 
         t = time.perf_counter()
-        result = kind.new(grad, shape, dtype)
+        result = kind.new(grad, shape, dtype) if out is None else out
         flat_result = kind.write_view(result, "result")
         ops.clear(flat_result)
         ops.scatter_add(flat_result, packed, device_ids, chunk)
