@@ -48,9 +48,10 @@ examples/pytorch/pytorch_synthetic_benchmark.py with its import changed to gflow
 the contenders at every p > 1 through bench/horovod_wrapper.py, dense and with CSC 1% (its own warm-up,
 batches and iterations set from --warmup, --steps and --rounds; its figure is its mean, not a median);
 its input is fixed at 224x224 by the script. Horovod's sdists on PyPI (0.9.0 to 0.28.1) do not ship
-its examples, so the file is not in this repository: copy it from a Horovod source tree (a release
-tag: the development branch's version builds ResNets with hvd.SyncBatchNorm, which gflow.torch lacks,
-and AlexNet takes no norm_layer).
+its examples, so the file is not in this repository: copy it from a Horovod source tree. The development
+branch's version builds the model with norm_layer=hvd.SyncBatchNorm (gflow.torch has it), so it runs
+ResNets, with batch norm synchronized across ranks, but not AlexNet (which takes no norm_layer, with
+Horovod too); a release tag's version builds plain models and runs both.
 
 Memory: AlexNet peaks at about 3 GiB per rank (the CSC contender; one contender is alive at a time),
 so p = 4 needs about 12 GiB free.
