@@ -97,18 +97,25 @@ def describe(sig) -> str:
         return f"called {collective} with arguments it rejected (see the error raised on that rank)"
     dtype = CODE_DTYPE.get(int(sig[3]))
     kind = CODE_KIND.get(int(sig[6]), "?")
-    text = f"called {collective} with {int(sig[2])} {dtype.name if dtype else '?'} elements ({kind} array)"
+    elements = f"{int(sig[2])} {dtype.name if dtype else '?'} elements"
+    if collective == "allgather":
+        elements = f"rows of {elements}"
+    text = f"called {collective} with {elements} ({kind} array)"
     if int(sig[4]):
         text += f", op={CODE_OP.get(int(sig[4]), '?')}"
     text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]), '?')}"
-    if collective == "broadcast":
-        text += f", root={int(sig[5])}"
+    if collective == "broadcast":  # the root in the low 32 bits, a shape checksum above them
+        text += f", root={int(sig[5]) & 0xFFFFFFFF}"
+        if int(sig[5]) >> 32:
+            text += f", shape fingerprint {int(sig[5]) >> 32}"
+    elif collective == "allgather" and int(sig[5]):
+        text += f", trailing-shape fingerprint {int(sig[5])}"
     elif collective == "lazy":
         text += f", push-order checksum {int(sig[5])}"
     elif collective == "sparse":
         text += f", gradient size and settings fingerprint {int(sig[5])}"
     elif collective == "allreduce" and int(sig[5]):
-        text += f", shape fingerprint {int(sig[5])}"
+        text += f", fingerprint {int(sig[5])} (shape; in gflow.torch also op and factors)"
     elif int(sig[5]):
         text += f", extra={int(sig[5])}"
     return text

@@ -445,3 +445,34 @@ def test_allreduce_compares_shapes_not_only_element_counts():
         on_all_ranks(mismatch, "shape mismatch")
         y = gflow.allreduce(x.reshape(-1))  # flat on every rank: same shape, fine
         assert_close_to_reference(y, x.reshape(-1), "sum")
+
+
+@pytest.mark.parallel([2, 3])
+def test_broadcast_and_allgather_compare_shapes_not_only_sizes():
+    # Review B, defects 1 and 2: broadcast agreed on the size only, so (2, 3) against (3, 2) came back
+    # silently reshaped; allgather agreed on the row's length only, so (2, 3, 2) against (2, 2, 3)
+    # concatenated mixed rows. Every rank raises, naming this rank's shape; the next call works.
+    bad = WORLD.rank == LAST
+    x = random_array(rank_rng(70), (3, 2) if bad else (2, 3), np.float32)
+    g = random_array(rank_rng(71), (2, 2, 3) if bad else (2, 3, 2), np.float64)
+    for call, arg in [
+        (lambda a: gflow.broadcast(a, root=0), x),
+        (lambda a: gflow.broadcast(a, root=LAST, out=a), x),  # in place
+        (lambda a: gflow.allgather(a), g),
+    ]:
+        before = arg.copy()
+
+        def mismatch(call=call, arg=arg):
+            named = "This rank passed an array of shape \\(" + ", ".join(str(n) for n in arg.shape)
+            expect(gflow.MismatchError, lambda: call(arg), named)
+
+        on_all_ranks(mismatch, "shape mismatch")
+        on_all_ranks(lambda arg=arg, before=before: np.testing.assert_array_equal(arg, before))
+    # Same shapes everywhere: the next calls give MPI's answers.
+    y = random_array(rank_rng(72), (2, 3), np.float32)
+    expected = WORLD.bcast(y, root=LAST)
+    on_all_ranks(lambda: np.testing.assert_array_equal(gflow.broadcast(y, root=LAST), expected))
+    rows = random_array(rank_rng(73), (WORLD.rank + 1, 3, 2), np.float64)
+    expected = np.concatenate(WORLD.allgather(rows))
+    on_all_ranks(lambda: np.testing.assert_array_equal(gflow.allgather(rows), expected))
+

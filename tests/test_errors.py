@@ -95,7 +95,7 @@ MISMATCHES = {
     "allgather rows": (
         lambda: gflow.allgather(np.ones((2, 3))),
         lambda: gflow.allgather(np.ones((2, 4))),
-        "extra=4",
+        "rows of 4 float64",
     ),
 }
 

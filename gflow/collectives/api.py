@@ -76,7 +76,8 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
 
     Raises:
         TypeError, ValueError: bad arguments on this rank, before any data moves.
-        MismatchError: ranks passed different lengths, dtypes, ops or algorithms; raised on every rank.
+        MismatchError: ranks passed different shapes, lengths, dtypes, ops or algorithms; raised on
+            every rank.
         CompressionOverflowError: with compression="fp16", the float16 reduction overflowed or met
             NaN/inf (on every rank; the result holds the non-finite values).
     """
@@ -100,7 +101,9 @@ def rejected_in_background(parent: CommContext, collective: str, error: Exceptio
     )
 
 
-def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
+def allreduce_async(
+    x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None, _tag=None, _about=None
+):
     """Start an allreduce on gflow's background thread and return at once.
 
     Arguments as for allreduce; they are checked now, in the caller's thread. Every rank must start
@@ -114,13 +117,17 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compr
         After a GflowError, async collectives already queued fail too (on every rank alike); wait on
         the failed handle on every rank before starting new ones.
     """
+    # _tag and _about are internal (gflow.torch's): what the ranks agree on in place of x's shape
+    # (a fingerprint of the tensors' shapes, Horovod's op and the scale factors), and how this rank's
+    # call reads in a MismatchError; see allreduce_on.
     parent = context(comm)
     try:
         kind = check_allreduce(x, op, out, algorithm, compression, need_out=False)[0]
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
     ctx = parent.background()
-    run = lambda: allreduce_on(ctx, x, op, out, algorithm, compression)  # noqa: E731
+    tag = _USER_CALL if _tag is None else _tag
+    run = lambda: allreduce_on(ctx, x, op, out, algorithm, compression, tag, _about)  # noqa: E731
     run = kind.in_background(run, x, *([] if out is None else [out]))
     return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
 
@@ -138,18 +145,33 @@ def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True):
 
 
 _USER_CALL = ("allreduce", 0)
+FINGERPRINT_BITS = 31  # broadcast keeps the root in the low 32 bits of the same int64 field
 
 
-def _shape_fingerprint(shape) -> int:
-    """What the ranks of a user's allreduce agree on besides the element count: a checksum of the
-    shape, so that (2, 3) against (3, 2) fails as Horovod's shape check does instead of reducing."""
-    return zlib.crc32(struct.pack(f"<{len(shape)}q", *shape)) if len(shape) else 0
+def shape_fingerprint(shape) -> int:
+    """What the ranks of a user's allreduce, broadcast or allgather agree on besides the element
+    count: a checksum of the shape (allgather: of the axes after the first), so that (2, 3) against
+    (3, 2) fails as Horovod's shape check does instead of reducing or reshaping. 0 for ()."""
+    if not len(shape):
+        return 0
+    return zlib.crc32(struct.pack(f"<{len(shape)}q", *shape)) & ((1 << FINGERPRINT_BITS) - 1)
 
 
-def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=_USER_CALL):
+def _annotated(call, about):
+    """call(), its MismatchError naming what this rank passed (when `about` says)."""
+    if about is None:
+        return call()
+    try:
+        return call()
+    except MismatchError as exc:
+        raise MismatchError(f"{exc}. This rank passed {about}") from exc
+
+
+def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=_USER_CALL, about=None):
     """allreduce on a given context (the caller's, or the engine's for allreduce_async). `tag` is the
-    (collective, extra) pair the ranks agree on: LazyAllreduce puts its push-order fingerprint there;
-    a user's call (the default) a fingerprint of x's shape."""
+    (collective, extra) pair the ranks agree on: LazyAllreduce puts its push-order fingerprint there,
+    gflow.torch a fingerprint of the tensors' shapes, op and factors; a user's call (the default) a
+    fingerprint of x's shape. `about`, when given, names this rank's call in a MismatchError."""
     ctx.check_usable()
     try:
         kind, dtype, name, chosen, codec, result = check_allreduce(x, op, out, algorithm, compression)
@@ -158,12 +180,12 @@ def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=_USER
         raise
     if tag is _USER_CALL:
         shape = tuple(kind.shape(x))
-        tag = ("allreduce", _shape_fingerprint(shape))
-        try:
-            return _allreduce_checked(ctx, kind, x, dtype, name, chosen, codec, result, algorithm, tag)
-        except MismatchError as exc:
-            raise MismatchError(f"{exc}. This rank passed an array of shape {shape}") from exc
-    return _allreduce_checked(ctx, kind, x, dtype, name, chosen, codec, result, algorithm, tag)
+        tag = ("allreduce", shape_fingerprint(shape))
+        about = about or f"an array of shape {shape}"
+    run = lambda: _allreduce_checked(  # noqa: E731
+        ctx, kind, x, dtype, name, chosen, codec, result, algorithm, tag
+    )
+    return run() if about is None else _annotated(run, about)
 
 
 def _allreduce_checked(ctx: CommContext, kind, x, dtype, name, chosen, codec, result, algorithm, tag):
@@ -242,17 +264,30 @@ def allgather(x, *, comm=None):
     Raises:
         TypeError, ValueError, MismatchError: as for allreduce.
     """
-    ctx = context(comm)
+    return allgather_on(context(comm), x)
+
+
+def allgather_on(ctx: CommContext, x, fingerprint=None, about=None):
+    """allgather on a given context. The ranks agree on the row's length and on `fingerprint`: by
+    default a checksum of x's axes after the first (gflow.torch's: of the tensor's own trailing axes
+    and dtype, for dtypes it moves as int32 words); `about` names this rank's call in a MismatchError."""
     try:
         kind, dtype = check_array(x)
     except Exception:
         reject(ctx, "allgather")
         raise
     shape = tuple(kind.shape(x)) or (1,)
+    if fingerprint is None:
+        fingerprint, about = shape_fingerprint(shape[1:]), f"an array of shape {tuple(kind.shape(x))}"
     row_elems = int(np.prod(shape[1:], dtype=np.int64))
     transport = kind.transport()
     rows = transport.send(ctx, kind.read(x))
-    flat, nrows = allgather_flat(ctx, rows, shape[0], row_elems, transport.ops, dtype, kind=kind.name)
+    flat, nrows = _annotated(
+        lambda: allgather_flat(
+            ctx, rows, shape[0], row_elems, transport.ops, dtype, kind=kind.name, fingerprint=fingerprint
+        ),
+        about,
+    )
     return kind.done(transport.result(kind, x, flat, (nrows,) + shape[1:], dtype))
 
 
@@ -260,8 +295,9 @@ def broadcast(x, root=0, *, comm=None, out=None):
     """Return root's x on every rank.
 
     Args:
-        x: a NumPy, device array or tensor; every rank passes one of the same size and dtype
-            (non-root contents are ignored). Not modified unless `out` is x.
+        x: a NumPy, device array or tensor; every rank passes one of the same shape and dtype
+            (non-root contents are ignored; another shape of the same size is a MismatchError, as
+            Horovod's shape check). Not modified unless `out` is x.
         root: the rank whose data is sent.
         comm: as for allreduce.
         out: where to write the result (same kind, dtype and size as x, C-contiguous); may be x,
@@ -273,7 +309,13 @@ def broadcast(x, root=0, *, comm=None, out=None):
     Raises:
         TypeError, ValueError, MismatchError: as for allreduce.
     """
-    ctx = context(comm)
+    return broadcast_on(context(comm), x, root, out)
+
+
+def broadcast_on(ctx: CommContext, x, root, out, fingerprint=None, about=None):
+    """broadcast on a given context. The ranks agree on the size, dtype, root and `fingerprint`: by
+    default a checksum of x's shape (gflow.torch's: of the tensor's own shape and dtype, for dtypes it
+    moves as int32 words); `about` names this rank's call in a MismatchError."""
     try:
         kind, dtype = check_array(x)
         root_rank = check_root(root, ctx.size)
@@ -281,11 +323,19 @@ def broadcast(x, root=0, *, comm=None, out=None):
     except Exception:
         reject(ctx, "broadcast")
         raise
+    if fingerprint is None:
+        shape = tuple(kind.shape(x))
+        fingerprint, about = shape_fingerprint(shape), f"an array of shape {shape}"
     transport = kind.transport()
     dst_view = kind.write_view(result, "out")
     buffer = transport.buffer_for(ctx, "stage_out", dst_view)
     if ctx.rank == root_rank:
         transport.load(buffer, kind.read(x, "x", spare=dst_view))
-    broadcast_flat(ctx, buffer, transport.ops, dtype, root_rank, kind=kind.name)
+    _annotated(
+        lambda: broadcast_flat(
+            ctx, buffer, transport.ops, dtype, root_rank, kind=kind.name, fingerprint=fingerprint
+        ),
+        about,
+    )
     transport.store(dst_view, buffer)
     return kind.done(result)

@@ -45,10 +45,13 @@ def reduce_scatter_flat(ctx: CommContext, src, ops, dtype, name: str, kind: str 
     return shard
 
 
-def allgather_flat(ctx: CommContext, rows, nrows: int, row_elems: int, ops, dtype, kind: str = "host"):
+def allgather_flat(
+    ctx: CommContext, rows, nrows: int, row_elems: int, ops, dtype, kind: str = "host", fingerprint: int = 0
+):
     """Concatenate the ranks' flat `rows` (nrows rows of row_elems elements each, nrows may differ
-    between ranks); returns the flat result and the total number of rows."""
-    _agree(ctx, signature("allgather", "ring", 0, dtype, None, extra=row_elems, kind=kind))
+    between ranks); returns the flat result and the total number of rows. The ranks agree on
+    row_elems and on `fingerprint` (the caller's checksum of the row's shape)."""
+    _agree(ctx, signature("allgather", "ring", row_elems, dtype, None, extra=fingerprint, kind=kind))
     lengths = ctx.comm.allgather(nrows) if ctx.size > 1 else [nrows]
     bounds = [0]
     for length in lengths:
@@ -60,10 +63,15 @@ def allgather_flat(ctx: CommContext, rows, nrows: int, row_elems: int, ops, dtyp
     return result, sum(lengths)
 
 
-def broadcast_flat(ctx: CommContext, buf, ops, dtype, root: int, kind: str = "host") -> None:
+def broadcast_flat(
+    ctx: CommContext, buf, ops, dtype, root: int, kind: str = "host", fingerprint: int = 0
+) -> None:
     """Overwrite the flat buf with root's, on every rank: one Bcast per piece of at most
-    ring.MAX_MESSAGE_BYTES (the ranks agreed on buf's size, so they cut the same pieces)."""
-    _agree(ctx, signature("broadcast", "mpi", buf.size, dtype, None, extra=root, kind=kind))
+    ring.MAX_MESSAGE_BYTES (the ranks agreed on buf's size, so they cut the same pieces). The ranks
+    also agree on the root and on `fingerprint` (the caller's checksum of the shape, < 2**31): both
+    travel in the signature's extra field, the root in its low 32 bits (see _validate.describe)."""
+    extra = root | (fingerprint << 32)
+    _agree(ctx, signature("broadcast", "mpi", buf.size, dtype, None, extra=extra, kind=kind))
     if ctx.size > 1:
         ops.fence()
         step = ring.piece_elems(dtype)
