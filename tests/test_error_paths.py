@@ -476,3 +476,27 @@ def test_broadcast_and_allgather_compare_shapes_not_only_sizes():
     expected = np.concatenate(WORLD.allgather(rows))
     on_all_ranks(lambda: np.testing.assert_array_equal(gflow.allgather(rows), expected))
 
+
+@pytest.mark.parallel([2, 3])
+def test_lazy_push_order_checksum_covers_shapes():
+    # Review B, defect 4: the push-order checksum covered sizes and dtypes only, so a (6, 4) gradient
+    # on one rank met a (4, 6) one elsewhere (DistributedOptimizer with a transposed parameter) and
+    # was reduced as if they matched. Every rank's flush() raises; nothing pushed changes; the next
+    # step (same shapes everywhere) gives the sum.
+    bad = WORLD.rank == LAST
+    lazy = gflow.LazyAllreduce(threshold_bytes=64, op="sum")
+    for sizes in ([(4, 6) if bad else (6, 4), (5,)], [(5,), (4, 6) if bad else (6, 4)]):
+        grads = [random_array(rank_rng(74), shape, np.float32) for shape in sizes]
+        before = [g.copy() for g in grads]
+        for g in grads:
+            lazy.push(g)
+        on_all_ranks(lambda: expect(gflow.MismatchError, lazy.flush, "push-order checksum"), "mismatch")
+        for g, b in zip(grads, before, strict=True):
+            on_all_ranks(lambda g=g, b=b: np.testing.assert_array_equal(g, b), "unchanged")
+    grads = [random_array(rank_rng(75), shape, np.float32) for shape in [(6, 4), (5,)]]
+    inputs = [g.copy() for g in grads]
+    for g in grads:
+        lazy.push(g)
+    on_all_ranks(lazy.flush, "the next step")
+    for g, x in zip(grads, inputs, strict=True):
+        assert_close_to_reference(g, x, "sum")

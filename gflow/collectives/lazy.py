@@ -6,15 +6,16 @@ gradients one layer at a time, and one allreduce per tensor pays one latency per
 reach the threshold the segment's allreduce starts on gflow's background thread while backward goes
 on; flush() starts the rest, waits, and writes the results back into the pushed arrays.
 
-Every rank must push the same sizes in the same order. Each segment's agreement carries a running
-checksum of everything pushed so far in the step, and flush() ends the step with a header-only
-exchange of the segment count and the final checksum. A different order, size or number of tensors
-on any rank therefore fails a segment (or that final exchange) on every rank with a GflowError; the
-background channel then fails whatever else each rank had queued, so no rank waits for calls its
-peers will never make. A push whose own arguments are bad is reported by flush(): the step does
-nothing more on that rank, its rejection is queued behind the segments already fired, and every
-rank's flush() fails (that rank's with its TypeError/ValueError), so every rank's program stays on
-the same path (push ... flush) and the next step works.
+Every rank must push the same shapes and dtypes in the same order. Each segment's agreement carries a
+running checksum of everything pushed so far in the step (each array's size, dtype and shape), and
+flush() ends the step with a header-only exchange of the segment count and the final checksum. A
+different order, shape (another of the same size too, as allreduce's shape check), size or number of
+tensors on any rank therefore fails a segment (or that final exchange) on every rank with a
+GflowError; the background channel then fails whatever else each rank had queued, so no rank waits
+for calls its peers will never make. A push whose own arguments are bad is reported by flush(): the
+step does nothing more on that rank, its rejection is queued behind the segments already fired, and
+every rank's flush() fails (that rank's with its TypeError/ValueError), so every rank's program stays
+on the same path (push ... flush) and the next step works.
 
 A step is all or nothing: results are written into the pushed arrays (pool views included) only after
 every segment and the final exchange succeeded on every rank, and sparse segments commit their new
@@ -38,7 +39,16 @@ from .api import allreduce_on, rejected_in_background
 from .recursive_doubling import allreduce_with_agreement
 from .sparse import SparseAllreduce
 
-_SIZE_AND_TYPE = struct.Struct("<qq")  # what the push-order checksum covers, per tensor
+# What the push-order checksum covers, per tensor: size, dtype and number of axes, then the shape.
+_SIZE_AND_TYPE = struct.Struct("<qqq")
+_SHAPES = [struct.Struct(f"<{n}q") for n in range(8)]
+
+
+def _shape_bytes(shape) -> bytes:
+    n = len(shape)
+    return (_SHAPES[n] if n < len(_SHAPES) else struct.Struct(f"<{n}q")).pack(*shape)
+
+
 # Measured with bench/fusion.py (bench/RESULTS.md): larger segments stop paying on this machine.
 DEFAULT_THRESHOLD_BYTES = 4 * 2**20
 
@@ -130,7 +140,7 @@ class LazyAllreduce:
             and flags.c_contiguous
         ):
             kind, dtype = HOST, grad.dtype  # checked for the previous push: the common case, kept cheap
-            flat = grad.reshape(-1)
+            flat, shape = grad.reshape(-1), grad.shape
         else:
             try:
                 kind, dtype = check_array(grad, "grad")
@@ -139,6 +149,7 @@ class LazyAllreduce:
                     check_compression(self.compression, dtype)
                 check_writable(grad, "grad", kind)
                 flat = kind.inout_view(grad, "grad")  # results are written back into it
+                shape = tuple(kind.shape(grad))
             except Exception as exc:
                 self._fail_step(exc)
                 return
@@ -152,7 +163,8 @@ class LazyAllreduce:
         self._member_scales.append(float(scale))
         on_wire = WIRE_DTYPE.itemsize if (self.compression and not self.sparse) else dtype.itemsize
         self._pending_bytes += flat.size * on_wire
-        self._checksum = zlib.crc32(_SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype]), self._checksum)
+        pushed = _SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype], len(shape)) + _shape_bytes(shape)
+        self._checksum = zlib.crc32(pushed, self._checksum)
         if self._pending_bytes >= self.threshold_bytes:
             self._fire()
 
