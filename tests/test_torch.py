@@ -459,3 +459,183 @@ def test_import_gflow_does_not_import_torch():
         "import gflow.torch; assert 'torch' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# --- review B: what the ranks agree on (one test per defect, each with the reviewer's cases) ---------
+
+LAST = WORLD.size - 1
+
+
+def mismatch_everywhere(call, named: str):
+    """call() raises MismatchError, a HorovodInternalError, naming what this rank passed."""
+    with pytest.raises(gflow.MismatchError, match=named) as info:
+        call()
+    assert isinstance(info.value, hvd.HorovodInternalError)
+
+
+def shape_text(shape) -> str:
+    return "shape " + str(tuple(shape)).replace("(", "\\(").replace(")", "\\)")
+
+
+@pytest.mark.parallel([2, 3])
+def test_broadcast_checks_shapes_and_the_dtypes_moved_as_bytes():
+    # Review B, defect 1: broadcast compared sizes only, and dtypes moved as padded int32 words
+    # (bool, uint8, int8, int16, bfloat16) not even those: float32 (2, 3) against (3, 2) came back
+    # reshaped, uint8 of 3 against 4 elements, uint8 against bool, int16 against bfloat16 all
+    # returned. Horovod fails them ("Mismatched BROADCAST tensor shapes", "Mismatched data types").
+    bad = WORLD.rank == LAST
+    cases = [
+        (torch.arange(6.0).reshape(2, 3), torch.zeros(3, 2)),
+        (torch.tensor([1, 2, 3], dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)),
+        (torch.tensor([7, 0, 2, 1], dtype=torch.uint8), torch.zeros(4, dtype=torch.bool)),
+        (torch.tensor([1, 2], dtype=torch.int16), torch.zeros(2, dtype=torch.bfloat16)),
+    ]
+    for good, other in cases:
+        x = other if bad else good
+        calls = [
+            lambda x=x: hvd.broadcast(x, 0),
+            lambda x=x: hvd.broadcast_(x.clone(), LAST),
+            lambda x=x: hvd.synchronize(hvd.broadcast_async(x, 0)),
+        ]
+        before = x.clone()
+        for call in calls:
+            on_all_ranks(lambda call=call, x=x: mismatch_everywhere(call, shape_text(x.shape)), str(x))
+        on_all_ranks(lambda x=x, before=before: assert_same(x, before), "unchanged")
+        y = good.clone() + WORLD.rank if good.dtype != torch.bool else good.clone()
+        on_all_ranks(lambda y=y: assert_same(hvd.broadcast(y, LAST), WORLD.bcast(y, root=LAST)), "next")
+
+
+def assert_same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parallel([2, 3])
+def test_allgather_checks_trailing_shapes_and_the_dtypes_moved_as_bytes():
+    # Review B, defect 2: dtypes moved as int32 words agreed only on the padded row's word count, so
+    # bool (2, 3) against (1, 4) returned garbage of shapes (3, 3) / (3, 4); and gflow's allgather
+    # compared only the row's length, so (2, 3, 2) against (2, 2, 3) mixed rows.
+    bad = WORLD.rank == LAST
+    cases = [
+        (torch.ones(2, 3, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.bool)),
+        (torch.ones(2, dtype=torch.uint8), torch.zeros(2, dtype=torch.int8)),
+        (torch.ones(2, 3, 2, dtype=torch.bool), torch.zeros(2, 2, 3, dtype=torch.bool)),
+        (torch.ones(2, 3, 2), torch.zeros(2, 2, 3)),
+    ]
+    for good, other in cases:
+        x = other if bad else good
+        for call in (lambda x=x: hvd.allgather(x), lambda x=x: hvd.synchronize(hvd.allgather_async(x))):
+            on_all_ranks(lambda call=call, x=x: mismatch_everywhere(call, shape_text(x.shape)), str(x))
+        y = torch.cat([good] * (WORLD.rank + 1))  # the next call: rows differ, trailing axes agree
+        on_all_ranks(lambda y=y: assert_same(hvd.allgather(y), torch.cat(WORLD.allgather(y))), "next")
+
+
+@pytest.mark.parallel([2, 3])
+def test_grouped_allreduce_checks_each_tensors_shape():
+    # Review B, defect 3: each (device, dtype) group was flattened with torch.cat, so only the total
+    # length was compared: [(3,), (2,)] against [(2,), (3,)] mixed elements of different tensors.
+    bad = WORLD.rank == LAST
+    cases = [
+        ([torch.full((3,), 1.0), torch.full((2,), 10.0)], [torch.full((2,), 100.0), torch.full((3,), 1e3)]),
+        ([torch.ones(2, 3)], [torch.ones(3, 2)]),
+        (
+            [torch.ones(2, 3), torch.ones(4, dtype=torch.int64)],
+            [torch.ones(4, dtype=torch.int64), torch.ones(2, 3)],
+        ),
+    ]
+    for good, other in cases:
+        ts = other if bad else good
+        calls = [
+            lambda ts=ts: hvd.grouped_allreduce(ts, op=hvd.Sum),
+            lambda ts=ts: hvd.grouped_allreduce_([t.clone() for t in ts]),
+            lambda ts=ts: hvd.synchronize(hvd.grouped_allreduce_async(ts)),
+        ]
+        for call in calls:
+            on_all_ranks(lambda call=call: mismatch_everywhere(call, "This rank passed"), "grouped")
+        got = hvd.grouped_allreduce(good, op=hvd.Sum)
+        for g, t in zip(got, good, strict=True):
+            on_all_ranks(lambda g=g, t=t: assert_same(g, t * WORLD.size), "next")
+
+
+@pytest.mark.parallel([2, 3])
+def test_optimizer_and_broadcast_parameters_check_parameter_shapes():
+    # Review B, defect 4: a model whose parameter is (4, 6) on one rank and (6, 4) elsewhere (same
+    # element count) trained and broadcast silently: LazyAllreduce's push-order checksum covered sizes
+    # and dtypes only, and broadcast compared sizes only.
+    def model(transposed: bool):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        if transposed:
+            m[0].weight = torch.nn.Parameter(torch.zeros(4, 6))
+        return m
+
+    m = model(WORLD.rank == LAST)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters()
+    )
+    for p in m.parameters():
+        p.grad = torch.ones_like(p) * (WORLD.rank + 1)
+    before = [p.detach().clone() for p in m.parameters()]
+    on_all_ranks(lambda: mismatch_everywhere(opt.step, "push-order checksum"), "optimizer")
+    for p, b in zip(m.parameters(), before, strict=True):
+        on_all_ranks(lambda p=p, b=b: assert_same(p.detach(), b), "unchanged")
+    state = m.state_dict()
+    on_all_ranks(
+        lambda: mismatch_everywhere(
+            lambda: hvd.broadcast_parameters(state, 0), shape_text(state["0.weight"].shape)
+        ),
+        "broadcast_parameters",
+    )
+    # The same shapes everywhere: both work.
+    good = model(False)
+    for p in good.parameters():
+        p.data.add_(WORLD.rank)
+    hvd.broadcast_parameters(good.state_dict(), LAST)
+    for p in good.parameters():
+        assert_same_on_all_ranks(p.detach().numpy())
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(good.parameters(), lr=1.0), named_parameters=good.named_parameters()
+    )
+    before = [p.detach().clone() for p in good.parameters()]
+    for p in good.parameters():
+        p.grad = torch.full_like(p, float(WORLD.rank + 1))
+    on_all_ranks(opt.step, "a step")
+    mean = (WORLD.size + 1) / 2
+    for p, b in zip(good.parameters(), before, strict=True):
+        on_all_ranks(lambda p=p, b=b: torch.testing.assert_close(p.detach(), b - mean), "stepped")
+
+
+@pytest.mark.parallel([2, 3])
+def test_allreduce_checks_the_op_and_the_scale_factors():
+    # Review B, defect 5: an integer Average travels as a sum scaled locally, and the factors never
+    # travelled at all: int64 Sum against Average, and different postscale or prescale factors,
+    # returned different results on different ranks. Horovod raises ("Mismatched reduction operation",
+    # "Mismatched prescale and/or postscale factors").
+    bad = WORLD.rank == LAST
+    ints, floats = torch.ones(2, dtype=torch.int64), torch.ones(2)
+    cases = [
+        (ints, dict(op=hvd.Sum), dict(op=hvd.Average), "op=Average" if bad else "op=Sum"),
+        (
+            floats,
+            dict(),
+            dict(postscale_factor=2.0),
+            "postscale_factor=2.0" if bad else "postscale_factor=1.0",
+        ),
+        (
+            floats,
+            dict(op=hvd.Sum),
+            dict(op=hvd.Sum, prescale_factor=3.0),
+            "prescale_factor=3.0" if bad else "prescale_factor=1.0",
+        ),
+    ]
+    for x, good, other, named in cases:
+        kw = other if bad else good
+        calls = [
+            lambda x=x, kw=kw: hvd.allreduce(x, **kw),
+            lambda x=x, kw=kw: hvd.allreduce_(x.clone(), **kw),
+            lambda x=x, kw=kw: hvd.synchronize(hvd.allreduce_async(x, **kw)),
+            lambda x=x, kw=kw: hvd.grouped_allreduce([x, x], **kw),
+        ]
+        for call in calls:
+            on_all_ranks(lambda call=call, named=named: mismatch_everywhere(call, named), named)
+        on_all_ranks(lambda x=x: assert_same(hvd.allreduce(x, op=hvd.Sum), x * WORLD.size), "next")
+

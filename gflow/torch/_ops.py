@@ -10,7 +10,9 @@ Where this differs from Horovod, and why:
 - A rank whose own arguments are bad (not a tensor, not contiguous for an in-place op, a bad op...)
   raises its TypeError/ValueError/NotImplementedError, and its peers raise MismatchError instead of
   waiting for it (blocking calls raise at the call, async ones at synchronize()). Ranks passing
-  different element counts or dtypes raise MismatchError, a HorovodInternalError, on every rank.
+  different shapes (another shape of the same size too; for grouped_allreduce, each tensor's shape, in
+  order) or dtypes, or (allreduce) different ops or prescale/postscale factors, raise MismatchError, a
+  HorovodInternalError, on every rank, as Horovod's controller checks them.
 - dtypes: allreduce takes float16/32/64 and int32/64 (gflow's); allgather and broadcast move any dtype
   (others travel as bytes). Integer Average is the sum times 1/size truncated toward zero, as
   Horovod's scaling in C. Product is computed from an allgather (p times the memory of the tensor);
@@ -23,6 +25,7 @@ Where this differs from Horovod, and why:
 
 import itertools
 import math
+import zlib
 
 import numpy as np
 import torch
@@ -31,7 +34,14 @@ from mpi4py import MPI
 import gflow
 
 from .._context import context
-from ..collectives.api import reject, rejected_in_background
+from ..collectives.api import (
+    FINGERPRINT_BITS,
+    allgather_on,
+    allreduce_on,
+    broadcast_on,
+    reject,
+    rejected_in_background,
+)
 from . import _basics
 from ._basics import Adasum, Average, Max, Min, Product, Sum, as_horovod_error, check_process_set
 from .compression import wire_compression
@@ -166,6 +176,30 @@ def _reject_async(collective: str, exc: Exception) -> int:
     return _register(_Pending([rejected_in_background(context(_comm()), collective, exc)], None))
 
 
+# --- what the ranks agree on ------------------------------------------------------------------------
+
+
+def _fingerprint(*parts) -> int:
+    """A checksum of what the ranks must agree on beyond gflow's own signature (the tensors' shapes and
+    torch dtypes, Horovod's op and scale factors), as Horovod's controller compares them; it travels
+    in the signature's fingerprint field (collectives/api.py)."""
+    return zlib.crc32(repr(parts).encode()) & ((1 << FINGERPRINT_BITS) - 1)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensors_text(tensors) -> str:
+    """How this rank's tensors read in a MismatchError."""
+    if len(tensors) == 1:
+        t = tensors[0]
+        return f"a tensor of shape {tuple(t.shape)} and dtype {_dtype_name(t.dtype)}"
+    shown = ", ".join(f"{_dtype_name(t.dtype)} {tuple(t.shape)}" for t in tensors[:8])
+    more = f", ... ({len(tensors)} in all)" if len(tensors) > 8 else ""
+    return f"tensors [{shown}{more}]"
+
+
 # --- scaling -----------------------------------------------------------------------------------------
 
 
@@ -192,7 +226,8 @@ def _scaled(t, factor: float):
 class _Plan:
     """One allreduce, checked: what to send, how, and what to do with the result."""
 
-    def __init__(self, tensor, output, op, prescale, postscale, compression, where):
+    def __init__(self, tensor, output, op, prescale, postscale, compression, where, members=None):
+        """members: the tensors `tensor` fuses (grouped_allreduce), whose shapes the ranks agree on."""
         check_tensor(tensor, where, in_place=output is not None, reduce=True)
         prescale = _check_factor(prescale, where, "prescale_factor")
         postscale = _check_factor(postscale, where, "postscale_factor")
@@ -213,6 +248,16 @@ class _Plan:
         else:
             self.src = tensor.detach().contiguous()
         self.result_of = output  # the in-place variant returns the tensor itself
+        # The ranks agree on the shapes (and their order), the op and the factors, as Horovod's
+        # controller does: an integer Average travels as a sum and the factors are applied locally,
+        # so gflow's own signature would not tell them apart.
+        members = [tensor] if members is None else members
+        shapes = [(_dtype_name(t.dtype), tuple(t.shape)) for t in members]
+        self.tag = ("allreduce", _fingerprint(shapes, int(op), prescale, postscale))
+        self.about = (
+            f"{_tensors_text(members)}, op={_basics.OP_NAMES[op]}, prescale_factor={prescale}, "
+            f"postscale_factor={postscale}"
+        )
 
     def finish(self, result):
         _scale_(result, self.post)
@@ -221,7 +266,7 @@ class _Plan:
     def run_product(self):
         """Product: every rank multiplies all ranks' values in rank order (bitwise identical)."""
         rows = self.src.reshape(1, -1)
-        everyone = gflow.allgather(rows, comm=_comm())
+        everyone = allgather_on(context(_comm()), rows, self.tag[1], self.about)
         product = torch.prod(everyone, dim=0).reshape(self.src.shape)
         if self.out is None:
             return product
@@ -238,8 +283,8 @@ def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, wh
         if plan.product:
             result = plan.run_product()
         else:
-            result = gflow.allreduce(
-                plan.src, plan.gop, comm=_comm(), out=plan.out, compression=plan.compression
+            result = allreduce_on(
+                context(_comm()), plan.src, plan.gop, plan.out, "auto", plan.compression, plan.tag, plan.about
             )
     except gflow.GflowError as exc:
         _raise(exc)
@@ -257,8 +302,21 @@ def _allreduce_async(tensor, output, op, prescale, postscale, compression, where
         except Exception as exc:  # noqa: BLE001
             return _register(_Pending(error=exc))
         return _register(_Pending([], lambda _: plan.finish(result)))
-    h = gflow.allreduce_async(plan.src, plan.gop, comm=_comm(), out=plan.out, compression=plan.compression)
+    h = _start(plan)
     return _register(_Pending([h], lambda results: plan.finish(results[0])))
+
+
+def _start(plan: _Plan):
+    """The background allreduce of a checked plan (not Product)."""
+    return gflow.allreduce_async(
+        plan.src,
+        plan.gop,
+        comm=_comm(),
+        out=plan.out,
+        compression=plan.compression,
+        _tag=plan.tag,
+        _about=plan.about,
+    )
 
 
 def _op_args(op, average, where):
@@ -392,19 +450,15 @@ def _grouped_start(tensors, in_place, op, prescale, postscale, compression, wher
         plans = []
         for members in groups.values():
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
-            plans.append((members, _Plan(flat, flat, op, prescale, postscale, compression, where)))
+            # Every group's allreduce carries the fingerprint of all the tensors' shapes, in order:
+            # the flat buffers alone would let [(3,), (2,)] meet [(2,), (3,)] and mix their elements.
+            plan = _Plan(flat, flat, op, prescale, postscale, compression, where, members=list(tensors))
+            plans.append((members, plan))
     except Exception as exc:  # noqa: BLE001
         return _reject_async("allreduce", exc)
     handles = []
     for _, plan in plans:
-        if plan.product:
-            handles.append(None)
-        else:
-            handles.append(
-                gflow.allreduce_async(
-                    plan.src, plan.gop, comm=_comm(), out=plan.out, compression=plan.compression
-                )
-            )
+        handles.append(None if plan.product else _start(plan))
     products = {}
     for k, (_, plan) in enumerate(plans):
         if plan.product:
@@ -570,6 +624,16 @@ def _from_words(words, nbytes, dtype, tail_shape):
     return raw.view(dtype).reshape(shape)
 
 
+def _agreed(x, shape):
+    """What the ranks of an allgather or broadcast agree on besides gflow's own signature: the
+    tensor's `shape` (allgather: its axes after the first) and torch dtype, which dtypes moved as int32
+    words would otherwise not show; and how this rank's tensor reads in a MismatchError."""
+    about = f"a tensor of shape {tuple(x.shape)} and dtype {_dtype_name(x.dtype)}"
+    if x.dtype not in _MOVABLE_DIRECT:
+        about += " (moved as int32 words)"
+    return _fingerprint(_dtype_name(x.dtype), tuple(shape)), about
+
+
 def _allgather_now(tensor, where):
     try:
         check_tensor(tensor, where)
@@ -578,10 +642,11 @@ def _allgather_now(tensor, where):
             words, nbytes = x.contiguous(), None
         else:
             words, nbytes = _to_words(x)
+        fingerprint, about = _agreed(x, x.shape[1:])
     except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
         _reject_blocking("allgather", exc)
     try:
-        gathered = gflow.allgather(words, comm=_comm())
+        gathered = allgather_on(context(_comm()), words, fingerprint, about)
     except gflow.GflowError as exc:
         _raise(exc)
     if nbytes is None:
@@ -644,16 +709,17 @@ def _broadcast_now(tensor, root_rank, in_place: bool, where):
             words = nbytes = None
         else:
             words, nbytes = _to_words(x.reshape(1, x.numel()))
+        fingerprint, about = _agreed(x, x.shape)
     except Exception as exc:  # noqa: BLE001
         _reject_blocking("broadcast", exc)
-    root = int(root_rank)
+    root, ctx = int(root_rank), context(_comm())
     try:
         if words is None:
             if in_place:
-                gflow.broadcast(x, root, comm=_comm(), out=x)
+                broadcast_on(ctx, x, root, x, fingerprint, about)
                 return tensor
-            return gflow.broadcast(x.contiguous(), root, comm=_comm())
-        words = gflow.broadcast(words, root, comm=_comm())
+            return broadcast_on(ctx, x.contiguous(), root, None, fingerprint, about)
+        words = broadcast_on(ctx, words, root, None, fingerprint, about)
     except gflow.GflowError as exc:
         _raise(exc)
     result = _from_words(words, nbytes, x.dtype, (x.numel(),)).reshape(x.shape)
