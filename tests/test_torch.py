@@ -7,6 +7,7 @@ DistributedOptimizer is tested in tests/test_torch_optimizer.py.
 
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -639,3 +640,40 @@ def test_allreduce_checks_the_op_and_the_scale_factors():
             on_all_ranks(lambda call=call, named=named: mismatch_everywhere(call, named), named)
         on_all_ranks(lambda x=x: assert_same(hvd.allreduce(x, op=hvd.Sum), x * WORLD.size), "next")
 
+
+@pytest.mark.parallel([2, 3])
+def test_objects_that_cannot_be_pickled_fail_every_rank():
+    # Review B, defect 6: broadcast_object and allgather_object pickled outside any path that tells
+    # the peers, so one rank's unpicklable object left the others waiting forever. Objects now travel
+    # with cloudpickle (as in Horovod: a lambda and a local class work); a lock cannot be pickled at all.
+    for root in sorted({0, LAST}):
+
+        def broadcast_lock(root=root):
+            if WORLD.rank == root:
+                with pytest.raises(TypeError, match="pickle"):
+                    hvd.broadcast_object({"lock": threading.Lock()}, root)
+            else:
+                mismatch_everywhere(lambda: hvd.broadcast_object(None, root), "rejected")
+
+        on_all_ranks(broadcast_lock, f"broadcast_object from {root}")
+
+    def allgather_lock():
+        if WORLD.rank == LAST:
+            with pytest.raises(TypeError, match="pickle"):
+                hvd.allgather_object(threading.Lock())
+        else:
+            mismatch_everywhere(lambda: hvd.allgather_object(WORLD.rank), "rejected")
+
+    on_all_ranks(allgather_lock, "allgather_object")
+
+    class Local:
+        def __init__(self, value):
+            self.value = value
+
+    def next_calls():
+        scale = 10 * WORLD.rank
+        assert hvd.broadcast_object(lambda v: v + scale, LAST)(1) == 1 + 10 * LAST
+        gathered = hvd.allgather_object(Local(WORLD.rank))
+        assert [o.value for o in gathered] == list(range(WORLD.size))
+
+    on_all_ranks(next_calls, "the next calls")

@@ -1,8 +1,10 @@
 """Horovod's helpers: broadcast_parameters, broadcast_optimizer_state, broadcast_object, allgather_object.
 
-Objects travel pickled (torch tensors inside them pickle as tensors); the bytes go through gflow's
-broadcast/allgather like any tensor, so ranks that call different collectives fail together with
-MismatchError instead of hanging.
+Objects travel pickled, with cloudpickle when it is importable (as Horovod: lambdas and local classes
+travel too), else with pickle (torch tensors inside them pickle as tensors); the bytes go through
+gflow's broadcast/allgather like any tensor, so ranks that call different collectives fail together
+with MismatchError instead of hanging. An object that cannot be pickled raises its error on its rank
+and MismatchError on the others.
 """
 
 import pickle
@@ -14,9 +16,20 @@ import gflow
 
 from . import _basics, _ops
 
+try:
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - cloudpickle is in the torch extra
+    _pickler = pickle
 
-def _payload(obj) -> torch.Tensor:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+def _payload(obj, collective: str) -> torch.Tensor:
+    """obj pickled, as uint8 bytes. When it cannot be pickled, the peers' `collective` (the first one
+    of broadcast_object / allgather_object) fails with MismatchError instead of waiting for this rank,
+    and the pickler's error is raised here."""
+    try:
+        data = _pickler.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - any failure reaches the peers
+        _ops._reject_blocking(collective, exc)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
@@ -34,7 +47,7 @@ def broadcast_object(obj, root_rank=0, name=None):
     """
     comm = _basics.comm()
     if _basics.rank() == root_rank:
-        words = _words(_payload(obj))
+        words = _words(_payload(obj, "broadcast"))
         length = torch.tensor([words.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
@@ -53,7 +66,7 @@ def broadcast_object(obj, root_rank=0, name=None):
 def allgather_object(obj, name=None) -> list:
     """Return the list of every rank's obj, in rank order."""
     comm = _basics.comm()
-    raw = _payload(obj)
+    raw = _payload(obj, "allgather")
     sizes = _ops.allgather(torch.tensor([raw.numel()], dtype=torch.int64))
     try:
         gathered = gflow.allgather(_words(raw), comm=comm).view(torch.uint8)
