@@ -265,22 +265,22 @@ class DataParallel:
                 f"DataParallel.push: parameter {key!r} was already pushed in this step; push each "
                 "parameter at most once between synchronize() calls"
             )
-        if grad is None:
+        given = grad is not None
+        if not given:
             if self._buffers is None:
                 raise ValueError(
                     f"DataParallel.push({key!r}): no grad given and no gradient_buffers() to take it from"
                 )
             grad = self._buffers[slot]
-            if self._error is None and any(g is grad for g in self._ready):
-                self._fail(
-                    ValueError(
-                        f"DataParallel.push({key!r}): its buffer was already pushed for another parameter "
-                        "in this step"
-                    )
-                )
-        elif self._error is None:
+        if self._error is None:
             try:
-                self._check_grad(slot, key, grad)
+                if given:
+                    self._check_grad(slot, key, grad)
+                if any(g is grad for g in self._ready):  # its reduced values would land twice
+                    raise ValueError(
+                        f"DataParallel.push({key!r}): grad is the array already pushed for another "
+                        "parameter in this step"
+                    )
             except (TypeError, ValueError) as exc:
                 self._fail(exc)
         self._ready[slot] = grad
@@ -298,8 +298,6 @@ class DataParallel:
         check_writable(grad, name)
         if isinstance(grad, np.ndarray) and not grad.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous (the reduced gradient is written back into it)")
-        if any(g is grad for g in self._ready):
-            raise ValueError(f"{name} is the array already pushed for another parameter in this step")
 
     def _drain(self) -> None:
         """Push, in slot order, every gradient ready whose predecessors have all gone."""
