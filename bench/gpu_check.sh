@@ -1,16 +1,36 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with an NVIDIA GPU. Installs nothing from the network: if a folder .whl/
-# of wheels sits at the repository root (cupy, mpi4py, mpich, numba, numba-cuda, ...), they are
-# installed from it into /tmp/site; otherwise the current Python environment must already have them.
-# Bounded: the kernel/allreduce check gets 240 s, the GPU test run 120 s.
+# of wheels sits at the repository root (mpich, mpi4py, mpi-pytest, ...), a venv that sees the system's
+# packages (CuPy, torch, numba, numba-cuda) gets them, so its mpiexec is the MPICH wheel's, as in CI;
+# otherwise the current Python environment must already have everything.
+# Bounded: the kernel/allreduce check gets 200 s, the GPU tests 260 s. Logs go to $OUT if it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=python3
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+  python3 -m venv --system-site-packages /tmp/gflow-venv || exit 1
+  /tmp/gflow-venv/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
+  PY=/tmp/gflow-venv/bin/python
+  export PATH=/tmp/gflow-venv/bin:$PATH
 fi
+LOGS=${OUT:-bench/out}
+mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi -L
+$PY - <<'EOF'
+import importlib
+for name in ("numpy", "numba", "numba_cuda", "cupy", "torch", "mpi4py"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as exc:  # noqa: BLE001
+        print(name, "missing:", exc)
+EOF
+$PY -m gflow info
 status=0
-timeout 240 python3 bench/gpu_check.py "$@" || status=$?
-GFLOW_TEST_GPU=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cupy.py || status=$?
+timeout 200 $PY bench/gpu_check.py "$@" 2>&1 | tee "$LOGS/gpu_check.log" || status=1
+# The device tests: real kernels, CuPy arrays, CUDA tensors, then every test that has a device variant.
+GFLOW_TEST_GPU=1 timeout 260 $PY -m pytest -q -n 8 --durations=15 --junitxml="$LOGS/gpu_tests.xml" \
+  tests/test_kernels.py tests/test_cupy.py tests/test_torch_cuda.py tests/test_device.py \
+  tests/test_sparse.py tests/test_checkpoint.py tests/test_large_messages.py tests/test_error_paths.py \
+  tests/test_faults.py -k "device or cuda or cupy or kernel or test_kernels" 2>&1 | tee "$LOGS/gpu_tests.log" || status=1
 exit $status
