@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with an NVIDIA GPU. Installs nothing from the network: if a folder .whl/
-# of wheels sits at the repository root (mpich, mpi4py, mpi-pytest, ...), a venv that sees the system's
+# of wheels sits at the repository root (mpich, mpi4py, mpi-pytest, ...), a venv that sees python3's
 # packages (CuPy, torch, numba, numba-cuda) gets them, so its mpiexec is the MPICH wheel's, as in CI;
 # otherwise the current Python environment must already have everything.
 # Bounded: the kernel/allreduce check gets 200 s, the GPU tests 260 s. Logs go to $OUT if it is set.
@@ -8,7 +8,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=python3
 if [ -d .whl ]; then
-  python3 -m venv --system-site-packages /tmp/gflow-venv || exit 1
+  python3 -m venv /tmp/gflow-venv || exit 1
+  # python3 may itself be a venv (the image's torch one): see its packages, and run their .pth files
+  # (numba-cuda's redirect of numba.cuda is one), through site.addsitedir
+  python3 -c 'import site; print("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site.getsitepackages()))' \
+    >"$(/tmp/gflow-venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/system.pth"
   /tmp/gflow-venv/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
   PY=/tmp/gflow-venv/bin/python
   export PATH=/tmp/gflow-venv/bin:$PATH
@@ -19,6 +23,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi -L
 $PY - <<'EOF'
 import importlib
+import numba.cuda
+print("numba.cuda from", numba.cuda.__file__)
 for name in ("numpy", "numba", "numba_cuda", "cupy", "torch", "mpi4py"):
     try:
         print(name, importlib.import_module(name).__version__)

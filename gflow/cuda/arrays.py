@@ -62,7 +62,12 @@ def flat_view(x, name: str = "x"):
         raise ValueError(
             f"{name}: device arrays must be C-contiguous; got one with shape {shape} and other strides"
         )
-    return device_view(x).reshape(-1) if len(shape) != 1 else device_view(x)
+    view = device_view(x)
+    if len(shape) == 1:
+        return view
+    if 0 in shape and not SIMULATED:  # Numba cannot reshape an empty 2-D array ("requires copying")
+        return cuda.device_array(0, view.dtype)
+    return view.reshape(-1)
 
 
 def input_view(x, name: str = "x"):
@@ -108,6 +113,9 @@ def device_view(x):
 
         return FakeCUDAArray(np.asarray(_HostPointer(x.__cuda_array_interface__)))
     if cuda.is_cuda_array(x) and not isinstance(x, cuda.cudadrv.devicearray.DeviceNDArray):
+        cai = x.__cuda_array_interface__
+        if 0 in tuple(cai["shape"]):  # no memory to view (the pointer may be null): an empty array
+            return cuda.device_array(tuple(cai["shape"]), np.dtype(cai["typestr"]))
         return cuda.as_cuda_array(x, sync=False)
     return x
 

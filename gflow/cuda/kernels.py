@@ -21,11 +21,12 @@ def add(out, a, b):
 
 @cuda.jit
 def maximum(out, a, b):
-    # NaN wins, as in np.maximum.
+    # NaN wins, as in np.maximum. `not x == x` finds NaN in every dtype: CUDA's float16 != is ordered
+    # (__hne is false for NaN), so `x != x` would not.
     i, stride = cuda.grid(1), cuda.gridsize(1)
     while i < out.size:
         x, y = a[i], b[i]
-        out[i] = x if (x >= y or x != x) else y
+        out[i] = x if (x >= y or not x == x) else y
         i += stride
 
 
@@ -34,7 +35,7 @@ def minimum(out, a, b):
     i, stride = cuda.grid(1), cuda.gridsize(1)
     while i < out.size:
         x, y = a[i], b[i]
-        out[i] = x if (x <= y or x != x) else y
+        out[i] = x if (x <= y or not x == x) else y
         i += stride
 
 
