@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with an NVIDIA GPU. Installs nothing from the network: if a folder .whl/
-# of wheels sits at the repository root (mpich, mpi4py, mpi-pytest, ...), a venv that sees python3's
+# of wheels sits at the repository root (mpich, mpi4py, mpi-pytest, numpy<2.5: numba-cuda 0.30 cannot
+# compile kernels under NumPy 2.5, which removed np.row_stack), a venv that sees python3's
 # packages (CuPy, torch, numba, numba-cuda) gets them, so its mpiexec is the MPICH wheel's, as in CI;
 # otherwise the current Python environment must already have everything.
-# Bounded: the kernel/allreduce check gets 200 s, the GPU tests 260 s. Logs go to $OUT if it is set.
+# Bounded: the kernel/allreduce check gets 90 s, the GPU tests 220 s. Logs go to $OUT if it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=python3
@@ -33,9 +34,9 @@ for name in ("numpy", "numba", "numba_cuda", "cupy", "torch", "mpi4py"):
 EOF
 $PY -m gflow info
 status=0
-timeout 200 $PY bench/gpu_check.py "$@" 2>&1 | tee "$LOGS/gpu_check.log" || status=1
+timeout 90 $PY bench/gpu_check.py "$@" 2>&1 | tee "$LOGS/gpu_check.log" || status=1
 # The device tests: real kernels, CuPy arrays, CUDA tensors, then every test that has a device variant.
-GFLOW_TEST_GPU=1 timeout 260 $PY -m pytest -q -n 8 --durations=15 --junitxml="$LOGS/gpu_tests.xml" \
+GFLOW_TEST_GPU=1 timeout 220 $PY -m pytest -q -n 8 --durations=15 --junitxml="$LOGS/gpu_tests.xml" \
   tests/test_kernels.py tests/test_cupy.py tests/test_torch_cuda.py tests/test_device.py \
   tests/test_sparse.py tests/test_checkpoint.py tests/test_large_messages.py tests/test_error_paths.py \
   tests/test_faults.py -k "device or cuda or cupy or kernel or test_kernels" 2>&1 | tee "$LOGS/gpu_tests.log" || status=1

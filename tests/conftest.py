@@ -56,3 +56,39 @@ def _deadlock_watchdog(request):
     yield
     if IN_MPI_CHILD:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _direct_transport_usable() -> bool:
+    """The simulator's "device memory" is host memory, so MPI can take it as it is; a real GPU's only
+    when the MPI library is CUDA-aware (or the user says so)."""
+    from gflow.cuda import arrays, transport
+
+    return (
+        arrays.SIMULATED or os.environ.get("GFLOW_CUDA_AWARE_MPI") == "1" or transport._library_reports_cuda()
+    )
+
+
+@pytest.fixture(
+    params=[
+        "staged",
+        pytest.param(
+            "direct",
+            marks=pytest.mark.skipif(
+                not _direct_transport_usable(),
+                reason="a real GPU and an MPI that is not CUDA-aware: device buffers cannot be handed to MPI",
+            ),
+        ),
+    ]
+)
+def transport_mode(request):
+    """Device buffers staged through host memory, or handed to MPI directly (CUDA-aware MPI)."""
+    import warnings
+
+    from gflow.cuda import transport
+
+    saved = transport._decided
+    transport._decided = request.param == "direct"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the staging notice; tested on its own
+        yield request.param
+    transport._decided = saved

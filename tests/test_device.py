@@ -46,16 +46,6 @@ def make(kind: str, host_array: np.ndarray):
     return CAIOnly(d) if kind == "cai" else d
 
 
-@pytest.fixture(params=["staged", "direct"])
-def transport_mode(request):
-    saved = transport._decided
-    transport._decided = request.param == "direct"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the staging notice; tested on its own below
-        yield request.param
-    transport._decided = saved
-
-
 @pytest.mark.parallel(SIZES)
 def test_device_collectives_match_mpi(transport_mode):
     for kind in ("numba", "cai"):

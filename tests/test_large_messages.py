@@ -6,8 +6,6 @@ a wrapper around gflow's communicator records every message of the ring allgathe
 so the tests also see that no message is over the limit and that every byte went.
 """
 
-import warnings
-
 import numpy as np
 import pytest
 from helpers import MPI_OP, WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
@@ -16,7 +14,7 @@ from numba import cuda
 import gflow
 from gflow._context import TAG_RING_AG, CommContext
 from gflow.collectives import ring
-from gflow.cuda import arrays, transport
+from gflow.cuda import arrays
 
 SIZES = [1, 2, 3, 4]
 LIMITS = [64, 102]  # 102: not a multiple of 4 or 8 bytes
@@ -204,16 +202,6 @@ def test_under_the_limit_each_step_is_one_message(messages):
         assert [call for call, _, _ in messages] == (["bcast"] if WORLD.size > 1 else [])
 
     on_all_ranks(check)
-
-
-@pytest.fixture(params=["staged", "direct"])
-def transport_mode(request):
-    saved = transport._decided
-    transport._decided = request.param == "direct"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the staging notice
-        yield request.param
-    transport._decided = saved
 
 
 def to_host(a) -> np.ndarray:

@@ -59,6 +59,8 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
             ops.copy(buf, src)
         return
     widest = max(bounds[c + 1] - bounds[c] for c in range(p))
+    if widest == 0:  # nothing to reduce (an empty array): no exchange on any rank
+        return
     itemsize = np.dtype(buf.dtype).itemsize
     seg = max(1, min(widest, config.ring_segment_bytes // itemsize, piece_elems(buf.dtype)))
     scratch = ctx.scratch("ring_tmp", 2 * seg, buf.dtype, ops)
