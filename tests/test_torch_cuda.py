@@ -136,6 +136,40 @@ def test_lazy_and_sparse_allreduce_on_cuda_tensors():
     on_all_ranks(check, "lazy/sparse")
 
 
+@pytest.mark.parallel(SIZES)
+def test_several_sparse_segments_in_flight_on_the_gpu_match_the_host():
+    """LazyAllreduce(sparse=) with a small threshold: several CSC segments run on the background thread
+    while pushes continue (the CUDA simulator is not thread-safe, so only a GPU tests this). Three steps
+    on CUDA tensors give what the same steps give on CPU tensors."""
+    rng = rank_rng(14)
+    shapes = [(700,), (33, 41), (5000,), (9,), (2048,), (130, 7)]
+    steps = [[random_array(rng, s, np.float32) for s in shapes] for _ in range(3)]
+
+    def run(device):
+        lazy = gflow.LazyAllreduce(
+            threshold_bytes=4096, sparse=dict(density=0.3, chunk_elems=64, momentum=0.5)
+        )
+        results = []
+        for grads in steps:
+            work = [torch.from_numpy(g.copy()).to(device) for g in grads]
+            for w in work:
+                lazy.push(w)
+            lazy.flush()
+            results.append([host(w) for w in work])
+        return results, len(lazy.state_dict()["segments"])
+
+    def check():
+        on_gpu, segments = run("cuda")
+        on_cpu, _ = run("cpu")
+        assert segments >= 3, f"expected several segments, got {segments}"
+        for step, (a, b) in enumerate(zip(on_gpu, on_cpu, strict=True)):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=f"step {step} tensor {i}")
+                assert_same_on_all_ranks(x)
+
+    on_all_ranks(check, "sparse segments in flight")
+
+
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
