@@ -514,7 +514,9 @@ def main() -> None:
     )
     parser.add_argument("--no-horovod-script", action="store_true")
     parser.add_argument("--out", default=OUT)
-    parser.add_argument("--plot", default=PLOT)
+    parser.add_argument(
+        "--plot", help=f"where the plot goes (default: {PLOT} with --append-results, else OUT/train.png)"
+    )
     parser.add_argument("--append-results", action="store_true", help="append the report to bench/RESULTS.md")
     parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from --out")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -527,15 +529,15 @@ def main() -> None:
         worker(args)
         return
     command = "python bench/train.py " + " ".join(sys.argv[1:])
-    if args.report:
-        report(args.out, args.plot, RESULTS_MD if args.append_results else None, command)
-        return
     if args.quick:  # a smoke run: its own folder, so it never mixes with the measured figures
         args.rounds, args.warmup, args.steps = 1, 1, 2
         if args.out == OUT:
             args.out = OUT + "_quick"
-        if args.plot == PLOT:
-            args.plot = os.path.join(args.out, "train.png")
+    if args.plot is None:  # only a run that goes into RESULTS.md replaces the committed plot
+        args.plot = PLOT if args.append_results else os.path.join(args.out, "train.png")
+    if args.report:
+        report(args.out, args.plot, RESULTS_MD if args.append_results else None, command)
+        return
     if importlib.util.find_spec("gflow.torch") is None:
         missing = [c for c in args.contenders if c in GFLOW]
         if missing:
