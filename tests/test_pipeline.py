@@ -225,6 +225,43 @@ def test_lazy_push_mismatch_fails_every_rank_and_loses_nothing():
             np.testing.assert_array_equal(t, 1.0)
 
 
+def test_lazy_alone_needs_no_copy_and_keeps_the_step_rules():
+    """One rank, dense, no compression: the gradients are already the result, so no fusion buffer is
+    made; a step is still a step (state_dict refuses mid-step), a bad push still fails flush(), and a
+    scale or fp16 still takes the full path."""
+    assert WORLD.size == 1
+    rng = np.random.default_rng(7)
+    for op in ("sum", "mean", "max", "min"):
+        lazy = gflow.LazyAllreduce(threshold_bytes=64, op=op)
+        grads = [random_array(rng, n, np.float32) for n in (5, 300, 0, 41)]
+        before = [g.copy() for g in grads]
+        for g in grads:
+            lazy.push(g)
+        with pytest.raises(RuntimeError, match="in flight"):
+            lazy.state_dict()
+        lazy.flush()
+        for g, b in zip(grads, before, strict=True):
+            np.testing.assert_array_equal(g, b)
+        assert lazy._buffers == [], "a fusion buffer was made for one rank"
+        lazy.push(grads[0])
+        lazy.push(np.ones(3, np.int32) if op == "mean" else "not an array")
+        with pytest.raises(TypeError):
+            lazy.flush()
+        lazy.push(grads[1])
+        lazy.flush()  # the next step works
+        lazy.state_dict()
+    scaled = gflow.LazyAllreduce(threshold_bytes=64)
+    g = np.full(8, 3.0, np.float32)
+    scaled.push(g, scale=0.5)
+    scaled.flush()
+    np.testing.assert_array_equal(g, 1.5)
+    fp16 = gflow.LazyAllreduce(compression="fp16")
+    g = np.full(4, 1 / 3, np.float32)
+    fp16.push(g)
+    fp16.flush()
+    np.testing.assert_array_equal(g, np.float32(np.float16(1 / 3)))  # rounded through float16, as at p > 1
+
+
 def test_lazy_argument_errors():
     with pytest.raises(ValueError, match="threshold_bytes must be >= 1"):
         gflow.LazyAllreduce(threshold_bytes=0)

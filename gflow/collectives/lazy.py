@@ -108,6 +108,7 @@ class LazyAllreduce:
         self._pending_bytes = 0
         self._fired: list = []  # (handle, members to write the result into, SparseAllreduce or None)
         self._checksum = 0
+        self._pushes = 0  # arrays pushed in this step (alone, they need no segment)
         self._error = None  # the error of a push that failed its checks: flush() raises it
 
     def _fail_step(self, error: Exception) -> None:
@@ -156,6 +157,7 @@ class LazyAllreduce:
                 return
             self._checked_dtype = dtype if kind is HOST else None
         pushed = _SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype], len(shape)) + _shape_bytes(shape)
+        self._pushes += 1
         if self._alone() and scale == 1.0 and not self.sparse and not self.compression:
             # One rank: every op's result is the gradient itself, already where flush() would write it.
             # Skipping the fusion buffer saves two passes over the gradients (as DDP does alone).
@@ -367,7 +369,7 @@ class LazyAllreduce:
         }  # fmt: skip
 
     def _in_step(self) -> bool:
-        return bool(self._members or self._fired or self._error is not None)
+        return bool(self._pushes or self._members or self._fired or self._error is not None)
 
     def state_dict(self) -> dict:
         """The settings, the world size and, with sparse=, each segment's SparseAllreduce state
