@@ -534,7 +534,7 @@ def main() -> None:
         if args.out == OUT:
             args.out = OUT + "_quick"
     if args.plot is None:  # only a run that goes into RESULTS.md replaces the committed plot
-        args.plot = PLOT if args.append_results else os.path.join(args.out, "train.png")
+        args.plot = PLOT if args.append_results and not args.quick else os.path.join(args.out, "train.png")
     if args.report:
         report(args.out, args.plot, RESULTS_MD if args.append_results else None, command)
         return

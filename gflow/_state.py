@@ -52,7 +52,8 @@ def check_equal(state: dict, expected: dict, who: str) -> None:
         theirs = get(state, key, who)
         if theirs != mine:
             raise ValueError(
-                f"{who}: {key} differs: expected {mine!r} (this object), got {theirs!r} (the state dict)"
+                f"{who}: {key} differs: expected {mine!r} (this object), got {theirs!r} (the state dict); "
+                f"make the object with {key}={theirs!r} to load this state"
             )
 
 

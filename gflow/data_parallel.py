@@ -27,9 +27,15 @@ from . import _state as st
 from ._array import check_array, check_writable
 from ._context import context
 from .collectives.api import broadcast, reject
-from .collectives.lazy import DEFAULT_THRESHOLD_BYTES, LazyAllreduce
+from .collectives.lazy import LazyAllreduce
 from .compression import LossScaler
 from .errors import NonFiniteError
+
+# The fusion segment size for training (DataParallel, gflow.torch): DDP's bucket_cap_mb. Larger than
+# LazyAllreduce's own 4 MiB, which was best for communication alone; with backward computing on the same
+# cores, fewer and larger segments cost less (ResNet-18, 4 ranks on 2 cores: 1.01x DDP gloo at 25 MiB,
+# 0.94x at 4 MiB; AlexNet under 1 Gbit/s alike at both; bench/RESULTS.md).
+TRAINING_THRESHOLD_BYTES = 25 * 2**20
 
 
 def _shape_of(x) -> tuple:
@@ -133,7 +139,7 @@ class DataParallel:
         params: the model's parameters, in model order: a dict name -> array, a list/tuple of arrays
             (keys are then indices), or of (name, array) pairs. Gradients have their shapes and dtypes.
         op: "mean" (data parallelism's average) or "sum".
-        threshold_bytes: LazyAllreduce's segment size.
+        threshold_bytes: LazyAllreduce's segment size (default 25 MiB, DDP's bucket size).
         compression: None or "fp16" (LazyAllreduce's).
         sparse: None, or SparseAllreduce settings (density, chunk_elems, momentum, warmup_steps):
             coarse-grained sparse communication of each segment (each rank keeps a residual).
@@ -150,7 +156,7 @@ class DataParallel:
         params,
         *,
         op="mean",
-        threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+        threshold_bytes: int = TRAINING_THRESHOLD_BYTES,
         compression=None,
         sparse=None,
         loss_scaler: LossScaler | None = None,

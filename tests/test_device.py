@@ -124,3 +124,9 @@ def test_bad_device_arguments():
         gflow.allreduce(cuda.to_device(np.ones(4, np.uint8)))
     with pytest.raises(TypeError, match="same kind of array as x"):
         gflow.allreduce(np.ones(10, np.float32), out=d)
+
+
+def test_the_mpi_library_is_found_for_the_cuda_support_query():
+    """mpi4py may load libmpi privately (the MPICH wheel does): the CUDA-support query must still reach
+    it, or a CUDA-aware MPI would be taken for one that is not."""
+    assert any(hasattr(handle, "MPI_Init") for handle in transport._mpi_library_handles())

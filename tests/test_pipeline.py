@@ -262,6 +262,32 @@ def test_lazy_alone_needs_no_copy_and_keeps_the_step_rules():
     np.testing.assert_array_equal(g, np.float32(np.float16(1 / 3)))  # rounded through float16, as at p > 1
 
 
+@pytest.mark.parallel([1, 2, 3])
+def test_a_bad_scale_fails_the_step_on_every_rank_and_the_next_step_works():
+    """push(g, scale=None) on one rank: flush() raises TypeError there and MismatchError on the others
+    (it once left half a push behind: that rank's flush failed alone and the ranks fell out of step)."""
+    last = WORLD.rank == WORLD.size - 1
+    lazy = gflow.LazyAllreduce(threshold_bytes=1 << 20)
+    grads = [np.full(10, WORLD.rank + 1.0, np.float32), np.full(5, 2.0, np.float32)]
+
+    def check():
+        lazy.push(grads[0])
+        lazy.push(grads[1], scale=None if last else 1.0)
+        with pytest.raises(
+            TypeError if last else gflow.MismatchError, match="scale must be a number" if last else ""
+        ):
+            lazy.flush()
+        np.testing.assert_array_equal(grads[0], WORLD.rank + 1.0)  # nothing lost
+        work = [np.ones(10, np.float32), np.full(5, 3.0, np.float32)]
+        for w in work:
+            lazy.push(w, scale=np.float32(2.0))
+        lazy.flush()
+        np.testing.assert_array_equal(work[0], 2.0)
+        np.testing.assert_array_equal(work[1], 6.0)
+
+    on_all_ranks(check)
+
+
 def test_lazy_argument_errors():
     with pytest.raises(ValueError, match="threshold_bytes must be >= 1"):
         gflow.LazyAllreduce(threshold_bytes=0)

@@ -134,6 +134,14 @@ class LazyAllreduce:
         """
         if self._error is not None:
             return  # this step already failed here
+        if not isinstance(scale, float):  # checked first: a bad scale must not leave half a push
+            try:
+                if isinstance(scale, bool) or not isinstance(scale, (int, np.integer, np.floating)):
+                    raise TypeError(f"scale must be a number, got {type(scale).__name__}")
+                scale = float(scale)
+            except TypeError as exc:
+                self._fail_step(exc)
+                return
         flags = getattr(grad, "flags", None)
         if (
             type(grad) is np.ndarray
@@ -169,7 +177,7 @@ class LazyAllreduce:
             self._fire()  # a segment holds one dtype and one kind of memory
         self._members.append((flat, kind))
         self._member_arrays.append(grad)
-        self._member_scales.append(float(scale))
+        self._member_scales.append(scale)
         on_wire = WIRE_DTYPE.itemsize if (self.compression and not self.sparse) else dtype.itemsize
         self._pending_bytes += flat.size * on_wire
         self._checksum = zlib.crc32(pushed, self._checksum)

@@ -15,22 +15,43 @@ _decided = None
 _warned = False
 
 
+def _mpi_library_handles() -> list:
+    """ctypes handles that can see the MPI library's symbols. mpi4py may load libmpi privately
+    (RTLD_LOCAL, as with the MPICH wheel), so the process-wide namespace alone does not find them:
+    also open every libmpi already mapped into this process (Linux's /proc/self/maps)."""
+    from mpi4py import MPI  # noqa: F401 - the library must be loaded before it can be found
+
+    handles = []
+    try:
+        handles.append(ctypes.CDLL(None))
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libmpi" in line and "/" in line})
+    except OSError:
+        paths = []
+    for path in paths:
+        try:
+            handles.append(ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL))
+        except OSError:
+            pass
+    return handles
+
+
 def _library_reports_cuda() -> bool:
     """Ask the loaded MPI library, where it has a way to tell; False when it has none."""
-    try:
-        process = ctypes.CDLL(None)
-    except OSError:
-        return False
-    query = getattr(process, "MPIX_Query_cuda_support", None)  # Open MPI
-    if query is not None:
-        query.restype = ctypes.c_int
-        return bool(query())
-    query = getattr(process, "MPIX_GPU_query_support", None)  # MPICH >= 4
-    if query is not None:
-        supported = ctypes.c_int(0)
-        query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-        if query(0, ctypes.byref(supported)) == 0:  # 0 = MPIX_GPU_SUPPORT_CUDA
-            return bool(supported.value)
+    for library in _mpi_library_handles():
+        query = getattr(library, "MPIX_Query_cuda_support", None)  # Open MPI (and MPICH >= 4)
+        if query is not None:
+            query.restype = ctypes.c_int
+            return bool(query())
+        query = getattr(library, "MPIX_GPU_query_support", None)  # MPICH >= 4
+        if query is not None:
+            supported = ctypes.c_int(0)
+            query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+            if query(0, ctypes.byref(supported)) == 0:  # 0 = MPIX_GPU_SUPPORT_CUDA
+                return bool(supported.value)
     return False
 
 
