@@ -56,8 +56,9 @@ Horovod too); a release tag's version builds plain models and runs both.
 Memory: AlexNet peaks at about 3 GiB per rank (the CSC contender; one contender is alive at a time),
 so p = 4 needs about 12 GiB free.
 
-Writes bench/out/train/*.json, train.md (table and targets) and bench/results/train.png; with
---append-results the command, machine and table are appended to bench/RESULTS.md.
+Writes OUT/*.json (bench/out/train by default), train.md (table and targets) and OUT/train.png; with
+--append-results the command, machine and table are appended to bench/RESULTS.md and the plot goes to
+bench/results/train.png.
 """
 
 import argparse
