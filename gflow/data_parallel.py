@@ -31,11 +31,19 @@ from .collectives.lazy import LazyAllreduce
 from .compression import LossScaler
 from .errors import NonFiniteError
 
-# The fusion segment size for training (DataParallel, gflow.torch): DDP's bucket_cap_mb. Larger than
-# LazyAllreduce's own 4 MiB, which was best for communication alone; with backward computing on the same
-# cores, fewer and larger segments cost less (ResNet-18, 4 ranks on 2 cores: 1.01x DDP gloo at 25 MiB,
-# 0.94x at 4 MiB; AlexNet under 1 Gbit/s alike at both; bench/RESULTS.md).
+# The fusion segment size for training (DataParallel, gflow.torch), measured end to end (bench/RESULTS.md,
+# "The fusion threshold for training"). With float32 on the wire, 25 MiB (DDP's bucket_cap_mb): with
+# backward computing on the same cores, fewer and larger segments cost less than LazyAllreduce's own
+# 4 MiB (ResNet-18, 4 ranks on 2 cores: 1.00x DDP gloo against 0.90-0.94x). With fp16 on the wire, 4 MiB:
+# halved transfers leave less to hide, and small segments start during backward (AlexNet under 1 Gbit/s:
+# 1.03x DDP's fp16 hook at 4 MiB, 0.98x at 12.5 MiB, 0.94x at 25 MiB).
 TRAINING_THRESHOLD_BYTES = 25 * 2**20
+TRAINING_THRESHOLD_BYTES_FP16 = 4 * 2**20
+
+
+def training_threshold(compression, sparse) -> int:
+    """The default segment size for training with these settings (see above)."""
+    return TRAINING_THRESHOLD_BYTES_FP16 if compression and sparse is None else TRAINING_THRESHOLD_BYTES
 
 
 def _shape_of(x) -> tuple:
@@ -139,7 +147,8 @@ class DataParallel:
         params: the model's parameters, in model order: a dict name -> array, a list/tuple of arrays
             (keys are then indices), or of (name, array) pairs. Gradients have their shapes and dtypes.
         op: "mean" (data parallelism's average) or "sum".
-        threshold_bytes: LazyAllreduce's segment size (default 25 MiB, DDP's bucket size).
+        threshold_bytes: LazyAllreduce's segment size; by default 25 MiB (DDP's bucket size), 4 MiB
+            with compression="fp16" (training_threshold: measured end to end).
         compression: None or "fp16" (LazyAllreduce's).
         sparse: None, or SparseAllreduce settings (density, chunk_elems, momentum, warmup_steps):
             coarse-grained sparse communication of each segment (each rank keeps a residual).
@@ -156,7 +165,7 @@ class DataParallel:
         params,
         *,
         op="mean",
-        threshold_bytes: int = TRAINING_THRESHOLD_BYTES,
+        threshold_bytes: int | None = None,
         compression=None,
         sparse=None,
         loss_scaler: LossScaler | None = None,
@@ -179,6 +188,8 @@ class DataParallel:
                 "loss_scaler must agree on overflow over DataParallel's communicator: make it with "
                 "gflow.LossScaler(comm=...) and the same comm you pass here"
             )
+        if threshold_bytes is None:
+            threshold_bytes = training_threshold(compression, sparse)
         self._lazy = LazyAllreduce(threshold_bytes, op=op, compression=compression, comm=comm, sparse=sparse)
         self._scaler = loss_scaler
         self._comm = comm

@@ -17,7 +17,7 @@ import torch
 
 import gflow
 
-from ..data_parallel import TRAINING_THRESHOLD_BYTES, DataParallel
+from ..data_parallel import DataParallel
 from . import _basics
 from ._basics import Adasum, Average, Sum, as_horovod_error, check_process_set
 from .compression import Compression, wire_compression
@@ -417,7 +417,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     sparse_as_dense=False,
     process_set=None,
     *,
-    threshold_bytes=TRAINING_THRESHOLD_BYTES,
+    threshold_bytes=None,
     sparse=None,
 ):
     """Wrap a torch optimizer so that step() applies the gradients averaged (or summed) over all ranks.
@@ -442,7 +442,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         num_groups, groups: accepted for compatibility; gflow fuses gradients by threshold_bytes.
         sparse_as_dense: accepted; sparse gradients are always reduced as dense.
         process_set: only the global process set is supported.
-        threshold_bytes: gflow's fusion segment size (default 25 MiB, DDP's bucket size).
+        threshold_bytes: gflow's fusion segment size; by default 25 MiB (DDP's bucket size), 4 MiB with
+            Compression.fp16 (gflow.DataParallel's defaults, measured end to end).
         sparse: None, or coarse-grained sparse communication settings (a dict: density, chunk_elems,
             momentum, warmup_steps; see gflow.SparseAllreduce). Momentum: with torch.optim.SGD of
             momentum m > 0 the momentum moves into CSC (Deep Gradient Compression's momentum
