@@ -135,13 +135,10 @@ class LazyAllreduce:
         if self._error is not None:
             return  # this step already failed here
         if not isinstance(scale, float):  # checked first: a bad scale must not leave half a push
-            try:
-                if isinstance(scale, bool) or not isinstance(scale, (int, np.integer, np.floating)):
-                    raise TypeError(f"scale must be a number, got {type(scale).__name__}")
-                scale = float(scale)
-            except TypeError as exc:
-                self._fail_step(exc)
+            if isinstance(scale, bool) or not isinstance(scale, (int, np.integer, np.floating)):
+                self._fail_step(TypeError(f"scale must be a number, got {type(scale).__name__}"))
                 return
+            scale = float(scale)
         flags = getattr(grad, "flags", None)
         if (
             type(grad) is np.ndarray
