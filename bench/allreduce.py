@@ -1,4 +1,4 @@
-"""Allreduce side by side: gflow ring, gflow auto, MPI's own Allreduce (and torch gloo if installed).
+"""Allreduce side by side: gflow ring, gflow hierarchical, gflow auto, MPI's own Allreduce (and torch gloo if installed).
 
     python bench/allreduce.py                      # p = 2, 3, 4; 4 KB .. 256 MB; writes bench/out/
     python bench/allreduce.py --procs 2 --max-bytes 16M --quick
@@ -41,6 +41,7 @@ def contenders(comm, x, y, gloo: bool):
 
     runs = {
         "gflow ring": lambda: gflow.allreduce(x, out=y, algorithm="ring", comm=comm),
+        "gflow hierarchical": lambda: gflow.allreduce(x, out=y, algorithm="hierarchical", comm=comm),
         "gflow auto": lambda: gflow.allreduce(x, out=y, comm=comm),
         "MPI Allreduce": lambda: comm.Allreduce(x, y, op=MPI.SUM),
     }

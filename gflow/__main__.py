@@ -2,6 +2,7 @@
 
 mpiexec -n 4 python -m gflow demo     # gflow's allreduce beside MPI's own, checked and timed
 python -m gflow info                  # what this installation sees: paste it into bug reports
+mpiexec -n 4 python -m gflow info     # ... and the nodes (topology) gflow finds among the ranks
 """
 
 import argparse
@@ -76,6 +77,7 @@ def info() -> int:
         "MPI standard": "{}.{}".format(*MPI.Get_version()),
         "thread level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "world size": MPI.COMM_WORLD.size,
+        "topology": _topology(),
         "numpy": np.__version__,
         "validate": gflow.config.validate,
         "small_message_bytes": gflow.config.small_message_bytes,
@@ -103,10 +105,23 @@ def info() -> int:
         lines["device buffers"] = transport.describe()
     except Exception as exc:  # noqa: BLE001 - Numba's CUDA support may fail to load without a GPU
         lines["device buffers"] = f"unavailable ({type(exc).__name__})"
-    width = max(map(len, lines))
-    for key, value in lines.items():
-        print(f"{key:>{width}}: {value}")
+    if MPI.COMM_WORLD.rank == 0:
+        width = max(map(len, lines))
+        for key, value in lines.items():
+            print(f"{key:>{width}}: {value}")
     return 0
+
+
+def _topology() -> str:
+    """The nodes gflow sees on COMM_WORLD (collective: under mpiexec every rank runs info)."""
+    from mpi4py import MPI
+
+    from .collectives.topology import discover
+
+    try:
+        return discover(MPI.COMM_WORLD).describe()
+    except Exception as exc:  # noqa: BLE001 - a bad setting is what info is asked to show
+        return f"unknown ({type(exc).__name__}: {exc})"
 
 
 def main(argv=None) -> int:

@@ -38,6 +38,10 @@ DEFAULT_RING_SEGMENT_BYTES = 256 * 1024
 # The background thread sleeps this long between polls of its messages, leaving the core to the
 # computation it overlaps with (bench/fusion.py, bench/RESULTS.md).
 DEFAULT_BACKGROUND_POLL_US = 20
+# Under algorithm="auto", from these sizes up the hierarchical allreduce replaces the ring: on one node
+# (host arrays: the shared-memory node phase alone), and across nodes (bench/RESULTS.md, "Scale").
+DEFAULT_SHARED_MEMORY_MIN_BYTES = 256 * 1024
+DEFAULT_HIERARCHICAL_MIN_BYTES = 256 * 1024
 
 
 @dataclass
@@ -55,12 +59,23 @@ class Config:
             (GFLOW_RING_SEGMENT_BYTES).
         background_poll_us: the background thread's pause between polls, in microseconds
             (GFLOW_BACKGROUND_POLL_US).
+        ranks_per_node: "" (the nodes are what MPI says share memory), or k: consecutive ranks form
+            nodes of k, the last one possibly smaller (GFLOW_RANKS_PER_NODE). Read when a
+            communicator is first used for a bandwidth-sized allreduce; every rank must hold the same.
+        shared_memory_min_bytes: under algorithm="auto", on a single node, host arrays from this size
+            take the hierarchical allreduce, i.e. its shared-memory node phase
+            (GFLOW_SHARED_MEMORY_MIN_BYTES).
+        hierarchical_min_bytes: under algorithm="auto", with more than one node, messages from this
+            size take the hierarchical allreduce (GFLOW_HIERARCHICAL_MIN_BYTES).
     """
 
     validate: bool = True
     small_message_bytes: int = DEFAULT_SMALL_MESSAGE_BYTES
     ring_segment_bytes: int = DEFAULT_RING_SEGMENT_BYTES
     background_poll_us: int = DEFAULT_BACKGROUND_POLL_US
+    ranks_per_node: str = ""
+    shared_memory_min_bytes: int = DEFAULT_SHARED_MEMORY_MIN_BYTES
+    hierarchical_min_bytes: int = DEFAULT_HIERARCHICAL_MIN_BYTES
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -69,6 +84,9 @@ class Config:
             small_message_bytes=_env_int("GFLOW_SMALL_MESSAGE_BYTES", DEFAULT_SMALL_MESSAGE_BYTES),
             ring_segment_bytes=_env_int("GFLOW_RING_SEGMENT_BYTES", DEFAULT_RING_SEGMENT_BYTES),
             background_poll_us=_env_int("GFLOW_BACKGROUND_POLL_US", DEFAULT_BACKGROUND_POLL_US),
+            ranks_per_node=os.environ.get("GFLOW_RANKS_PER_NODE", ""),
+            shared_memory_min_bytes=_env_int("GFLOW_SHARED_MEMORY_MIN_BYTES", DEFAULT_SHARED_MEMORY_MIN_BYTES),
+            hierarchical_min_bytes=_env_int("GFLOW_HIERARCHICAL_MIN_BYTES", DEFAULT_HIERARCHICAL_MIN_BYTES),
         )
 
 

@@ -59,18 +59,22 @@ def _polite_waitall(requests) -> None:
 class CommContext:
     """gflow's view of one user communicator."""
 
-    def __init__(self, comm: MPI.Intracomm, background: bool = False):
+    def __init__(self, comm: MPI.Intracomm, background: bool = False, own: bool = False):
+        """own: comm is gflow's already (a node or cross-node communicator of the hierarchical
+        allreduce): talk on it as it is, and free it with the context."""
         self.user_handle = comm.handle
         # Idup, not Dup: making a context must not block, or an async call whose peers have not
         # started theirs yet could never return. The duplicate is waited for on first use (.comm).
         self._user_comm = comm
-        self._comm, self._pending = comm.Idup()
+        self._comm, self._pending = (comm, None) if own else comm.Idup()
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.rd_fold, self.rd_rounds = rd_schedule(self.rank, self.size)
         self._scratch = {}
         self.rd_plans = {}  # recursive_doubling._Plan by call signature
         self._background = None
+        self.topology = None  # collectives/topology.py, found on first use
+        self.hierarchy = None  # collectives/hierarchical.py's communicators and window
         self.is_background = background
         self.failed = None  # set on a background context by its first failed collective
         # How this context waits for its messages: the caller's thread blocks in MPI (lowest latency);
@@ -141,6 +145,9 @@ class CommContext:
         if self._background is not None:
             self._background.free()
         if not MPI.Is_finalized():
+            if self.hierarchy is not None:
+                self.hierarchy.free()
+                self.hierarchy = None
             for plan in self.rd_plans.values():
                 plan.free()
             self.rd_plans.clear()

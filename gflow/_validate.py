@@ -6,8 +6,13 @@ in collectives/recursive_doubling.py compares it across ranks, so that ranks tha
 all raise MismatchError instead of hanging or returning garbage.
 """
 
+import struct
+import zlib
+
 import numpy as np
 from mpi4py import MPI
+
+from ._config import config
 
 # Codes are part of the wire format: append, never renumber.
 DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64)
@@ -23,9 +28,20 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "lazy", 
 COLLECTIVE_CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
 CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}
 
-ALGORITHMS = ("recursive_doubling", "ring", "mpi")
+# "auto": a bandwidth-sized call under algorithm="auto", whose algorithm (ring or hierarchical) is
+# settled after the agreement, from the topology (collectives/common.py).
+ALGORITHMS = ("recursive_doubling", "ring", "mpi", "auto", "hierarchical")
 ALGORITHM_CODE = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
 CODE_ALGORITHM = {code: name for name, code in ALGORITHM_CODE.items()}
+# Above the algorithm's code, "auto" carries a checksum of the settings that settle it: ranks that would
+# settle differently (one the ring, one the hierarchical allreduce) must disagree here, not hang later.
+_AUTO_SHIFT = 8
+
+
+def auto_settings_checksum() -> int:
+    """A 24-bit checksum of the thresholds algorithm="auto" settles with (gflow.config)."""
+    values = (config.shared_memory_min_bytes, config.hierarchical_min_bytes)
+    return zlib.crc32(struct.pack("<2q", *values)) & 0xFFFFFF
 
 # A rank whose local checks failed sends this status so its peers fail with it instead of hanging.
 SIG_OK = 0
@@ -74,9 +90,12 @@ def signature(
     collective: str, algorithm: str, count: int, dtype, op: str | None, extra: int = 0, kind: str = "host"
 ):
     """The tuple of SIG_LEN ints the ranks compare; see describe() for how it reads."""
+    code = ALGORITHM_CODE[algorithm]
+    if algorithm == "auto":
+        code |= auto_settings_checksum() << _AUTO_SHIFT
     return (
         COLLECTIVE_CODE[collective],
-        ALGORITHM_CODE[algorithm],
+        code,
         count,
         DTYPE_CODE[dtype],
         OP_CODE[op] if op else 0,
@@ -103,7 +122,12 @@ def describe(sig) -> str:
     text = f"called {collective} with {elements} ({kind} array)"
     if int(sig[4]):
         text += f", op={CODE_OP.get(int(sig[4]), '?')}"
-    text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]), '?')}"
+    text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]) & 0xFF, '?')}"
+    if int(sig[1]) >> _AUTO_SHIFT:
+        text += (
+            f" (thresholds checksum {int(sig[1]) >> _AUTO_SHIFT}: compare gflow.config."
+            "shared_memory_min_bytes and hierarchical_min_bytes across ranks)"
+        )
     if collective == "broadcast":  # the root in the low 32 bits, a shape checksum above them
         text += f", root={int(sig[5]) & 0xFFFFFFFF}"
         if int(sig[5]) >> 32:

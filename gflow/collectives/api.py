@@ -22,7 +22,7 @@ from ..errors import CompressionOverflowError, MismatchError
 from .common import allgather_flat, allreduce_flat, broadcast_flat, reduce_scatter_flat
 from .recursive_doubling import allreduce_with_agreement
 
-ALGORITHMS = ("auto", "ring", "recursive_doubling")
+ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")
 
 
 def reject(ctx: CommContext, collective: str) -> None:
@@ -38,11 +38,14 @@ def reject(ctx: CommContext, collective: str) -> None:
 
 
 def _choose(algorithm: str, nbytes: int, ring_only: bool = False) -> str:
-    """The algorithm for a message of nbytes; "ring" whatever was asked where the transport is
-    ring_only (device memory straight to MPI), once the request itself has been checked."""
+    """The algorithm for a message of nbytes, as far as it can be told before the ranks talk: "auto"
+    above config.small_message_bytes stays "auto" (ring or hierarchical, settled from the topology
+    after the agreement). Where the transport is ring_only (device memory straight to MPI), the
+    latency path is out: a small "auto" or "recursive_doubling" takes the ring, once the request
+    itself has been checked."""
     if algorithm == "auto":
-        chosen = "recursive_doubling" if nbytes <= config.small_message_bytes else "ring"
-    elif algorithm == "ring":
+        chosen = "recursive_doubling" if nbytes <= config.small_message_bytes else "auto"
+    elif algorithm in ("ring", "hierarchical"):
         chosen = algorithm
     elif algorithm == "recursive_doubling":
         if nbytes > config.small_message_bytes:
@@ -53,7 +56,7 @@ def _choose(algorithm: str, nbytes: int, ring_only: bool = False) -> str:
         chosen = algorithm
     else:
         raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
-    return "ring" if ring_only else chosen
+    return "ring" if ring_only and chosen == "recursive_doubling" else chosen
 
 
 def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
@@ -66,8 +69,11 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
         op: "sum", "mean" (floating dtypes only), "max", "min", or MPI.SUM/MAX/MIN.
         comm: an mpi4py intracommunicator; gflow talks on its own cached duplicate. Default COMM_WORLD.
         out: where to write the result (same kind, dtype and size as x, C-contiguous); may be x.
-        algorithm: "auto" (recursive doubling up to config.small_message_bytes, ring above),
-            "ring", or "recursive_doubling" (only up to config.small_message_bytes).
+        algorithm: "auto" (recursive doubling up to config.small_message_bytes; above, the
+            hierarchical allreduce where the topology makes it pay (see gflow.config), else the
+            ring), "ring", "hierarchical" (node phase, cross-node ring per shard, node phase; see
+            collectives/hierarchical.py), or "recursive_doubling" (only up to
+            config.small_message_bytes).
         compression: None, or "fp16" to send float16 on the wire (floating dtypes; the result
             comes back in x's dtype). See gflow/compression.py.
 

@@ -5,8 +5,8 @@ from mpi4py import MPI
 
 from .._config import config
 from .._context import CommContext
-from .._validate import signature
-from . import ring
+from .._validate import KIND_CODE, signature
+from . import hierarchical, ring
 from .recursive_doubling import allreduce_with_agreement
 
 
@@ -29,7 +29,28 @@ def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, nam
             ops.divide(dst, ctx.size)
     else:
         _agree(ctx, sig)
-        ring.allreduce(ctx, src, dst, ops, name)
+        host_memory = sig[6] == KIND_CODE["host"]  # agreed, unlike the transport each rank picked
+        if chosen == "auto":
+            chosen = settle_auto(ctx, dst.nbytes, host_memory)
+        if chosen == "hierarchical":
+            hierarchical.allreduce(ctx, src, dst, ops, name, host_memory)
+        else:
+            ring.allreduce(ctx, src, dst, ops, name)
+
+
+def settle_auto(ctx: CommContext, nbytes: int, host_memory: bool) -> str:
+    """What algorithm="auto" runs for a bandwidth-sized message, once the ranks have agreed on the
+    call: the topology (found now on first use, collectively) and the agreed size and kind of array
+    decide, so every rank settles alike. Hierarchical where it pays: across nodes from
+    config.hierarchical_min_bytes; on one node, for host arrays, its shared-memory node phase from
+    config.shared_memory_min_bytes. The thresholds are measured (bench/RESULTS.md, "Scale")."""
+    topo = hierarchical.topology(ctx)
+    if len(topo.nodes) > 1:
+        if topo.shards > 1 and nbytes >= config.hierarchical_min_bytes:
+            return "hierarchical"
+    elif host_memory and topo.shared_memory and nbytes >= config.shared_memory_min_bytes:
+        return "hierarchical"
+    return "ring"
 
 
 def reduce_scatter_flat(ctx: CommContext, src, ops, dtype, name: str, kind: str = "host"):

@@ -1,0 +1,201 @@
+"""The hierarchical allreduce and the topology, at world sizes 1 to 4, on nodes posed by
+GFLOW_RANKS_PER_NODE (gflow.config.ranks_per_node, read when a communicator first needs its
+topology): one node of all ranks (the shared-memory node phase alone), nodes of 1, 2 and 3 ranks (the
+last node smaller where 3 does not divide p), against MPI's own Allreduce and float64 NumPy."""
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import (
+    WORLD,
+    assert_close_to_reference,
+    assert_same_on_all_ranks,
+    on_all_ranks,
+    random_array,
+    rank_rng,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gflow
+from gflow._context import context
+from gflow.collectives.topology import parse_setting
+
+SIZES = [1, 2, 3, 4]
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+OPS = ["sum", "mean", "max", "min"]
+SETTINGS = ["", "1", "2", "3"]
+
+
+@contextlib.contextmanager
+def posed_nodes(setting: str):
+    """A fresh communicator whose topology is found under GFLOW_RANKS_PER_NODE=setting."""
+    comm = WORLD.Dup()
+    saved = gflow.config.ranks_per_node
+    gflow.config.ranks_per_node = setting
+    try:
+        yield comm
+    finally:
+        gflow.config.ranks_per_node = saved
+        comm.Free()
+
+
+def expected_nodes(setting: str, p: int):
+    k = parse_setting(setting) or p  # unset: this machine is one node
+    return tuple(tuple(range(lo, min(lo + k, p))) for lo in range(0, p, k))
+
+
+@pytest.mark.parallel(SIZES)
+@given(
+    n=st.one_of(st.integers(0, 12), st.integers(13, 5000), st.sampled_from([100_003, 300_001])),
+    dtype=st.sampled_from(DTYPES),
+    op=st.sampled_from(OPS),
+    setting=st.sampled_from(SETTINGS),
+    algorithm=st.sampled_from(["hierarchical", "auto"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=20)
+def test_hierarchical_matches_mpi(n, dtype, op, setting, algorithm, seed):
+    if op == "mean" and np.dtype(dtype).kind != "f":
+        return
+    x = random_array(rank_rng(seed), n, dtype)
+    before = x.copy()
+    with posed_nodes(setting) as comm:
+
+        def check():
+            y = gflow.allreduce(x, op, algorithm=algorithm, comm=comm)
+            np.testing.assert_array_equal(x, before)  # the input is not modified
+            assert y.shape == x.shape and y.dtype == x.dtype
+            assert_close_to_reference(y, x, op)
+            assert_same_on_all_ranks(y)
+            out = np.full_like(x, 7)  # in place and into out= as well
+            gflow.allreduce(x, op, algorithm=algorithm, comm=comm, out=out)
+            np.testing.assert_array_equal(out, y)
+            inplace = x.copy()
+            gflow.allreduce(inplace, op, algorithm=algorithm, comm=comm, out=inplace)
+            np.testing.assert_array_equal(inplace, y)
+            if WORLD.size > 1 and algorithm == "hierarchical":  # one rank never needs its topology
+                assert context(comm).topology.nodes == expected_nodes(setting, WORLD.size)
+
+        on_all_ranks(check, f"n={n} {np.dtype(dtype)} {op} nodes={setting or 'MPI'}")
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_auto_settles_by_topology_and_size():
+    """auto: the shared-memory node phase on one node from shared_memory_min_bytes; across nodes the
+    hierarchical allreduce from hierarchical_min_bytes; the ring below, or where every node holds
+    one rank. Watched through the hierarchy it builds (made only when that algorithm runs)."""
+    big = random_array(rank_rng(1), gflow.config.shared_memory_min_bytes // 4 + 1, np.float32)
+    for setting, hierarchical in [("", True), ("2", True), ("1", False)]:
+        with posed_nodes(setting) as comm:
+            gflow.allreduce(big[:1000], comm=comm)  # the latency path: no topology needed
+            assert context(comm).topology is None
+            gflow.allreduce(big, comm=comm)
+            ctx = context(comm)
+            assert ctx.topology is not None
+            assert (ctx.hierarchy is not None) == hierarchical, setting
+
+
+@pytest.mark.parallel(SIZES)
+def test_fp16_async_lazy_and_sparse_ride_on_the_hierarchy():
+    """fp16 compression, allreduce_async, LazyAllreduce's segments and CSC's packed chunks, with
+    nodes of 2 (p = 3: nodes of 2 + 1), against their float64 references."""
+    p = WORLD.size
+    rng = rank_rng(5)
+    with posed_nodes("2") as comm:
+
+        def check():
+            x = random_array(rng, 200_001, np.float32)
+            y = gflow.allreduce(x, compression="fp16", algorithm="hierarchical", comm=comm)
+            exact = np.sum(WORLD.allgather(x.astype(np.float64)), axis=0)
+            np.testing.assert_allclose(y, exact, rtol=4e-3, atol=4e-3 * 4 * p)
+            assert_same_on_all_ranks(y)
+
+            h = gflow.allreduce_async(x, "max", algorithm="hierarchical", comm=comm)
+            np.testing.assert_array_equal(h.wait(), np.max(WORLD.allgather(x), axis=0))
+
+            grads = [random_array(rng, n, np.float32) for n in (70_000, 3, 150_000, 999)]
+            expected = [np.mean(WORLD.allgather(g.astype(np.float64)), axis=0) for g in grads]
+            lazy = gflow.LazyAllreduce(threshold_bytes=2**18, op="mean", comm=comm)
+            for g in grads:
+                lazy.push(g)
+            lazy.flush()
+            for g, e in zip(grads, expected, strict=True):
+                np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+                assert_same_on_all_ranks(g)
+            assert context(comm).background().hierarchy is not None or p == 1
+
+            grad = random_array(rng, 400_000, np.float32)
+            dense = np.sum(WORLD.allgather(grad.astype(np.float64)), axis=0)
+            csc = gflow.SparseAllreduce(density=0.25, chunk_elems=1000, op="sum", comm=comm)
+            update = csc(grad)
+            assert_same_on_all_ranks(update)
+            sent = update != 0
+            np.testing.assert_allclose(update[sent], dense[sent], rtol=1e-5, atol=1e-4)
+            # Nothing lost: what was sent plus every rank's residual is the whole sum.
+            residuals = np.sum(WORLD.allgather(csc.residual.astype(np.float64)), axis=0)
+            np.testing.assert_allclose(update + residuals, dense, rtol=1e-5, atol=1e-4)
+
+        on_all_ranks(check)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_device_arrays_take_the_ring_node_phase(transport_mode):
+    """Device arrays (Numba's simulator here) keep their path inside the node: its ring."""
+    from numba import cuda
+
+    for setting in ["", "2"]:
+        with posed_nodes(setting) as comm:
+            x = random_array(rank_rng(3), 40, np.float32)
+            y = gflow.allreduce(cuda.to_device(x), algorithm="hierarchical", comm=comm).copy_to_host()
+            on_all_ranks(lambda x=x, y=y: (assert_close_to_reference(y, x, "sum"), assert_same_on_all_ranks(y)))
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_ranks_that_disagree_about_the_topology_fail_together():
+    for mine, theirs in [("2", ""), ("1", "2")]:
+        setting = theirs if WORLD.rank == WORLD.size - 1 else mine
+        with posed_nodes(setting) as comm:
+            x = random_array(rank_rng(2), 100_000, np.float32)
+            with pytest.raises(gflow.MismatchError) as info:
+                gflow.allreduce(x, algorithm="hierarchical", comm=comm)
+            message = str(info.value)
+            assert f"GFLOW_RANKS_PER_NODE={mine!r}" in message or "GFLOW_RANKS_PER_NODE unset" in message
+            assert "disagree about the topology" in message and f"rank {WORLD.size - 1}" in message
+
+
+@pytest.mark.parallel([2, 3])  # one rank never reads it (nothing to split); `gflow info` shows it
+def test_a_malformed_setting_fails_every_rank_and_names_it():
+    for bad in ["0", "-2", "two"]:
+        with posed_nodes(bad) as comm:
+            with pytest.raises(ValueError, match=f"GFLOW_RANKS_PER_NODE must be a positive integer.*{bad!r}"):
+                gflow.allreduce(np.ones(100_000, np.float32), algorithm="hierarchical", comm=comm)
+            gflow.allreduce(np.ones(10, np.float32), comm=comm)  # the latency path does not need it
+
+
+@pytest.mark.parallel([2, 3])
+def test_algorithm_and_threshold_disagreements_fail_every_rank():
+    x = random_array(rank_rng(4), 100_000, np.float32)
+    last = WORLD.rank == WORLD.size - 1
+    with pytest.raises(gflow.MismatchError, match="algorithm=hierarchical"):
+        gflow.allreduce(x, algorithm="ring" if last else "hierarchical")
+    saved = gflow.config.hierarchical_min_bytes
+    gflow.config.hierarchical_min_bytes = saved + (1 if last else 0)
+    try:
+        with pytest.raises(gflow.MismatchError, match="thresholds checksum"):
+            gflow.allreduce(x)
+    finally:
+        gflow.config.hierarchical_min_bytes = saved
+    np.testing.assert_allclose(gflow.allreduce(x), np.sum(WORLD.allgather(x), axis=0), rtol=1e-5, atol=1e-4)
+
+
+def test_gflow_info_prints_the_topology():
+    env = dict(os.environ, GFLOW_RANKS_PER_NODE="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "gflow", "info"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert "topology: 1 node(s) of 1 ranks each (from GFLOW_RANKS_PER_NODE=1)" in out
