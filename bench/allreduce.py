@@ -1,4 +1,5 @@
-"""Allreduce side by side: gflow ring, gflow hierarchical, gflow auto, MPI's own Allreduce (and torch gloo if installed).
+"""Allreduce side by side: gflow ring, hierarchical and auto, MPI's own Allreduce (and torch gloo if
+installed).
 
     python bench/allreduce.py                      # p = 2, 3, 4; 4 KB .. 256 MB; writes bench/out/
     python bench/allreduce.py --procs 2 --max-bytes 16M --quick

@@ -85,7 +85,9 @@ class Config:
             ring_segment_bytes=_env_int("GFLOW_RING_SEGMENT_BYTES", DEFAULT_RING_SEGMENT_BYTES),
             background_poll_us=_env_int("GFLOW_BACKGROUND_POLL_US", DEFAULT_BACKGROUND_POLL_US),
             ranks_per_node=os.environ.get("GFLOW_RANKS_PER_NODE", ""),
-            shared_memory_min_bytes=_env_int("GFLOW_SHARED_MEMORY_MIN_BYTES", DEFAULT_SHARED_MEMORY_MIN_BYTES),
+            shared_memory_min_bytes=_env_int(
+                "GFLOW_SHARED_MEMORY_MIN_BYTES", DEFAULT_SHARED_MEMORY_MIN_BYTES
+            ),
             hierarchical_min_bytes=_env_int("GFLOW_HIERARCHICAL_MIN_BYTES", DEFAULT_HIERARCHICAL_MIN_BYTES),
         )
 

@@ -43,6 +43,7 @@ def auto_settings_checksum() -> int:
     values = (config.shared_memory_min_bytes, config.hierarchical_min_bytes)
     return zlib.crc32(struct.pack("<2q", *values)) & 0xFFFFFF
 
+
 # A rank whose local checks failed sends this status so its peers fail with it instead of hanging.
 SIG_OK = 0
 SIG_REJECTED = 1
