@@ -1,7 +1,9 @@
-"""Run MPI ranks over an emulated, rate-limited network on one machine.
+"""Run MPI ranks over an emulated, rate-limited network on one machine: every rank a host of its own
+(ShapedNetwork), or nodes of several ranks (EmulatedCluster).
 
     python bench/netem.py --per-link 1gbit --procs 4 -- bench/allreduce.py --worker --max-bytes 16M
     python bench/netem.py --per-link 1gbit --procs 4 --latency-only
+    python bench/netem.py --per-link 1gbit --nodes 2 --ranks-per-node 2 -- bench/allreduce.py --worker
 
 The ranks run in a private network namespace whose loopback is rate-limited with a token bucket
 (`tc qdisc ... tbf`), and MPICH is made to use TCP between them (MPIR_CVAR_NOLOCAL=1,
@@ -137,7 +139,165 @@ class ShapedNetwork:
             os.unlink(f.name)
 
 
-def launch(script: str, nprocs: int, args: list[str], per_link_bits: float | None, timeout: float = 3600):
+class EmulatedCluster:
+    """Nodes of k ranks: free traffic inside a node, a rate-limited link between nodes; a context manager.
+
+    One network namespace per node, each with one interface (eth0, 10.77.0.<node+1>/24): a veth whose
+    other end sits on a bridge in a "switch" namespace, with a token bucket on both ends, so every node
+    has one link of the given rate in each direction, as a host's NIC into a switch port. Every rank
+    runs inside its node's namespace (the launcher stays outside: MPICH's PMI connection is an
+    inherited socket, which crosses namespaces). MPICH sees the nodes as separate hosts (see
+    command): shared memory inside a node, TCP between nodes.
+
+    What is emulated: the bandwidth of each node's link, shared by the node's ranks, the switch, and
+    shared memory inside a node. What is not: latency (this kernel has no netem qdisc; the natural
+    latency between nodes is measured and printed: tens of microseconds, against a real fabric's few),
+    and the nodes' own cores and memory bandwidth, which all ranks share here.
+    """
+
+    def __init__(self, per_link_bits: float, nodes: int, ranks_per_node: int):
+        if os.geteuid() != 0:
+            raise SystemExit("bench/netem: needs root (network namespaces and tc); run it as root")
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                raise SystemExit(f"bench/netem: '{tool}' not found (Debian: apt-get install iproute2)")
+        if nodes < 2 or ranks_per_node < 1:
+            raise SystemExit(
+                f"bench/netem: a cluster needs >= 2 nodes of >= 1 rank, got {nodes} x {ranks_per_node}"
+            )
+        self.per_link_bits, self.nodes, self.k = per_link_bits, nodes, ranks_per_node
+        self.prefix = f"gfc{os.getpid()}"
+        self.switch = f"{self.prefix}-sw"
+        if per_link_bits * nodes > CPU_LIMIT_BITS:
+            print(
+                f"bench/netem: warning: {nodes} links of {per_link_bits / 1e9:g} Gbit/s are more than this "
+                f"machine sustains in all (~{CPU_LIMIT_BITS / 1e9:g} Gbit/s)",
+                file=sys.stderr,
+            )
+
+    def node(self, i: int) -> str:
+        return f"{self.prefix}-n{i}"
+
+    def __enter__(self):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        run = ShapedNetwork._run
+        try:
+            run("ip", "netns", "add", self.switch)
+            run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            run("ip", "-n", self.switch, "link", "set", "br0", "up")
+            rate = f"{int(self.per_link_bits)}bit"
+            tbf = ["root", "tbf", "rate", rate, "burst", "1mb", "latency", "50ms"]
+            for i in range(self.nodes):
+                ns, port = self.node(i), f"p{i}"
+                run("ip", "netns", "add", ns)
+                run("ip", "-n", ns, "link", "set", "lo", "up")
+                run(
+                    "ip",
+                    "-n",
+                    ns,
+                    "link",
+                    "add",
+                    "eth0",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    port,
+                    "netns",
+                    self.switch,
+                )
+                run("ip", "-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", "eth0")
+                run("ip", "-n", ns, "link", "set", "eth0", "up")
+                run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+                run("ip", "-n", self.switch, "link", "set", port, "up")
+                run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", *tbf)  # the node's upload
+                run("tc", "-n", self.switch, "qdisc", "add", "dev", port, *tbf)  # and its download
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for ns in [self.node(i) for i in range(self.nodes)] + [self.switch]:
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+
+    def command(self, argv: list[str]) -> list[str]:
+        """mpiexec over argv, each rank started inside its node's namespace.
+
+        Hydra's fork launcher with one "host" per node starts one local proxy per node, and MPICH takes
+        the ranks of one proxy for one node: shared memory inside it (and in Split_type, so gflow finds
+        the nodes from MPI as on a real cluster), its netmod (TCP over eth0) between nodes."""
+        env = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0"}
+        exports = " ".join(f"{k}={v}" for k, v in env.items())
+        # PMI_RANK is the rank hydra gives each process; it places consecutive ranks on a host.
+        rank_cmd = f'exec ip netns exec {self.prefix}-n$((PMI_RANK / {self.k})) env {exports} "$@"'
+        hosts = ",".join(f"node{i}:{self.k}" for i in range(self.nodes))
+        nprocs = str(self.nodes * self.k)
+        return [
+            _common.mpiexec(),
+            "-launcher",
+            "fork",
+            "-hosts",
+            hosts,
+            "-n",
+            nprocs,
+            "sh",
+            "-c",
+            rank_cmd,
+            "rank",
+            *argv,
+        ]
+
+    def launch(self, script: str, args: list[str], timeout: float = 3600) -> None:
+        subprocess.run(self.command([sys.executable, script, *args]), check=True, timeout=timeout)
+
+    def latency_us(self) -> float:
+        """Half round trip of a 1-byte message between two nodes' first ranks, in microseconds."""
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write(_LATENCY_WORKER.replace("peer = c.size - 1", f"peer = {self.k}"))
+        try:
+            done = subprocess.run(
+                self.command([sys.executable, f.name]),
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            return float(done.stdout.strip().splitlines()[-1])
+        finally:
+            os.unlink(f.name)
+
+    def describe(self, latency: float) -> str:
+        return (
+            f"emulated cluster: {self.nodes} nodes x {self.k} ranks, {self.per_link_bits / 1e9:g} Gbit/s "
+            f"per node link, free inside a node; natural latency {latency:.1f} us half round trip "
+            "between nodes"
+        )
+
+
+def launch(
+    script: str,
+    nprocs: int,
+    args: list[str],
+    per_link_bits: float | None,
+    timeout: float = 3600,
+    ranks_per_node: int | None = None,
+):
+    """As below; with ranks_per_node (and a rate), on an EmulatedCluster of nprocs / ranks_per_node
+    nodes instead of one host per rank."""
+    if ranks_per_node and per_link_bits is not None:
+        if nprocs % ranks_per_node:
+            raise SystemExit(f"bench/netem: {nprocs} ranks do not make nodes of {ranks_per_node}")
+        with EmulatedCluster(per_link_bits, nprocs // ranks_per_node, ranks_per_node) as cluster:
+            print(cluster.describe(cluster.latency_us()), flush=True)
+            cluster.launch(script, args, timeout=timeout)
+            return None
+    return _launch_flat(script, nprocs, args, per_link_bits, timeout)
+
+
+def _launch_flat(
+    script: str, nprocs: int, args: list[str], per_link_bits: float | None, timeout: float = 3600
+):
     """Run script under mpiexec: over shared memory (per_link_bits None) or the emulated network.
     Returns the measured loopback latency in microseconds for the emulated network, else None."""
     if per_link_bits is None:
@@ -160,10 +320,22 @@ def main() -> None:
     )
     parser.add_argument("--per-link", type=parse_rate, required=True, help="e.g. 1gbit, 500mbit")
     parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument(
+        "--nodes", type=int, help="an emulated cluster of this many nodes (with --ranks-per-node)"
+    )
+    parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--latency-only", action="store_true")
     parser.add_argument("script", nargs="?")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.nodes:
+        with EmulatedCluster(args.per_link, args.nodes, args.ranks_per_node) as cluster:
+            print(cluster.describe(cluster.latency_us()), flush=True)
+            if not args.latency_only:
+                if not args.script:
+                    parser.error("give a script to run (or --latency-only)")
+                cluster.launch(args.script, [a for a in args.args if a != "--"])
+        return
     if args.latency_only:
         with ShapedNetwork(args.per_link, args.procs) as net:
             latency = net.latency_us(args.procs)

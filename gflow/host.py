@@ -48,6 +48,26 @@ def reduce(out: np.ndarray, low: np.ndarray, high: np.ndarray, op: str) -> None:
         _UFUNC[op](low, high, out=out)
 
 
+def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
+    """out = ((parts[0] op parts[1]) op parts[2]) ..., elementwise, in that order; out may alias any part.
+
+    A sum of float32/64 or int32/64 is one fused pass (each part read once, out written once), where
+    pairwise reductions would make len(parts) - 1 passes: the shared-memory node phase reduces a
+    node's slots with it. Other ops and float16 go pairwise, with the same association."""
+    if len(parts) == 1:
+        if out is not parts[0]:
+            np.copyto(out, parts[0])
+        return
+    if op == "sum" and out.dtype.char != "e":
+        from ._fused import fused_sum
+
+        fused_sum(out, tuple(parts))
+        return
+    acc = np.empty_like(out) if len(parts) > 2 else out
+    for q in range(1, len(parts)):
+        reduce(out if q == len(parts) - 1 else acc, parts[0] if q == 1 else acc, parts[q], op)
+
+
 def divide(x: np.ndarray, divisor: int) -> None:
     """x /= divisor in place (op='mean', floating dtypes only)."""
     np.divide(x, x.dtype.type(divisor), out=x)

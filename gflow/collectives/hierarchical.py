@@ -7,16 +7,21 @@ The shards and who owns them are described in collectives/topology.py. A flat ri
 
 The node phase has two forms:
 - shared memory (host arrays, when every node's ranks can map one MPI window): each rank copies its
-  input into its slot of the node's window, then reduces its own block of shards reading every
-  peer's slot once, in local-rank order, into its own slot; after the cross-node ring it writes its
-  finished block into every peer's slot. Two node barriers per call. Far fewer passes over memory
-  than a ring's copies and reductions, and no Python step per segment;
+  input into its slot of the node's window (all but its own block), then reduces its own block of
+  shards reading every peer's slot once, in local-rank order, in one fused pass (host.reduce_many), into its own slot;
+  after the cross-node ring and a node barrier, each rank copies every block straight out of the
+  slot of the rank that finished it. Two node barriers per call (the slots alternate between calls,
+  see Hierarchy.slots). Per rank that is about 5 passes over the message where a ring makes about
+  8 (its copies through MPI's shared-memory cells, and its reductions), and no Python step per
+  segment;
 - a ring on the node's communicator (device arrays, or no shared memory): the same reduce-scatter and
   allgather as collectives/ring.py, with chunk bounds at the shard blocks. A device variant of the
   window phase (CUDA IPC handles in place of the window) would slot in beside the host one.
 
 Every block is reduced by one rank, in one fixed order, then copied: all ranks get the same bits.
 """
+
+import os
 
 import numpy as np
 from mpi4py import MPI
@@ -57,32 +62,40 @@ class Hierarchy:
         self._window = None
         self._slot_bytes = 0
         self._slots = None
+        self._parity = 0
 
     def barrier(self) -> None:
         """A node barrier that also orders the window's memory (MPI's unified model: sync, barrier,
-        sync), waiting the way the context waits."""
+        sync). It waits politely, yielding the core between polls: a node phase is memory-bound work
+        spread over every rank of the node, and a rank spinning in a barrier would slow the ones still
+        working whenever ranks outnumber cores."""
         self._window.Sync()
-        node = self.node
-        if node.is_background:
-            node.waitall([node.comm.Ibarrier()])
+        request = self.node.comm.Ibarrier()
+        if self.node.is_background:
+            self.node.waitall([request])
         else:
-            node.comm.Barrier()
+            while not request.Test():
+                os.sched_yield()
         self._window.Sync()
 
     def slots(self, count: int, dtype) -> list:
-        """Every node rank's slot of the window, as count elements of dtype. Growing the window is
-        collective over the node; all its ranks ask for the same size (the ranks agreed on it)."""
+        """Every node rank's slot of the window for this call, as count elements of dtype.
+
+        The window holds two slots per rank, used by alternate calls: a rank copies its result out
+        of its peers' slots after the call's last barrier, and the next call overwrites only the
+        other slots, so no third barrier is needed. Growing the window is collective over the node;
+        all its ranks ask for the same size (the ranks agreed on it), in the same call."""
         nbytes = count * np.dtype(dtype).itemsize
         if nbytes > self._slot_bytes or self._window is None:
             self._free_window()
             size = max(4096, -(-nbytes // 4096) * 4096)
-            self._window = MPI.Win.Allocate_shared(size, 1, comm=self.node.comm)
+            self._window = MPI.Win.Allocate_shared(2 * size, 1, comm=self.node.comm)
             self._window.Lock_all(MPI.MODE_NOCHECK)
-            self._slots = [
-                np.frombuffer(self._window.Shared_query(q)[0], np.uint8)[:size] for q in range(self.node.size)
-            ]
+            memory = [np.frombuffer(self._window.Shared_query(q)[0], np.uint8) for q in range(self.node.size)]
+            self._slots = [[m[:size], m[size : 2 * size]] for m in memory]
             self._slot_bytes = size
-        return [slot[:nbytes].view(dtype) for slot in self._slots]
+        self._parity ^= 1
+        return [pair[self._parity][:nbytes].view(dtype) for pair in self._slots]
 
     def _free_window(self) -> None:
         if self._window is not None:
@@ -115,16 +128,19 @@ def allreduce(ctx: CommContext, src, dst, ops, op: str, host_memory: bool) -> No
     h = hierarchy(ctx)
     reduce_op = "sum" if op == "mean" else op
     bounds = ring.chunk_bounds(dst.size, h.shards)
-    lo, hi = bounds[h.first], bounds[h.last]
+    node_bounds = [bounds[s] for s in h.starts] + [dst.size]  # each local rank's block
+    lo, hi = node_bounds[h.local], node_bounds[h.local + 1]
     in_window = host_memory and h.topology.shared_memory and h.node.size > 1
     if in_window:
         slots = h.slots(dst.size, dst.dtype)
         mine = slots[h.local]
-        ops.copy(mine, src)
+        # Peers read every block of this slot but this rank's own, which this rank reads from src.
+        ops.copy(mine[:lo], src[:lo])
+        ops.copy(mine[hi:], src[hi:])
         h.barrier()
-        _reduce_block(slots, mine[lo:hi], lo, hi, ops, reduce_op, h.node)
+        parts = [src[lo:hi] if q == h.local else slot[lo:hi] for q, slot in enumerate(slots)]
+        ops.reduce_many(mine[lo:hi], parts, reduce_op)
     else:
-        node_bounds = [bounds[s] for s in h.starts] + [dst.size]
         ring.reduce_scatter(h.node, src, dst, ops, reduce_op, node_bounds)
         mine = dst
     for s in range(h.first, h.last):
@@ -134,23 +150,8 @@ def allreduce(ctx: CommContext, src, dst, ops, op: str, host_memory: bool) -> No
         ops.divide(mine[lo:hi], ctx.size)
         ops.fence()
     if in_window:
-        for q, slot in enumerate(slots):
-            if q != h.local:
-                ops.copy(slot[lo:hi], mine[lo:hi])
         h.barrier()
-        ops.copy(dst, mine)
+        for q, slot in enumerate(slots):  # every block from the rank that finished it
+            ops.copy(dst[node_bounds[q] : node_bounds[q + 1]], slot[node_bounds[q] : node_bounds[q + 1]])
     else:
         ring.allgather(h.node, dst, ops, node_bounds)
-
-
-def _reduce_block(slots, out, lo: int, hi: int, ops, op: str, node: CommContext) -> None:
-    """out = slots[0][lo:hi] op slots[1][lo:hi] op ... in local-rank order (the lower ranks' operand
-    first, as everywhere in gflow). out is this rank's own slot's block: it is read (as one of the
-    operands) before the last step writes it, so the steps before go through a scratch buffer."""
-    k = len(slots)
-    if k == 1:
-        return
-    tmp = node.scratch("node_acc", hi - lo, out.dtype, ops) if k > 2 else None
-    for q in range(1, k):
-        low = slots[0][lo:hi] if q == 1 else tmp
-        ops.reduce(out if q == k - 1 else tmp, low, slots[q][lo:hi], op)
