@@ -9,11 +9,11 @@ The node phase has two forms:
 - shared memory (host arrays, when every node's ranks can map one MPI window): each rank copies its
   input into its slot of the node's window (all but its own block), then reduces its own block of
   shards reading every peer's slot once, in local-rank order, in one fused pass
-  (host.reduce_many), into its own slot; after the cross-node ring and a node barrier, each rank copies every block straight out of the
-  slot of the rank that finished it. Two node barriers per call (the slots alternate between calls,
-  see Hierarchy.slots). Per rank that is about 5 passes over the message where a ring makes about
-  8 (its copies through MPI's shared-memory cells, and its reductions), and no Python step per
-  segment;
+  (host.reduce_many), into its own slot; after the cross-node ring and a node barrier, each rank
+  copies every block straight out of the slot of the rank that finished it. Two node barriers per
+  call (the slots alternate between calls, see Hierarchy.slots). Per rank that is about 5 passes
+  over the message where a ring makes about 8 (its copies through MPI's shared-memory cells, and its
+  reductions), and no Python step per segment;
 - a ring on the node's communicator (device arrays, or no shared memory): the same reduce-scatter and
   allgather as collectives/ring.py, with chunk bounds at the shard blocks. A device variant of the
   window phase (CUDA IPC handles in place of the window) would slot in beside the host one.
