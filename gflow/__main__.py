@@ -1,11 +1,15 @@
-"""Command line: `python -m gflow demo` (under mpiexec) and `python -m gflow info`.
+"""Command line: `python -m gflow demo|info|calibrate|model`.
 
 mpiexec -n 4 python -m gflow demo     # gflow's allreduce beside MPI's own, checked and timed
 python -m gflow info                  # what this installation sees: paste it into bug reports
 mpiexec -n 4 python -m gflow info     # ... and the nodes (topology) gflow finds among the ranks
+mpiexec -n 4 python -m gflow calibrate --out calib.json    # the cost model's constants, measured
+python -m gflow model --ranks 512 --ranks-per-node 8 --link 56gbit --workload alexnet
 """
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -124,6 +128,116 @@ def _topology() -> str:
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
+def calibrate_command(args) -> int:
+    from mpi4py import MPI
+
+    from . import model
+
+    rank = MPI.COMM_WORLD.rank
+    cal = model.calibrate(
+        progress=(lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    )
+    if rank == 0:
+        for path in dict.fromkeys([args.out, model.LAST_CALIBRATION]):
+            cal.save(path)
+        print(f"wrote {args.out} (and {model.LAST_CALIBRATION}, the default for `gflow model`)")
+    return 0
+
+
+def _rate(text: str) -> float:
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    lowered = text.lower()
+    for suffix, factor in units.items():
+        if lowered.endswith(suffix):
+            return float(lowered[: -len(suffix)]) * factor
+    return float(lowered)
+
+
+def model_command(parser, args) -> int:
+    from . import model
+
+    try:
+        base = model.Calibration.load(args.calibration)
+        link = _rate(args.link)
+        if link <= 0 or args.ranks < 1 or args.ranks_per_node < 1:
+            raise ValueError("--link, --ranks and --ranks-per-node must be positive")
+        if os.path.exists(args.workload):
+            with open(args.workload) as f:
+                sizes = [int(float(v)) * 4 for v in f.read().replace(",", " ").split()][::-1]
+            if not sizes or min(sizes) <= 0:
+                raise ValueError(f"{args.workload}: expected positive element counts")
+            v100 = None
+        else:
+            sizes = model.workload_sizes(args.workload)
+            v100 = model.V100[args.workload]
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        parser.error(str(exc))
+    if args.compute_ms is None and v100 is None:
+        parser.error("--compute-ms is needed for a workload given as a file")
+    batch = args.batch or (v100["batch"] if v100 else 1)
+    compute_s = args.compute_ms / 1e3 if args.compute_ms is not None else batch / v100["images_per_s"]
+    cal = model.cluster(base, link, args.latency_us * 1e-6, args.ranks_per_node, gpu=not args.cpu)
+    rows = model.predict(sizes, args.ranks, args.ranks_per_node, compute_s, batch, cal, args.density)
+    print(
+        f"{args.workload}: {sum(sizes) / 2**20:.1f} MiB of fp32 gradients in {len(sizes)} tensors; "
+        f"{args.ranks} ranks, {args.ranks_per_node} per node, {args.link} and {args.latency_us:g} us between nodes; compute "
+        f"{compute_s * 1e3:.1f} ms per step, batch {batch} per rank"
+    )
+    print(f"calibration: {base.source}; Python cost per ring step {base.py_step * 1e6:.1f} us")
+    print(
+        f"{'technique':<40} {'comm/step':>10} {'iteration':>10} {'images/s':>10} {'speedup':>8} {'eff.':>6}"
+    )
+    for row in rows:
+        print(
+            f"{row['technique']:<40} {row['comm_s'] * 1e3:8.1f}ms {row['iteration_s'] * 1e3:8.1f}ms "
+            f"{row['images_per_s']:10.0f} {row['speedup']:7.1f}x {row['efficiency']:6.0%}"
+        )
+    if args.plot:
+        _plot_model(args, sizes, compute_s, batch, cal)
+    return 0
+
+
+def _plot_model(args, sizes, compute_s, batch, cal) -> None:
+    from . import model
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        return
+    ranks = [r for r in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if r <= max(args.ranks, 8)]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for i, technique in enumerate(model.TECHNIQUES):
+        speedups = [
+            model.predict(
+                sizes, r, min(args.ranks_per_node, r), compute_s, batch, cal, args.density, [technique]
+            )[0]["speedup"]
+            for r in ranks
+        ]
+        ax.plot(
+            ranks,
+            speedups,
+            marker="o",
+            ms=3,
+            label=model.predict(sizes, 2, 1, 1, 1, cal, args.density, [technique])[0]["technique"],
+            ls="-" if i else "--",
+        )
+    ax.plot(ranks, ranks, color="gray", lw=1, ls=":", label="linear")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("ranks (GPUs)")
+    ax.set_ylabel("speedup over one rank")
+    ax.set_title(f"gflow model: {args.workload}, {args.ranks_per_node} per node, {args.link}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"wrote {args.plot}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="gflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,9 +251,31 @@ def main(argv=None) -> int:
     )
     d.add_argument("--repeats", type=int, default=15)
     sub.add_parser("info", help="versions, MPI library and thread level, GPU seen or not")
+    c = sub.add_parser("calibrate", help="measure the cost model's constants (run under mpiexec)")
+    c.add_argument("--out", default="gflow-calibration.json", help="the JSON file to write")
+    m = sub.add_parser("model", help="predict allreduce and step times at scale from a calibration")
+    m.add_argument("--ranks", type=int, required=True)
+    m.add_argument("--ranks-per-node", type=int, default=8)
+    m.add_argument("--link", default="56gbit", help="between nodes, per node: e.g. 56gbit, 10gbit")
+    m.add_argument("--latency-us", type=float, default=5.0, help="between nodes (default 5: InfiniBand)")
+    m.add_argument("--workload", default="alexnet", help="alexnet, resnet50, or a file of element counts")
+    m.add_argument(
+        "--compute-ms", type=float, help="compute per step (default: a V100's, see gflow/model.py)"
+    )
+    m.add_argument("--batch", type=int, help="images per rank per step")
+    m.add_argument("--density", type=float, default=0.01, help="CSC's density for the CSC row")
+    m.add_argument("--calibration", help="a `gflow calibrate` JSON (default: the last one, else defaults)")
+    m.add_argument(
+        "--cpu", action="store_true", help="ranks on CPUs: keep the calibration's per-element costs"
+    )
+    m.add_argument("--plot", default="gflow-model.png", help="speedup against ranks (PNG); '' for none")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "calibrate":
+        return calibrate_command(args)
+    if args.command == "model":
+        return model_command(m, args)
     units = {"K": 2**10, "M": 2**20}
     sizes = [
         int(float(s[:-1]) * units[s[-1].upper()]) if s[-1].upper() in units else int(s)

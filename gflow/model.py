@@ -1,0 +1,399 @@
+"""A calibrated cost model of gflow's allreduce and of a data-parallel training step, 1..512+ ranks.
+
+    mpiexec -n 4 python -m gflow calibrate --out calib.json     # measure this machine's constants
+    python -m gflow model --ranks 512 --ranks-per-node 8 --link 56gbit --workload alexnet
+
+Constants (a calibration; DEFAULTS are the development machine's, bench/RESULTS.md "Scale"), all in
+seconds, per byte or per element, for a rank that has a core to itself:
+
+    alpha_intra, beta_intra   one message inside a node: latency, and seconds per byte
+    alpha_inter, beta_inter   one message between nodes (beta_inter: one flow alone on the node's link)
+    gamma                     reducing one byte of output (two operands in, one out)
+    copy                      copying one byte (the shared-memory node phase is made of copies and
+                              one fused reduction, costed as `node_passes` copies per byte)
+    codec                     float16 encode + decode, per element
+    csc                       CSC's local work per gradient element per step
+    py_step                   gflow's own Python cost per ring step or segment
+
+A node of k ranks on c cores runs its CPU-bound terms k/c times slower when k > c (`cores`), which is
+what happens on the 2-core development machine at p = 4. The model of each algorithm follows its code:
+
+- ring: 2(p-1) steps; reduce-scatter steps move ceil(chunk / segment) segments each, reduction
+  overlapped with the next segment's transfer; a step waits for the slowest link it crosses.
+- recursive doubling (messages up to config.small_message_bytes): ceil(log2 p) rounds (+2 when p is
+  not a power of two), each a whole message.
+- hierarchical: the node phase (shared memory: node_passes copies per byte and two barriers; or
+  a ring inside the node), then a ring per shard across the m nodes, whose k flows share each node's
+  link, so 2(m-1)/m of the message crosses it instead of the flat ring's 2(p-1)/p.
+- fp16 halves the bytes and adds the codec; CSC at density d adds its local work, an allreduce of
+  the chunk norms, and a dense allreduce of d of the bytes; lazy fusion groups a parameter list into
+  segments of at least the threshold; overlap hides communication behind the backward pass (2/3 of
+  the compute) except the last segment's.
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ._config import DEFAULT_RING_SEGMENT_BYTES, DEFAULT_SMALL_MESSAGE_BYTES
+from ._workloads import MODELS
+
+BACKWARD_SHARE = 2 / 3  # of a step's compute: what communication can hide behind
+CALIBRATION_ENV = "GFLOW_CALIBRATION"
+LAST_CALIBRATION = os.path.join(os.path.expanduser("~"), ".cache", "gflow", "calibration.json")
+
+
+@dataclass
+class Calibration:
+    alpha_intra: float = 12e-6
+    beta_intra: float = 1 / 2.5e9
+    alpha_inter: float = 60e-6
+    beta_inter: float = 1 / 0.117e9
+    gamma: float = 1 / 3.0e9
+    copy: float = 1 / 5.5e9
+    node_passes: float = 4.0
+    codec: float = 1.2e-9
+    csc: float = 6e-9
+    py_step: float = 25e-6
+    cores: int = 2
+    source: str = "documented defaults (the 2-core development machine)"
+
+    @classmethod
+    def load(cls, path: str | None = None) -> "Calibration":
+        """A calibration from `path`; None: $GFLOW_CALIBRATION, else the last `calibrate` run
+        (~/.cache/gflow/calibration.json), else the defaults."""
+        path = (
+            path
+            or os.environ.get(CALIBRATION_ENV)
+            or (LAST_CALIBRATION if os.path.exists(LAST_CALIBRATION) else None)
+        )
+        if path is None:
+            return cls()
+        with open(path) as f:
+            data = json.load(f)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        missing = sorted(set(cls.__dataclass_fields__) - set(known) - {"source"})
+        if missing:
+            raise ValueError(f"calibration {path}: missing {', '.join(missing)}")
+        known.setdefault("source", path)
+        return cls(**known)
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+
+
+def _slowdown(cal: Calibration, ranks_on_node: int) -> float:
+    return max(1.0, ranks_on_node / cal.cores)
+
+
+def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1):
+    """A ring over p ranks whose steps cross links of (alpha, beta) shared by `flows` flows."""
+    if p == 1 or nbytes == 0:
+        return 0.0
+    chunk = nbytes / p
+    segments = max(1, math.ceil(chunk / DEFAULT_RING_SEGMENT_BYTES))
+    step = cpu * cal.py_step + alpha
+    reduce_scatter = (p - 1) * (segments * step + chunk * max(flows * beta, cpu * cal.gamma))
+    allgather = (p - 1) * (step + chunk * flows * beta)
+    return reduce_scatter + allgather
+
+
+def _agreement(cal, p, alpha, cpu):
+    return 0.0 if p == 1 else math.ceil(math.log2(p)) * (alpha + cpu * cal.py_step)
+
+
+def allreduce_time(
+    nbytes: int,
+    ranks: int,
+    *,
+    algorithm: str = "auto",
+    ranks_per_node: int | None = None,
+    compression: str | None = None,
+    calibration=None,
+    dtype_bytes: int = 4,
+) -> float:
+    """Predicted seconds of one gflow.allreduce of nbytes (of float32 unless dtype_bytes says) on
+    `ranks` ranks, nodes of ranks_per_node (None: one node holding every rank).
+
+    algorithm: "auto" (as gflow.allreduce settles it with the default thresholds), "ring",
+    "recursive_doubling" or "hierarchical". compression: None or "fp16". calibration: a Calibration,
+    a JSON path, or None (see Calibration.load)."""
+    cal = calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
+    if ranks < 1 or nbytes < 0:
+        raise ValueError(f"need ranks >= 1 and nbytes >= 0, got ranks={ranks}, nbytes={nbytes}")
+    k = min(ranks_per_node or ranks, ranks)
+    m = math.ceil(ranks / k)
+    cpu = _slowdown(cal, k)
+    codec = 0.0
+    if compression == "fp16":
+        codec = cpu * cal.codec * nbytes / dtype_bytes
+        nbytes = nbytes * 2 // dtype_bytes
+    elif compression is not None:
+        raise ValueError(f"compression: expected None or 'fp16', got {compression!r}")
+    if ranks == 1:
+        return codec + cpu * cal.copy * nbytes
+    alpha_x, beta_x = (cal.alpha_inter, cal.beta_inter) if m > 1 else (cal.alpha_intra, cpu * cal.beta_intra)
+    if algorithm == "auto":
+        if nbytes <= DEFAULT_SMALL_MESSAGE_BYTES:
+            algorithm = "recursive_doubling"
+        elif (m > 1 and k > 1) or m == 1:
+            algorithm = "hierarchical"
+        else:
+            algorithm = "ring"
+    if algorithm == "recursive_doubling":
+        rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
+        return codec + rounds * (alpha_x + cpu * cal.py_step + nbytes * (beta_x + cpu * cal.gamma))
+    agree = _agreement(cal, ranks, alpha_x, cpu)
+    if algorithm == "ring":
+        return codec + agree + _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu)
+    if algorithm != "hierarchical":
+        raise ValueError(
+            f"algorithm: expected auto, ring, recursive_doubling or hierarchical, got {algorithm!r}"
+        )
+    node = 0.0
+    if k > 1:
+        barrier = math.ceil(math.log2(k)) * cal.alpha_intra + cpu * cal.py_step
+        node = 2 * barrier + cpu * cal.node_passes * cal.copy * nbytes
+    cross = _ring(cal, nbytes / k, m, cal.alpha_inter, cal.beta_inter, cpu, flows=k) if m > 1 else 0.0
+    return codec + agree + node + cross
+
+
+def segments(sizes_bytes: list[int], threshold: int) -> list[int]:
+    """LazyAllreduce's segments: tensors in push order, fired once at least `threshold` bytes wait."""
+    out, pending = [], 0
+    for size in sizes_bytes:
+        pending += size
+        if pending >= threshold:
+            out.append(pending)
+            pending = 0
+    if pending:
+        out.append(pending)
+    return out
+
+
+def step_time(
+    sizes_bytes: list[int],
+    ranks: int,
+    compute_s: float,
+    *,
+    ranks_per_node: int | None = None,
+    compression: str | None = None,
+    lazy_threshold: int | None = 4 * 2**20,
+    density: float | None = None,
+    chunk_elems: int = 32768,
+    overlap: bool = True,
+    algorithm: str = "auto",
+    calibration=None,
+) -> dict:
+    """One training step on `ranks` ranks: {'comm_s', 'iteration_s', 'speedup', 'efficiency'}.
+
+    sizes_bytes: the gradients in production order (last layer first: pass them reversed from the
+    parameter order). lazy_threshold None: one allreduce per tensor. density: CSC's (None: dense)."""
+    cal = calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
+    kw = dict(ranks_per_node=ranks_per_node, algorithm=algorithm, calibration=cal)
+    groups = segments(sizes_bytes, lazy_threshold) if lazy_threshold else list(sizes_bytes)
+    times = []
+    for nbytes in groups:
+        if density is not None:
+            elems = nbytes // 4
+            k = min(ranks_per_node or ranks, ranks)
+            local = _slowdown(cal, k) * cal.csc * elems
+            norms = allreduce_time(4 * max(1, elems // chunk_elems), ranks, **kw)
+            packed = allreduce_time(int(density * nbytes), ranks, compression=compression, **kw)
+            times.append(local + norms + packed)
+        else:
+            times.append(allreduce_time(nbytes, ranks, compression=compression, **kw))
+    comm = float(sum(times))
+    if overlap and times:
+        iteration = compute_s + max(times[-1], comm - BACKWARD_SHARE * compute_s)
+    else:
+        iteration = compute_s + comm
+    speedup = ranks * compute_s / iteration
+    return {"comm_s": comm, "iteration_s": iteration, "speedup": speedup, "efficiency": speedup / ranks}
+
+
+def workload_sizes(name: str, dtype_bytes: int = 4) -> list[int]:
+    """A model's gradient sizes in bytes, in production order (last layer first)."""
+    if name not in MODELS:
+        raise ValueError(f"workload: expected one of {sorted(MODELS)} or a file of sizes, got {name!r}")
+    return [int(np.prod(shape)) * dtype_bytes for shape in reversed(MODELS[name])]
+
+
+def _pingpong(comm, a: int, b: int, nbytes: int, reps: int) -> float:
+    """One-way seconds of an nbytes message between ranks a and b (others return 0 at once)."""
+    from mpi4py import MPI
+
+    if comm.rank not in (a, b):
+        return 0.0
+    peer = b if comm.rank == a else a
+    buf = np.ones(max(nbytes, 1), np.uint8)
+    msg = [buf[:nbytes], MPI.BYTE]
+    for _ in range(2):
+        comm.Sendrecv(msg, peer, 7, buf[:nbytes], peer, 7)
+    start = MPI.Wtime()
+    for _ in range(reps):
+        comm.Sendrecv(msg, peer, 7, buf[:nbytes], peer, 7)
+    return (MPI.Wtime() - start) / reps  # both directions at once: one message's time each way
+
+
+def _fit(sizes, times) -> tuple[float, float]:
+    """Least-squares (alpha, beta) of t = alpha + beta * size, both kept positive."""
+    beta, alpha = np.polyfit(np.asarray(sizes, float), np.asarray(times, float), 1)
+    return max(float(alpha), 1e-7), max(float(beta), 1e-13)
+
+
+def _local_rate(comm, fn, reps: int) -> float:
+    """Seconds of fn() with every rank running it at once (the slowest rank's median)."""
+    from mpi4py import MPI
+
+    fn()
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        start = MPI.Wtime()
+        fn()
+        times.append(MPI.Wtime() - start)
+    return comm.allreduce(float(np.median(times)), op=MPI.MAX)
+
+
+def calibrate(comm=None, progress=print) -> Calibration:
+    """Measure the constants on `comm` (every rank calls it; collective). See the module docstring."""
+    from mpi4py import MPI
+
+    import gflow
+
+    from . import host
+    from .collectives.topology import discover
+    from .compression import WIRE_DTYPE, decode, encode
+
+    comm = comm or MPI.COMM_WORLD
+    topo = discover(comm)
+    node = topo.nodes[topo.node_of[comm.rank]]
+    k_here = max(len(n) for n in topo.nodes)
+    cores = os.cpu_count() or 1
+    slow = max(1.0, k_here / cores)
+    cal = Calibration(cores=cores, source=f"gflow calibrate on {comm.size} ranks, {topo.describe()}")
+    sizes = [8, 64 * 2**10, 2**20, 8 * 2**20]
+
+    def pairs_fit(pairs):
+        times = []
+        for nbytes in sizes:
+            reps = 200 if nbytes < 2**20 else 20
+            mine = 0.0
+            for a, b in pairs:
+                mine = max(mine, _pingpong(comm, a, b, nbytes, reps))
+            times.append(comm.allreduce(mine, op=MPI.MAX))
+        return _fit(sizes, times)
+
+    # Inside a node: every node's ranks in pairs, all at once (the load a node phase or ring sees).
+    intra = [(n[i], n[i + 1]) for n in topo.nodes for i in range(0, len(n) - 1, 2)]
+    if intra:
+        alpha, beta = pairs_fit(intra)
+        cal.alpha_intra, cal.beta_intra = alpha, beta / slow
+        progress(f"inside a node: alpha {alpha * 1e6:.1f} us, {1 / beta / 1e9:.2f} GB/s per pair under load")
+    if len(topo.nodes) > 1:  # one flow alone on the link between the first two nodes
+        alpha, beta = pairs_fit([(topo.nodes[0][0], topo.nodes[1][0])])
+        cal.alpha_inter, cal.beta_inter = alpha, beta
+        progress(f"between nodes: alpha {alpha * 1e6:.1f} us, {8 / beta / 1e9:.3f} Gbit/s one flow")
+    n = 4 * 2**20
+    a, b = np.random.default_rng(comm.rank).random((2, n), dtype=np.float32)
+    out = np.empty_like(a)
+    cal.gamma = _local_rate(comm, lambda: host.reduce(out, a, b, "sum"), 5) / slow / out.nbytes
+    cal.copy = _local_rate(comm, lambda: np.copyto(out, a), 5) / slow / out.nbytes
+    wire = np.empty(n, WIRE_DTYPE)
+    cal.codec = (
+        _local_rate(comm, lambda: (encode(host, wire, a, "sum", 1), decode(host, out, wire)), 5) / slow / n
+    )
+    csc = gflow.SparseAllreduce(density=0.01, chunk_elems=32768, comm=MPI.COMM_SELF)
+    cal.csc = _local_rate(comm, lambda: csc(a), 5) / slow / n
+    progress(
+        f"per core: reduce {1 / cal.gamma / 1e9:.2f} GB/s, copy {1 / cal.copy / 1e9:.2f} GB/s, "
+        f"fp16 codec {cal.codec * 1e9:.2f} ns/elem, CSC {cal.csc * 1e9:.2f} ns/elem"
+    )
+    if len(node) > 1:  # the shared-memory node phase on this node alone
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        x = a[: 2 * 2**20]
+        t = _local_rate(node_comm, lambda: gflow.allreduce(x, comm=node_comm, algorithm="hierarchical"), 7)
+        t = comm.allreduce(t, op=MPI.MAX)
+        barrier = math.ceil(math.log2(len(node))) * cal.alpha_intra + slow * cal.py_step
+        cal.node_passes = max(1.0, (t - 2 * barrier) / (slow * cal.copy * x.nbytes))
+        node_comm.Free()
+    if comm.size > 1:  # gflow's Python cost per ring step, from a ring of tiny segments
+        x = np.ones(comm.size, np.float32)
+        t = _local_rate(comm, lambda: gflow.allreduce(x, comm=comm, algorithm="ring"), 30)
+        alpha = cal.alpha_inter if len(topo.nodes) > 1 else cal.alpha_intra
+        steps = 2 * (comm.size - 1) + math.ceil(math.log2(comm.size))
+        cal.py_step = max(1e-6, (t / steps - alpha) / slow)
+    progress(
+        f"node phase {cal.node_passes:.2f} copies per byte; Python per ring step {cal.py_step * 1e6:.1f} us"
+    )
+    return cal
+
+
+# A V100 node of GradientFlow's cluster, for `python -m gflow model` (stated in the README): per-element
+# work on the GPU at HBM2 speeds (900 GB/s peak; a copy moves its bytes twice, a reduction three times),
+# NVLink inside the node, and gflow's own Python cost as calibrated (it runs on the host regardless).
+GPU_NODE = {"copy": 1 / 400e9, "gamma": 1 / 270e9, "codec": 8 / 400e9, "csc": 12 / 400e9, "intra_Bps": 100e9}
+V100 = {
+    # Derived from GradientFlow's own figures: 95 epochs of ImageNet (1.28M images) in 1.5 minutes on
+    # 512 GPUs at a 410.2x speedup is 3,294 img/s on one V100; batch 128 per GPU (64K in all).
+    "alexnet": {"batch": 128, "images_per_s": 3294.0},
+    # NVIDIA's published V100 mixed-precision ResNet-50 training rate, about 1,000 img/s (order of
+    # magnitude: DeepLearningExamples reports 900-1,200 depending on the framework); batch 64 per GPU.
+    "resnet50": {"batch": 64, "images_per_s": 1000.0},
+}
+
+
+def cluster(base: Calibration, link_bits: float, latency_s: float, ranks_per_node: int, gpu: bool = True):
+    """`base` (gflow's Python cost) on a cluster: nodes joined by links of link_bits/s and latency_s,
+    each node's ranks with a core each; with gpu, the per-element work and the node phase at GPU
+    speeds (GPU_NODE)."""
+    cal = Calibration(**asdict(base))
+    cal.beta_inter, cal.alpha_inter = 8.0 / link_bits, latency_s
+    cal.cores = max(cal.cores, ranks_per_node)
+    if gpu:
+        cal.copy, cal.gamma, cal.codec, cal.csc = (GPU_NODE[k] for k in ("copy", "gamma", "codec", "csc"))
+        cal.beta_intra, cal.alpha_intra = 1 / GPU_NODE["intra_Bps"], 5e-6
+    cal.source = f"{base.source}; cluster: {link_bits / 1e9:g} Gbit/s, {latency_s * 1e6:g} us between nodes"
+    return cal
+
+
+TECHNIQUES = [
+    # name, algorithm, compression, lazy threshold, CSC density (None: dense), overlap
+    ("per-tensor ring, fp32, no overlap", "ring", None, None, None, False),
+    ("lazy flat ring, fp32", "ring", None, 4 * 2**20, None, True),
+    ("lazy recursive doubling, fp32", "recursive_doubling", None, 4 * 2**20, None, True),
+    ("lazy hierarchical, fp32", "hierarchical", None, 4 * 2**20, None, True),
+    ("lazy flat ring, fp16", "ring", "fp16", 4 * 2**20, None, True),
+    ("lazy hierarchical, fp16", "hierarchical", "fp16", 4 * 2**20, None, True),
+    ("lazy hierarchical, fp16 + CSC", "hierarchical", "fp16", 4 * 2**20, "density", True),
+]
+
+
+def predict(sizes_bytes, ranks, ranks_per_node, compute_s, batch, cal, density=0.01, techniques=TECHNIQUES):
+    """Rows of the model's table: each technique's step at `ranks`."""
+    rows = []
+    for name, algorithm, compression, threshold, csc, overlap in techniques:
+        wire = sizes_bytes
+        if compression == "fp16":  # compute in fp16: the gradients are fp16 already, no codec pass
+            wire, compression = [s // 2 for s in sizes_bytes], None
+        step = step_time(
+            wire,
+            ranks,
+            compute_s,
+            ranks_per_node=ranks_per_node,
+            compression=compression,
+            lazy_threshold=threshold,
+            density=density if csc else None,
+            overlap=overlap,
+            algorithm=algorithm,
+            calibration=cal,
+        )
+        step["images_per_s"] = ranks * batch / step["iteration_s"]
+        rows.append({"technique": name + (f" {density:g}" if csc else ""), **step})
+    return rows
