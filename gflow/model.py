@@ -242,23 +242,24 @@ def _pingpong(comm, a: int, b: int, nbytes: int, reps: int) -> float:
 
 
 def _fit(sizes, times) -> tuple[float, float]:
-    """Least-squares (alpha, beta) of t = alpha + beta * size, both kept positive."""
-    beta, alpha = np.polyfit(np.asarray(sizes, float), np.asarray(times, float), 1)
-    return max(float(alpha), 1e-7), max(float(beta), 1e-13)
+    """(alpha, beta) of t = alpha + beta * size: alpha the smallest message's time, beta the slope
+    between the two largest (a least-squares line lets the large sizes' noise swamp alpha)."""
+    alpha = float(times[0])
+    beta = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+    return max(alpha, 1e-7), max(float(beta), 1e-13)
 
 
 def _local_rate(comm, fn, reps: int) -> float:
-    """Seconds of fn() with every rank running it at once (the slowest rank's median)."""
+    """Seconds per fn() with every rank running it over and over at once (the slowest rank's mean:
+    a throughput under the node's real contention, not one lucky run on a free core)."""
     from mpi4py import MPI
 
     fn()
-    times = []
+    comm.Barrier()
+    start = MPI.Wtime()
     for _ in range(reps):
-        comm.Barrier()
-        start = MPI.Wtime()
         fn()
-        times.append(MPI.Wtime() - start)
-    return comm.allreduce(float(np.median(times)), op=MPI.MAX)
+    return comm.allreduce((MPI.Wtime() - start) / reps, op=MPI.MAX)
 
 
 def calibrate(comm=None, progress=print) -> Calibration:
@@ -296,11 +297,12 @@ def calibrate(comm=None, progress=print) -> Calibration:
         alpha, beta = pairs_fit(intra)
         cal.alpha_intra, cal.beta_intra = alpha, beta / slow
         progress(f"inside a node: alpha {alpha * 1e6:.1f} us, {1 / beta / 1e9:.2f} GB/s per pair under load")
-    if len(topo.nodes) > 1:  # one flow alone on the link between the first two nodes
-        alpha, beta = pairs_fit([(topo.nodes[0][0], topo.nodes[1][0])])
+    if len(topo.nodes) > 1:  # one flow on each node's link: the nodes in pairs, all at once
+        nodes = topo.nodes
+        alpha, beta = pairs_fit([(nodes[i][0], nodes[i + 1][0]) for i in range(0, len(nodes) - 1, 2)])
         cal.alpha_inter, cal.beta_inter = alpha, beta
         progress(f"between nodes: alpha {alpha * 1e6:.1f} us, {8 / beta / 1e9:.3f} Gbit/s one flow")
-    n = 4 * 2**20
+    n = 8 * 2**20
     a, b = np.random.default_rng(comm.rank).random((2, n), dtype=np.float32)
     out = np.empty_like(a)
     cal.gamma = _local_rate(comm, lambda: host.reduce(out, a, b, "sum"), 5) / slow / out.nbytes
@@ -317,15 +319,15 @@ def calibrate(comm=None, progress=print) -> Calibration:
     )
     if len(node) > 1:  # the shared-memory node phase on this node alone
         node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-        x = a[: 2 * 2**20]
-        t = _local_rate(node_comm, lambda: gflow.allreduce(x, comm=node_comm, algorithm="hierarchical"), 7)
+        x = a[: 4 * 2**20]
+        t = _local_rate(node_comm, lambda: gflow.allreduce(x, comm=node_comm, algorithm="hierarchical"), 10)
         t = comm.allreduce(t, op=MPI.MAX)
         barrier = math.ceil(math.log2(len(node))) * cal.alpha_intra + slow * cal.py_step
         cal.node_passes = max(1.0, (t - 2 * barrier) / (slow * cal.copy * x.nbytes))
         node_comm.Free()
     if comm.size > 1:  # gflow's Python cost per ring step, from a ring of tiny segments
         x = np.ones(comm.size, np.float32)
-        t = _local_rate(comm, lambda: gflow.allreduce(x, comm=comm, algorithm="ring"), 30)
+        t = _local_rate(comm, lambda: gflow.allreduce(x, comm=comm, algorithm="ring"), 100)
         alpha = cal.alpha_inter if len(topo.nodes) > 1 else cal.alpha_intra
         steps = 2 * (comm.size - 1) + math.ceil(math.log2(comm.size))
         cal.py_step = max(1e-6, (t / steps - alpha) / slow)

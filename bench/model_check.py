@@ -1,0 +1,177 @@
+"""The cost model (gflow/model.py) against measurement, on points the calibration never saw.
+
+    python bench/model_check.py                     # shared memory p = 2, 3, 4 and a 2 x 2 emulated cluster
+    python bench/model_check.py --quick             # fewer sizes and repetitions
+
+`gflow calibrate` runs once per environment (shared memory at p = 4; the emulated cluster of 2 nodes x 2
+ranks at 1 Gbit/s per node link, bench/netem.py), measuring only ping-pongs, local loops and a tiny
+ring. Then gflow.allreduce is timed at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring, the
+hierarchical allreduce and auto, at p = 2, 3, 4 on shared memory and in the cluster: none of these
+timings was used to calibrate, so all are held out. Contenders alternate; medians of the slowest rank.
+Writes bench/out/model_check.{json,md,png}: predicted against measured, and the share within 20%.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+import netem  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+ALGORITHMS = ["ring", "hierarchical", "auto"]
+
+
+def worker(args) -> None:
+    from mpi4py import MPI
+
+    import gflow
+
+    comm = MPI.COMM_WORLD
+    rows = []
+    for nbytes in args.sizes:
+        x = np.random.default_rng(comm.rank).random(nbytes // 4, dtype=np.float32)
+        y = np.empty_like(x)
+        runs = {a: (lambda a=a, x=x, y=y: gflow.allreduce(x, out=y, algorithm=a)) for a in ALGORITHMS}
+        for fn in runs.values():
+            fn()
+        reps = 3 if nbytes >= 32 * 2**20 else 7 if nbytes >= 2**20 else 30
+        times = {a: [] for a in runs}
+        for _ in range(reps if not args.quick else max(3, reps // 3)):
+            for a, fn in runs.items():
+                times[a].append(_common.timed(comm, fn))
+        for a, t in times.items():
+            rows.append({"bytes": nbytes, "algorithm": a, "measured_s": float(np.median(t))})
+        if comm.rank == 0:
+            cells = "  ".join(f"{a} {np.median(t) * 1e3:.3f} ms" for a, t in times.items())
+            print(f"  p={comm.size} {_common.human_bytes(nbytes):>7}: {cells}", flush=True)
+    if comm.rank == 0:
+        with open(args.result, "w") as f:
+            json.dump({"p": comm.size, "rows": rows}, f)
+
+
+def calibrate_cmd(out: str) -> list[str]:
+    return ["-m", "gflow", "calibrate", "--out", out]
+
+
+def run_environment(args, name, nprocs_list, sizes, ranks_per_node, cluster=None):
+    """Calibrate, then measure at each p, in one environment; returns the result records."""
+    from gflow import model
+
+    calib = os.path.join(args.out, f"calibration_{name}.json")
+    records = []
+    script = os.path.abspath(__file__)
+    if cluster is None:
+        print(f"--- {name}: calibrate at p = {max(nprocs_list)} ---", flush=True)
+        subprocess.run(
+            [_common.mpiexec(), "-n", str(max(nprocs_list)), sys.executable, *calibrate_cmd(calib)],
+            check=True,
+        )
+    else:
+        print(f"--- {name}: calibrate ---", flush=True)
+        subprocess.run(cluster.command([sys.executable, *calibrate_cmd(calib)]), check=True)
+    cal = model.Calibration.load(calib)
+    for p in nprocs_list:
+        result = os.path.join(args.out, f"model_check_{name}_p{p}.json")
+        worker_args = ["--worker", "--result", result, "--sizes", *map(str, sizes)] + (
+            ["--quick"] if args.quick else []
+        )
+        print(f"--- {name}: measure at p = {p} ---", flush=True)
+        if cluster is None:
+            _common.launch(script, p, worker_args)
+        else:
+            cluster.launch(script, worker_args)
+        with open(result) as f:
+            measured = json.load(f)
+        for row in measured["rows"]:
+            predicted = model.allreduce_time(
+                row["bytes"],
+                p,
+                algorithm=row["algorithm"],
+                ranks_per_node=ranks_per_node or p,
+                calibration=cal,
+            )
+            records.append({"environment": name, "p": p, **row, "predicted_s": predicted})
+    return records
+
+
+def report(args, records) -> None:
+    ratios = np.array([r["predicted_s"] / r["measured_s"] for r in records])
+    within = float(np.mean(np.abs(ratios - 1) <= 0.2))
+    lines = [
+        f"Machine: {_common.machine()['cores']} cores; "
+        f"command: python bench/model_check.py {' '.join(sys.argv[1:])}",
+        "",
+        f"Held-out points: {len(records)}; predicted within 20% of measured: {within:.0%}",
+        "",
+        "| environment | p | size | algorithm | measured (ms) | predicted (ms) | predicted / measured |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['environment']} | {r['p']} | {_common.human_bytes(r['bytes'])} | {r['algorithm']} | "
+            f"{r['measured_s'] * 1e3:.3f} | {r['predicted_s'] * 1e3:.3f} | "
+            f"{r['predicted_s'] / r['measured_s']:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "model_check.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "model_check.json"), "w") as f:
+        json.dump({"within_20pct": within, "records": records}, f, indent=1)
+    print(text)
+    plt = _common.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for env in sorted({r["environment"] for r in records}):
+        pts = [(r["measured_s"], r["predicted_s"]) for r in records if r["environment"] == env]
+        ax.scatter(*zip(*pts, strict=True), s=12, label=env)
+    lo = min(min(r["measured_s"], r["predicted_s"]) for r in records)
+    hi = max(max(r["measured_s"], r["predicted_s"]) for r in records)
+    ax.plot([lo, hi], [lo, hi], color="gray", lw=1)
+    ax.fill_between(
+        [lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="gray", alpha=0.15, label="±20%"
+    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured (s)")
+    ax.set_ylabel("predicted (s)")
+    ax.set_title(f"gflow cost model, held-out allreduces: {within:.0%} within 20%")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "model_check.png"), dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=OUT)
+    parser.add_argument("--no-cluster", action="store_true", help="shared memory only (no root needed)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    step = 16 if args.quick else 4
+    sizes = [4 * 2**10 * step**i for i in range(20) if 4 * 2**10 * step**i <= 256 * 2**20]
+    records = run_environment(args, "shm", [2, 3, 4], sizes, None)
+    if not args.no_cluster:
+        with netem.EmulatedCluster(1e9, 2, 2) as cluster:
+            print(cluster.describe(cluster.latency_us()), flush=True)
+            net_sizes = [s for s in sizes if s <= 64 * 2**20]
+            records += run_environment(args, "cluster2x2-1gbit", [4], net_sizes, 2, cluster)
+    report(args, records)
+
+
+if __name__ == "__main__":
+    main()
