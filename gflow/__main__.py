@@ -180,8 +180,8 @@ def model_command(parser, args) -> int:
     rows = model.predict(sizes, args.ranks, args.ranks_per_node, compute_s, batch, cal, args.density)
     print(
         f"{args.workload}: {sum(sizes) / 2**20:.1f} MiB of fp32 gradients in {len(sizes)} tensors; "
-        f"{args.ranks} ranks, {args.ranks_per_node} per node, {args.link} and {args.latency_us:g} us between nodes; compute "
-        f"{compute_s * 1e3:.1f} ms per step, batch {batch} per rank"
+        f"{args.ranks} ranks, {args.ranks_per_node} per node, {args.link} and {args.latency_us:g} us "
+        f"between nodes; compute {compute_s * 1e3:.1f} ms per step, batch {batch} per rank"
     )
     print(f"calibration: {base.source}; Python cost per ring step {base.py_step * 1e6:.1f} us")
     print(
