@@ -15,11 +15,13 @@ seconds, per byte or per element, for a rank that has a core to itself:
     csc                       CSC's local work per gradient element per step
     py_step                   gflow's own Python cost per ring step or segment
 
-A node of k ranks on c cores runs its CPU-bound terms k/c times slower when k > c (`cores`), which is
-what happens on the 2-core development machine at p = 4. The model of each algorithm follows its code:
+A node of k ranks on c cores runs its CPU-bound terms ceil(k/c) times slower when k > c (`cores`),
+which is what happens on the 2-core development machine at p = 3 and 4. The model of each algorithm
+follows its code:
 
-- ring: 2(p-1) steps; reduce-scatter steps move ceil(chunk / segment) segments each, reduction
-  overlapped with the next segment's transfer; a step waits for the slowest link it crosses.
+- ring: 2(p-1) steps; reduce-scatter steps move ceil(chunk / segment) segments each and reduce
+  them (the code overlaps a segment's reduction with the next one's transfer, but the same cores do
+  both, so the model adds them); a step waits for the slowest link it crosses.
 - recursive doubling (messages up to config.small_message_bytes): ceil(log2 p) rounds (+2 when p is
   not a power of two), each a whole message.
 - hierarchical: the node phase (shared memory: node_passes copies per byte and two barriers; or
@@ -73,7 +75,12 @@ class Calibration:
         if path is None:
             return cls()
         with open(path) as f:
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"calibration {path}: not a JSON calibration ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"calibration {path}: expected a JSON object of constants")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - {"source"})
         if missing:
@@ -88,7 +95,10 @@ class Calibration:
 
 
 def _slowdown(cal: Calibration, ranks_on_node: int) -> float:
-    return max(1.0, ranks_on_node / cal.cores)
+    """How much slower a node's CPU-bound work runs with ranks_on_node ranks on cal.cores cores. Whole
+    multiples: the ranks work in lockstep (a ring step, a barrier), so a core shared by two ranks holds
+    back every rank, even where the other cores have one."""
+    return float(max(1, math.ceil(ranks_on_node / cal.cores)))
 
 
 def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1):
@@ -98,7 +108,7 @@ def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1):
     chunk = nbytes / p
     segments = max(1, math.ceil(chunk / DEFAULT_RING_SEGMENT_BYTES))
     step = cpu * cal.py_step + alpha
-    reduce_scatter = (p - 1) * (segments * step + chunk * max(flows * beta, cpu * cal.gamma))
+    reduce_scatter = (p - 1) * (segments * step + chunk * (flows * beta + cpu * cal.gamma))
     allgather = (p - 1) * (step + chunk * flows * beta)
     return reduce_scatter + allgather
 
@@ -255,6 +265,7 @@ def _local_rate(comm, fn, reps: int) -> float:
     from mpi4py import MPI
 
     fn()
+    fn()  # twice: the node phase alternates two slots, each faulted in on first use
     comm.Barrier()
     start = MPI.Wtime()
     for _ in range(reps):
@@ -277,7 +288,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
     node = topo.nodes[topo.node_of[comm.rank]]
     k_here = max(len(n) for n in topo.nodes)
     cores = os.cpu_count() or 1
-    slow = max(1.0, k_here / cores)
+    slow = float(max(1, math.ceil(k_here / cores)))
     cal = Calibration(cores=cores, source=f"gflow calibrate on {comm.size} ranks, {topo.describe()}")
     sizes = [8, 64 * 2**10, 2**20, 8 * 2**20]
 

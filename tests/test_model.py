@@ -1,0 +1,114 @@
+"""The cost model (gflow/model.py) and its command line: calibrate, predict, and refuse bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import WORLD
+
+from gflow import model
+
+CAL = model.Calibration()
+
+
+def test_allreduce_time_follows_the_algorithms():
+    mb = 2**20
+    ring = [model.allreduce_time(n, 4, algorithm="ring", calibration=CAL) for n in (mb, 4 * mb, 16 * mb)]
+    assert ring[0] < ring[1] < ring[2]
+    # Across nodes the bandwidth term of the flat ring is 2(p-1)/p, the hierarchy's 2(m-1)/m: with the
+    # latencies off, 64 MB on 8 ranks in 2 nodes of 4 must come out 1.75 / 1.0 faster.
+    pure = model.Calibration(
+        alpha_inter=0, py_step=0, gamma=1e-15, copy=1e-15, alpha_intra=0, beta_intra=1e-15
+    )
+    flat = model.allreduce_time(64 * mb, 8, algorithm="ring", ranks_per_node=4, calibration=pure)
+    hier = model.allreduce_time(64 * mb, 8, algorithm="hierarchical", ranks_per_node=4, calibration=pure)
+    assert flat / hier == pytest.approx(1.75, rel=0.02)
+    # fp16 halves the bytes on the wire (and adds the codec, zero here).
+    pure.codec = 0
+    fp16 = model.allreduce_time(
+        64 * mb, 8, algorithm="ring", ranks_per_node=4, compression="fp16", calibration=pure
+    )
+    assert fp16 == pytest.approx(flat / 2, rel=0.02)
+    # The Python cost per step is what the hierarchy saves at 512 ranks.
+    slow = model.cluster(CAL, 56e9, 5e-6, 8)
+    steps = model.allreduce_time(4096 * 128, 512, algorithm="ring", ranks_per_node=8, calibration=slow)
+    assert steps > 2 * 511 * CAL.py_step
+    assert (
+        model.allreduce_time(4096 * 128, 512, algorithm="hierarchical", ranks_per_node=8, calibration=slow)
+        < steps / 3
+    )
+
+
+def test_step_time_and_segments():
+    assert model.segments([3, 3, 3, 3, 1], 5) == [6, 6, 1]
+    sizes = model.workload_sizes("resnet50")
+    assert sum(sizes) == 25_557_032 * 4
+    alone = model.step_time(sizes, 1, 0.1, calibration=CAL)
+    assert alone["speedup"] == pytest.approx(1.0, rel=0.01)
+    hidden = model.step_time(sizes, 4, 10.0, calibration=CAL)  # compute dwarfs communication
+    assert hidden["iteration_s"] < 10.0 + 2 * hidden["comm_s"] and hidden["efficiency"] > 0.9
+    exposed = model.step_time(sizes, 4, 10.0, overlap=False, calibration=CAL)
+    assert exposed["iteration_s"] == pytest.approx(10.0 + exposed["comm_s"])
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="algorithm"):
+        model.allreduce_time(10, 2, algorithm="tree", calibration=CAL)
+    with pytest.raises(ValueError, match="compression"):
+        model.allreduce_time(10, 2, compression="int8", calibration=CAL)
+    with pytest.raises(ValueError, match="ranks"):
+        model.allreduce_time(10, 0, calibration=CAL)
+    with pytest.raises(ValueError, match="workload"):
+        model.workload_sizes("vgg")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "gflow", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_model_command_prints_the_table(tmp_path):
+    calib = tmp_path / "c.json"
+    CAL.save(str(calib))
+    done = run_cli(
+        "model", "--ranks", "512", "--workload", "alexnet", "--calibration", str(calib), "--plot", ""
+    )
+    assert done.returncode == 0, done.stderr
+    for technique, *_ in model.TECHNIQUES:
+        assert technique in done.stdout
+    assert "512 ranks, 8 per node, 56gbit" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ranks", "0"], "must be positive"),
+        (["--ranks", "8", "--workload", "vgg"], "workload"),
+        (["--ranks", "8", "--link", "fast"], "could not convert"),
+        (["--ranks", "8", "--calibration", "BAD"], "calibration"),
+        (["--ranks", "8", "--calibration", "MISSING"], "missing"),
+        (["--ranks", "8", "--workload", "SIZES"], "--compute-ms"),
+        ([], "--ranks"),
+    ],
+)
+def test_model_command_refuses_bad_input_with_usage(tmp_path, args, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"alpha_intra": 1e-6}))
+    sizes = tmp_path / "sizes.txt"
+    sizes.write_text("1000 2000")
+    swap = {"BAD": str(bad), "MISSING": str(partial), "SIZES": str(sizes)}
+    done = run_cli("model", "--plot", "", *[swap.get(a, a) for a in args])
+    assert done.returncode == 2
+    assert "usage:" in done.stderr and message in done.stderr
+
+
+@pytest.mark.parallel([2, 3])
+def test_calibrate_measures_every_constant():
+    cal = model.calibrate(progress=lambda line: None)
+    assert WORLD.allgather(json.dumps(vars(cal))) == [json.dumps(vars(cal))] * WORLD.size  # the same
+    for name in ("alpha_intra", "beta_intra", "gamma", "copy", "codec", "csc", "py_step"):
+        assert 0 < getattr(cal, name) < 1e-2, name
+    assert cal.node_passes >= 1
+    assert f"on {WORLD.size} ranks" in cal.source
