@@ -58,7 +58,7 @@ def expected_nodes(setting: str, p: int):
     algorithm=st.sampled_from(["hierarchical", "auto"]),
     seed=st.integers(0, 2**32 - 1),
 )
-@settings(max_examples=20)
+@settings(max_examples=10)
 def test_hierarchical_matches_mpi(n, dtype, op, setting, algorithm, seed):
     if op == "mean" and np.dtype(dtype).kind != "f":
         return
