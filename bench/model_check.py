@@ -4,11 +4,14 @@
     python bench/model_check.py --quick             # fewer sizes and repetitions
 
 `gflow calibrate` runs once per environment (shared memory at p = 4; the emulated cluster of 2 nodes x 2
-ranks at 1 Gbit/s per node link, bench/netem.py), measuring only ping-pongs, local loops and a tiny
-ring. Then gflow.allreduce is timed at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring, the
-hierarchical allreduce and auto, at p = 2, 3, 4 on shared memory and in the cluster: none of these
-timings was used to calibrate, so all are held out. Contenders alternate; medians of the slowest rank.
-Writes bench/out/model_check.{json,md,png}: predicted against measured, and the share within 20%.
+ranks at 1 Gbit/s per node link, bench/netem.py), measuring ping-pongs, local loops and gflow's own
+allreduces at a few sizes that are not among those checked (see gflow/model.py). Then gflow.allreduce
+is timed at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring, the hierarchical allreduce and
+auto, at p = 2, 3, 4 on shared memory and in the cluster: none of these timings was used to
+calibrate, so all are held out. Contenders alternate; medians of the slowest rank.
+Last, bench/fusion.py's lazy ResNet-50 step at p = 4 under the emulated network (every rank a host, 1
+Gbit/s per link), without and with compute, against gflow.model.step_time (`--fusion-only` runs just
+that). Writes bench/out/model_check.{json,md,png}: predicted against measured, and the share within 20%.
 """
 
 import argparse
@@ -100,7 +103,43 @@ def run_environment(args, name, nprocs_list, sizes, ranks_per_node, cluster=None
     return records
 
 
-def report(args, records) -> None:
+def fusion_check(args) -> list[dict]:
+    """bench/fusion.py's lazy ResNet-50 step at p = 4 under the emulated network (1 Gbit/s per link),
+    without compute ("lazy") and with compute equal to one allreduce of all the bytes ("lazy +
+    overlap"), against gflow.model.step_time on a calibration made in the same network."""
+    from gflow import model
+
+    calib = os.path.join(args.out, "calibration_net4-1gbit.json")
+    fusion = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fusion.py")
+    sizes = model.workload_sizes("resnet50")
+    records = []
+    with netem.ShapedNetwork(1e9, 4) as net:
+        print("--- flat network, 4 x 1 Gbit/s: calibrate ---", flush=True)
+        calibrate = [_common.mpiexec(), "-n", "4", sys.executable, *calibrate_cmd(calib)]
+        subprocess.run(net.command(calibrate), check=True)
+        for ratio in (0, 1):
+            print(f"--- fusion.py resnet50 p = 4, 1 Gbit/s, compute/comm {ratio} ---", flush=True)
+            worker_args = ["--worker", "--model", "resnet50", "--network", "1gbit", "--ratio", str(ratio)]
+            worker_args += ["--reps", "3", "--out", args.out]
+            net.launch(fusion, 4, worker_args)
+            with open(os.path.join(args.out, f"fusion_resnet50_p4_1gbit_r{ratio}.json")) as f:
+                result = json.load(f)
+            rows = {row["contender"]: row["seconds"] for row in result["rows"]}
+            compute = rows.get("compute only", 0.0)
+            name = "lazy + overlap" if ratio else "lazy"
+            predicted = model.step_time(
+                sizes, 4, compute, ranks_per_node=1, lazy_threshold=result["threshold"],
+                overlap=bool(ratio), calibration=model.Calibration.load(calib),
+            )["iteration_s"]  # fmt: skip
+            records.append(
+                {"environment": "fusion.py resnet50, 4 x 1gbit", "p": 4, "bytes": result["bytes"],
+                 "algorithm": f"{name} (compute {compute * 1e3:.0f} ms)", "measured_s": rows[name],
+                 "predicted_s": predicted}
+            )  # fmt: skip
+    return records
+
+
+def report(args, records, name: str) -> None:
     ratios = np.array([r["predicted_s"] / r["measured_s"] for r in records])
     within = float(np.mean(np.abs(ratios - 1) <= 0.2))
     lines = [
@@ -119,9 +158,9 @@ def report(args, records) -> None:
             f"{r['predicted_s'] / r['measured_s']:.2f} |"
         )
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "model_check.md"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(args.out, "model_check.json"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"within_20pct": within, "records": records}, f, indent=1)
     print(text)
     plt = _common.pyplot()
@@ -144,7 +183,7 @@ def report(args, records) -> None:
     ax.set_title(f"gflow cost model, held-out allreduces: {within:.0%} within 20%")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "model_check.png"), dpi=120)
+    fig.savefig(os.path.join(args.out, f"{name}.png"), dpi=120)
 
 
 def main() -> None:
@@ -154,6 +193,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--no-cluster", action="store_true", help="shared memory only (no root needed)")
+    parser.add_argument("--fusion-only", action="store_true", help="only the fusion.py iteration check")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
@@ -164,13 +204,17 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     step = 16 if args.quick else 4
     sizes = [4 * 2**10 * step**i for i in range(20) if 4 * 2**10 * step**i <= 256 * 2**20]
+    if args.fusion_only:
+        report(args, fusion_check(args), "model_check_fusion")
+        return
     records = run_environment(args, "shm", [2, 3, 4], sizes, None)
     if not args.no_cluster:
         with netem.EmulatedCluster(1e9, 2, 2) as cluster:
             print(cluster.describe(cluster.latency_us()), flush=True)
             net_sizes = [s for s in sizes if s <= 64 * 2**20]
             records += run_environment(args, "cluster2x2-1gbit", [4], net_sizes, 2, cluster)
-    report(args, records)
+        records += fusion_check(args)
+    report(args, records, "model_check")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,14 @@ seconds, per byte or per element, for a rank that has a core to itself:
     codec                     float16 encode + decode, per element
     csc                       CSC's local work per gradient element per step
     py_step                   gflow's own Python cost per ring step or segment
+    rd_step                   the same per round of recursive doubling (the latency path)
+    node_fixed                the node phase's fixed cost (two barriers and its bookkeeping)
+    ring_scale                measured / modelled bandwidth terms of a ring inside a node (MPI's
+                              shared-memory transport and cache effects the terms above miss)
+
+`calibrate` fits the last four from gflow's own allreduces at a few sizes on the calibration's
+communicator (a tiny ring, a tiny and a 32 MB node phase, an 8 MB ring inside the node, a tiny
+recursive doubling); everything else it predicts is held out (bench/model_check.py).
 
 A node of k ranks on c cores runs its CPU-bound terms ceil(k/c) times slower when k > c (`cores`),
 which is what happens on the 2-core development machine at p = 3 and 4. The model of each algorithm
@@ -57,6 +65,9 @@ class Calibration:
     gamma: float = 1 / 3.0e9
     copy: float = 1 / 5.5e9
     node_passes: float = 4.0
+    node_fixed: float = 60e-6
+    ring_scale: float = 1.0
+    rd_step: float = 25e-6
     codec: float = 1.2e-9
     csc: float = 6e-9
     py_step: float = 25e-6
@@ -101,16 +112,22 @@ def _slowdown(cal: Calibration, ranks_on_node: int) -> float:
     return float(max(1, math.ceil(ranks_on_node / cal.cores)))
 
 
-def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1):
-    """A ring over p ranks whose steps cross links of (alpha, beta) shared by `flows` flows."""
+def _ring_parts(cal, nbytes, p, alpha, beta, cpu, flows=1):
+    """(fixed, bandwidth) seconds of a ring over p ranks whose steps cross links of (alpha, beta)
+    shared by `flows` flows."""
     if p == 1 or nbytes == 0:
-        return 0.0
+        return 0.0, 0.0
     chunk = nbytes / p
     segments = max(1, math.ceil(chunk / DEFAULT_RING_SEGMENT_BYTES))
     step = cpu * cal.py_step + alpha
-    reduce_scatter = (p - 1) * (segments * step + chunk * (flows * beta + cpu * cal.gamma))
-    allgather = (p - 1) * (step + chunk * flows * beta)
-    return reduce_scatter + allgather
+    fixed = (p - 1) * (segments + 1) * step
+    bandwidth = (p - 1) * chunk * (2 * flows * beta + cpu * cal.gamma)
+    return fixed, bandwidth
+
+
+def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1, scale=1.0):
+    fixed, bandwidth = _ring_parts(cal, nbytes, p, alpha, beta, cpu, flows)
+    return fixed + scale * bandwidth
 
 
 def _agreement(cal, p, alpha, cpu):
@@ -157,18 +174,18 @@ def allreduce_time(
             algorithm = "ring"
     if algorithm == "recursive_doubling":
         rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
-        return codec + rounds * (alpha_x + cpu * cal.py_step + nbytes * (beta_x + cpu * cal.gamma))
+        return codec + rounds * (alpha_x + cpu * cal.rd_step + nbytes * (beta_x + cpu * cal.gamma))
     agree = _agreement(cal, ranks, alpha_x, cpu)
     if algorithm == "ring":
-        return codec + agree + _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu)
+        scale = cal.ring_scale if m == 1 else 1.0
+        return codec + agree + _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu, scale=scale)
     if algorithm != "hierarchical":
         raise ValueError(
             f"algorithm: expected auto, ring, recursive_doubling or hierarchical, got {algorithm!r}"
         )
     node = 0.0
     if k > 1:
-        barrier = math.ceil(math.log2(k)) * cal.alpha_intra + cpu * cal.py_step
-        node = 2 * barrier + cpu * cal.node_passes * cal.copy * nbytes
+        node = cpu * (cal.node_fixed + cal.node_passes * cal.copy * nbytes)
     cross = _ring(cal, nbytes / k, m, cal.alpha_inter, cal.beta_inter, cpu, flows=k) if m > 1 else 0.0
     return codec + agree + node + cross
 
@@ -199,11 +216,14 @@ def step_time(
     overlap: bool = True,
     algorithm: str = "auto",
     calibration=None,
+    local_copies: float = 1.0,
 ) -> dict:
     """One training step on `ranks` ranks: {'comm_s', 'iteration_s', 'speedup', 'efficiency'}.
 
     sizes_bytes: the gradients in production order (last layer first: pass them reversed from the
-    parameter order). lazy_threshold None: one allreduce per tensor. density: CSC's (None: dense)."""
+    parameter order). lazy_threshold None: one allreduce per tensor. density: CSC's (None: dense).
+    local_copies: passes of copying over the gradients besides the allreduces (LazyAllreduce's
+    flush() copies the results back into the pushed arrays: 1; pushing ordinary arrays adds 1)."""
     cal = calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
     kw = dict(ranks_per_node=ranks_per_node, algorithm=algorithm, calibration=cal)
     groups = segments(sizes_bytes, lazy_threshold) if lazy_threshold else list(sizes_bytes)
@@ -218,11 +238,14 @@ def step_time(
             times.append(local + norms + packed)
         else:
             times.append(allreduce_time(nbytes, ranks, compression=compression, **kw))
+    k = min(ranks_per_node or ranks, ranks)
+    copies = local_copies * _slowdown(cal, k) * cal.copy * sum(sizes_bytes) if ranks > 1 else 0.0
     comm = float(sum(times))
-    if overlap and times:
-        iteration = compute_s + max(times[-1], comm - BACKWARD_SHARE * compute_s)
+    if overlap and times:  # hidden behind backward, but for the last segment; the copies come after
+        iteration = compute_s + max(times[-1], comm - BACKWARD_SHARE * compute_s) + copies
     else:
-        iteration = compute_s + comm
+        iteration = compute_s + comm + copies
+    comm += copies
     speedup = ranks * compute_s / iteration
     return {"comm_s": comm, "iteration_s": iteration, "speedup": speedup, "efficiency": speedup / ranks}
 
@@ -328,22 +351,38 @@ def calibrate(comm=None, progress=print) -> Calibration:
         f"per core: reduce {1 / cal.gamma / 1e9:.2f} GB/s, copy {1 / cal.copy / 1e9:.2f} GB/s, "
         f"fp16 codec {cal.codec * 1e9:.2f} ns/elem, CSC {cal.csc * 1e9:.2f} ns/elem"
     )
-    if len(node) > 1:  # the shared-memory node phase on this node alone
-        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-        x = a[: 4 * 2**20]
-        t = _local_rate(node_comm, lambda: gflow.allreduce(x, comm=node_comm, algorithm="hierarchical"), 10)
-        t = comm.allreduce(t, op=MPI.MAX)
-        barrier = math.ceil(math.log2(len(node))) * cal.alpha_intra + slow * cal.py_step
-        cal.node_passes = max(1.0, (t - 2 * barrier) / (slow * cal.copy * x.nbytes))
-        node_comm.Free()
+    alpha = cal.alpha_inter if len(topo.nodes) > 1 else cal.alpha_intra
     if comm.size > 1:  # gflow's Python cost per ring step, from a ring of tiny segments
         x = np.ones(comm.size, np.float32)
         t = _local_rate(comm, lambda: gflow.allreduce(x, comm=comm, algorithm="ring"), 100)
-        alpha = cal.alpha_inter if len(topo.nodes) > 1 else cal.alpha_intra
         steps = 2 * (comm.size - 1) + math.ceil(math.log2(comm.size))
         cal.py_step = max(1e-6, (t / steps - alpha) / slow)
+        t = _local_rate(comm, lambda: gflow.allreduce(x, comm=comm), 100)  # recursive doubling
+        rounds = math.ceil(math.log2(comm.size)) + (0 if comm.size & (comm.size - 1) == 0 else 2)
+        cal.rd_step = max(1e-6, (t / rounds - alpha) / slow)
+    if len(node) > 1:  # the node phase, and a ring, on this node alone
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        k = node_comm.size
+        agree = _agreement(cal, k, cal.alpha_intra, slow)
+        times = []
+        for count in (k, n):
+            x = a[:count]
+            t = _local_rate(
+                node_comm, lambda x=x: gflow.allreduce(x, comm=node_comm, algorithm="hierarchical"), 10
+            )
+            times.append(comm.allreduce(t, op=MPI.MAX))
+        cal.node_fixed = max(1e-6, (times[0] - agree) / slow)
+        cal.node_passes = max(0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
+        x = a[: 2 * 2**20]
+        t = _local_rate(node_comm, lambda: gflow.allreduce(x, comm=node_comm, algorithm="ring"), 10)
+        t = comm.allreduce(t, op=MPI.MAX)
+        fixed, bandwidth = _ring_parts(cal, x.nbytes, k, cal.alpha_intra, slow * cal.beta_intra, slow)
+        cal.ring_scale = max(0.2, (t - agree - fixed) / bandwidth)
+        node_comm.Free()
     progress(
-        f"node phase {cal.node_passes:.2f} copies per byte; Python per ring step {cal.py_step * 1e6:.1f} us"
+        f"node phase {cal.node_passes:.2f} copies per byte + {cal.node_fixed * 1e6:.0f} us; ring "
+        f"bandwidth x{cal.ring_scale:.2f}; Python per ring step {cal.py_step * 1e6:.1f} us, per "
+        f"recursive-doubling round {cal.rd_step * 1e6:.1f} us"
     )
     return cal
 
