@@ -95,7 +95,10 @@ class Calibration:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - {"source"})
         if missing:
-            raise ValueError(f"calibration {path}: missing {', '.join(missing)}")
+            raise ValueError(
+                f"calibration {path}: missing {', '.join(missing)} "
+                "(from an older gflow? run `gflow calibrate` again)"
+            )
         known.setdefault("source", path)
         return cls(**known)
 

@@ -1,6 +1,7 @@
 """The cost model (gflow/model.py) and its command line: calibrate, predict, and refuse bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -63,15 +64,29 @@ def test_bad_arguments_are_refused():
         model.workload_sizes("vgg")
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "gflow", *args], capture_output=True, text=True, timeout=120)
+def run_cli(home, *args):
+    """`python -m gflow ...` with a HOME of its own: no earlier calibration (~/.cache/gflow) is found."""
+    env = {k: v for k, v in os.environ.items() if k != model.CALIBRATION_ENV}
+    env["HOME"] = str(home)
+    return subprocess.run(
+        [sys.executable, "-m", "gflow", *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_model_command_prints_the_table(tmp_path):
     calib = tmp_path / "c.json"
     CAL.save(str(calib))
     done = run_cli(
-        "model", "--ranks", "512", "--workload", "alexnet", "--calibration", str(calib), "--plot", ""
+        tmp_path,
+        "model",
+        "--ranks",
+        "512",
+        "--workload",
+        "alexnet",
+        "--calibration",
+        str(calib),
+        "--plot",
+        "",
     )
     assert done.returncode == 0, done.stderr
     for technique, *_ in model.TECHNIQUES:
@@ -99,7 +114,7 @@ def test_model_command_refuses_bad_input_with_usage(tmp_path, args, message):
     sizes = tmp_path / "sizes.txt"
     sizes.write_text("1000 2000")
     swap = {"BAD": str(bad), "MISSING": str(partial), "SIZES": str(sizes)}
-    done = run_cli("model", "--plot", "", *[swap.get(a, a) for a in args])
+    done = run_cli(tmp_path, "model", "--plot", "", *[swap.get(a, a) for a in args])
     assert done.returncode == 2
     assert "usage:" in done.stderr and message in done.stderr
 
