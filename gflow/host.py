@@ -58,7 +58,8 @@ def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
         if out is not parts[0]:
             np.copyto(out, parts[0])
         return
-    if op == "sum" and out.dtype.char != "e":
+    if op == "sum" and out.dtype.char != "e" and all(part.flags.writeable for part in parts):
+        # (Numba types a read-only array apart from a writable one, and indexes only uniform tuples.)
         from ._fused import fused_sum
 
         fused_sum(out, tuple(parts))

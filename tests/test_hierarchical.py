@@ -84,6 +84,18 @@ def test_hierarchical_matches_mpi(n, dtype, op, setting, algorithm, seed):
         on_all_ranks(check, f"n={n} {np.dtype(dtype)} {op} nodes={setting or 'MPI'}")
 
 
+@pytest.mark.parallel([2, 3])
+def test_read_only_and_strided_inputs():
+    """The node phase reads its own block straight from the input: a read-only one (Numba types it
+    apart from the window's memory) and a strided one (read through a copy) must work too."""
+    for dtype in (np.float32, np.int64):
+        x = random_array(rank_rng(6), 300_001, dtype)
+        x.flags.writeable = False
+        strided = random_array(rank_rng(7), (300_001, 2), dtype)[:, 1]
+        for arr in (x, strided):
+            on_all_ranks(lambda arr=arr: assert_close_to_reference(gflow.allreduce(arr), arr, "sum"))
+
+
 @pytest.mark.parallel([2, 3, 4])
 def test_auto_settles_by_topology_and_size():
     """auto: the shared-memory node phase on one node from shared_memory_min_bytes; across nodes the

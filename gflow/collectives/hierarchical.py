@@ -134,11 +134,15 @@ def allreduce(ctx: CommContext, src, dst, ops, op: str, host_memory: bool) -> No
     if in_window:
         slots = h.slots(dst.size, dst.dtype)
         mine = slots[h.local]
-        # Peers read every block of this slot but this rank's own, which this rank reads from src.
+        # Peers read every block of this slot but this rank's own, which this rank reads from src
+        # (unless src is read-only: the fused reduction takes operands of one type).
+        own = src[lo:hi] if src.flags.writeable else None
         ops.copy(mine[:lo], src[:lo])
         ops.copy(mine[hi:], src[hi:])
+        if own is None:
+            ops.copy(mine[lo:hi], src[lo:hi])
         h.barrier()
-        parts = [src[lo:hi] if q == h.local else slot[lo:hi] for q, slot in enumerate(slots)]
+        parts = [own if q == h.local and own is not None else slot[lo:hi] for q, slot in enumerate(slots)]
         ops.reduce_many(mine[lo:hi], parts, reduce_op)
     else:
         ring.reduce_scatter(h.node, src, dst, ops, reduce_op, node_bounds)
