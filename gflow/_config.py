@@ -42,6 +42,9 @@ DEFAULT_BACKGROUND_POLL_US = 20
 # (host arrays: the shared-memory node phase alone), and across nodes (bench/RESULTS.md, "Scale").
 DEFAULT_SHARED_MEMORY_MIN_BYTES = 256 * 1024
 DEFAULT_HIERARCHICAL_MIN_BYTES = 256 * 1024
+# The hierarchical allreduce moves larger messages in pieces of this size, which bounds its shared
+# window (two slots of this size per rank and context).
+DEFAULT_SHARED_MEMORY_MAX_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -59,14 +62,18 @@ class Config:
             (GFLOW_RING_SEGMENT_BYTES).
         background_poll_us: the background thread's pause between polls, in microseconds
             (GFLOW_BACKGROUND_POLL_US).
-        ranks_per_node: "" (the nodes are what MPI says share memory), or k: consecutive ranks form
-            nodes of k, the last one possibly smaller (GFLOW_RANKS_PER_NODE). Read when a
-            communicator is first used for a bandwidth-sized allreduce; every rank must hold the same.
+        ranks_per_node: "" (the nodes are what MPI says share memory), or k (a string or an int):
+            consecutive ranks of each communicator form nodes of k, the last one possibly smaller
+            (GFLOW_RANKS_PER_NODE). Read when a communicator is first used for a bandwidth-sized
+            allreduce; every rank must hold the same.
         shared_memory_min_bytes: under algorithm="auto", on a single node, host arrays from this size
             take the hierarchical allreduce, i.e. its shared-memory node phase
             (GFLOW_SHARED_MEMORY_MIN_BYTES).
         hierarchical_min_bytes: under algorithm="auto", with more than one node, messages from this
             size take the hierarchical allreduce (GFLOW_HIERARCHICAL_MIN_BYTES).
+        shared_memory_max_bytes: the hierarchical allreduce moves larger messages in pieces of this
+            size, so its shared-memory window holds two slots of at most this per rank and
+            communicator (GFLOW_SHARED_MEMORY_MAX_BYTES).
     """
 
     validate: bool = True
@@ -76,6 +83,7 @@ class Config:
     ranks_per_node: str = ""
     shared_memory_min_bytes: int = DEFAULT_SHARED_MEMORY_MIN_BYTES
     hierarchical_min_bytes: int = DEFAULT_HIERARCHICAL_MIN_BYTES
+    shared_memory_max_bytes: int = DEFAULT_SHARED_MEMORY_MAX_BYTES
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -89,6 +97,9 @@ class Config:
                 "GFLOW_SHARED_MEMORY_MIN_BYTES", DEFAULT_SHARED_MEMORY_MIN_BYTES
             ),
             hierarchical_min_bytes=_env_int("GFLOW_HIERARCHICAL_MIN_BYTES", DEFAULT_HIERARCHICAL_MIN_BYTES),
+            shared_memory_max_bytes=_env_int(
+                "GFLOW_SHARED_MEMORY_MAX_BYTES", DEFAULT_SHARED_MEMORY_MAX_BYTES
+            ),
         )
 
 

@@ -33,15 +33,25 @@ CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}
 ALGORITHMS = ("recursive_doubling", "ring", "mpi", "auto", "hierarchical")
 ALGORITHM_CODE = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
 CODE_ALGORITHM = {code: name for name, code in ALGORITHM_CODE.items()}
-# Above the algorithm's code, "auto" carries a checksum of the settings that settle it: ranks that would
-# settle differently (one the ring, one the hierarchical allreduce) must disagree here, not hang later.
+# Above the algorithm's code, "auto" and "hierarchical" carry a checksum of the settings that shape
+# them: ranks that would run differently (one the ring, one the hierarchical allreduce; pieces of
+# different sizes) must disagree here, not hang later.
 _AUTO_SHIFT = 8
 
 
-def auto_settings_checksum() -> int:
-    """A 24-bit checksum of the thresholds algorithm="auto" settles with (gflow.config)."""
-    values = (config.shared_memory_min_bytes, config.hierarchical_min_bytes)
-    return zlib.crc32(struct.pack("<2q", *values)) & 0xFFFFFF
+def settings_checksum(algorithm: str) -> int:
+    """A 24-bit checksum of the gflow.config settings `algorithm` depends on (0: none)."""
+    if algorithm == "hierarchical":
+        values = (config.shared_memory_max_bytes,)
+    elif algorithm == "auto":
+        values = (
+            config.shared_memory_min_bytes,
+            config.hierarchical_min_bytes,
+            config.shared_memory_max_bytes,
+        )
+    else:
+        return 0
+    return zlib.crc32(struct.pack(f"<{len(values)}q", *values)) & 0xFFFFFF
 
 
 # A rank whose local checks failed sends this status so its peers fail with it instead of hanging.
@@ -91,9 +101,7 @@ def signature(
     collective: str, algorithm: str, count: int, dtype, op: str | None, extra: int = 0, kind: str = "host"
 ):
     """The tuple of SIG_LEN ints the ranks compare; see describe() for how it reads."""
-    code = ALGORITHM_CODE[algorithm]
-    if algorithm == "auto":
-        code |= auto_settings_checksum() << _AUTO_SHIFT
+    code = ALGORITHM_CODE[algorithm] | settings_checksum(algorithm) << _AUTO_SHIFT
     return (
         COLLECTIVE_CODE[collective],
         code,
@@ -126,8 +134,8 @@ def describe(sig) -> str:
     text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]) & 0xFF, '?')}"
     if int(sig[1]) >> _AUTO_SHIFT:
         text += (
-            f" (thresholds checksum {int(sig[1]) >> _AUTO_SHIFT}: compare gflow.config."
-            "shared_memory_min_bytes and hierarchical_min_bytes across ranks)"
+            f" (settings checksum {int(sig[1]) >> _AUTO_SHIFT}: compare gflow.config."
+            "shared_memory_min_bytes, hierarchical_min_bytes and shared_memory_max_bytes across ranks)"
         )
     if collective == "broadcast":  # the root in the low 32 bits, a shape checksum above them
         text += f", root={int(sig[5]) & 0xFFFFFFFF}"

@@ -199,7 +199,7 @@ def test_algorithm_and_threshold_disagreements_fail_every_rank():
     saved = gflow.config.hierarchical_min_bytes
     gflow.config.hierarchical_min_bytes = saved + (1 if last else 0)
     try:
-        with pytest.raises(gflow.MismatchError, match="thresholds checksum"):
+        with pytest.raises(gflow.MismatchError, match="settings checksum"):
             gflow.allreduce(x)
     finally:
         gflow.config.hierarchical_min_bytes = saved

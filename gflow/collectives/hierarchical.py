@@ -22,10 +22,12 @@ Every block is reduced by one rank, in one fixed order, then copied: all ranks g
 """
 
 import os
+import warnings
 
 import numpy as np
 from mpi4py import MPI
 
+from .._config import config
 from .._context import CommContext
 from . import ring
 from .topology import Topology, discover, shard_block
@@ -78,17 +80,24 @@ class Hierarchy:
                 os.sched_yield()
         self._window.Sync()
 
-    def slots(self, count: int, dtype) -> list:
-        """Every node rank's slot of the window for this call, as count elements of dtype.
+    def slots(self, count: int, dtype):
+        """Every node rank's slot of the window for this call, as count elements of dtype; None when
+        the node cannot hold the window (then the node phase takes the ring).
 
         The window holds two slots per rank, used by alternate calls: a rank copies its result out
         of its peers' slots after the call's last barrier, and the next call overwrites only the
         other slots, so no third barrier is needed. Growing the window is collective over the node;
-        all its ranks ask for the same size (the ranks agreed on it), in the same call."""
+        all its ranks ask for the same size (the ranks agreed on it), in the same call, and agree
+        whether the shared-memory file system has room for it: MPICH maps the window without
+        checking, and a write beyond the room there is a SIGBUS, not an error."""
         nbytes = count * np.dtype(dtype).itemsize
         if nbytes > self._slot_bytes or self._window is None:
             self._free_window()
             size = max(4096, -(-nbytes // 4096) * 4096)
+            room = self.node.comm.allreduce(_shared_memory_room(), op=MPI.MIN)
+            if 2 * size * self.node.size > room // 2:  # leave half the room to everyone else
+                _warn_no_room(2 * size * self.node.size, room)
+                return None
             self._window = MPI.Win.Allocate_shared(2 * size, 1, comm=self.node.comm)
             self._window.Lock_all(MPI.MODE_NOCHECK)
             memory = [np.frombuffer(self._window.Shared_query(q)[0], np.uint8) for q in range(self.node.size)]
@@ -115,6 +124,32 @@ class Hierarchy:
         self.cross = {}
 
 
+_SHM = "/dev/shm"  # where MPICH and Open MPI put shared-memory windows on Linux
+_warned = False
+
+
+def _shared_memory_room() -> int:
+    """Free bytes where shared windows live (very large when it cannot be told)."""
+    try:
+        stat = os.statvfs(_SHM)
+    except OSError:
+        return 2**62
+    return stat.f_bavail * stat.f_frsize
+
+
+def _warn_no_room(needed: int, room: int) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"gflow: the hierarchical allreduce's node phase needs a {needed >> 20} MiB shared-memory "
+            f"window and {_SHM} has {room >> 20} MiB free; using a ring inside the node instead (give "
+            f"{_SHM} more room, or lower gflow.config.shared_memory_max_bytes)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
 def hierarchy(ctx: CommContext) -> Hierarchy:
     if ctx.hierarchy is None:
         ctx.hierarchy = Hierarchy(ctx)
@@ -124,15 +159,29 @@ def hierarchy(ctx: CommContext) -> Hierarchy:
 def allreduce(ctx: CommContext, src, dst, ops, op: str, host_memory: bool) -> None:
     """Hierarchical allreduce of the flat `src` into the flat `dst` (may be src). op: sum, mean, max
     or min. host_memory: the buffers are host memory the node phase may place in a shared window
-    (the ranks agreed on the kind of array, so they agree on this)."""
+    (the ranks agreed on the kind of array, so they agree on this).
+
+    A message above config.shared_memory_max_bytes goes in pieces of at most that size, each a whole
+    hierarchical allreduce, so that the window stays bounded (the ranks agree on the setting: it is
+    part of the call's signature)."""
+    step = max(4096, config.shared_memory_max_bytes) // dst.itemsize
+    if dst.size <= step:
+        _allreduce_piece(ctx, src, dst, ops, op, host_memory)
+        return
+    for lo in range(0, dst.size, step):
+        _allreduce_piece(ctx, src[lo : lo + step], dst[lo : lo + step], ops, op, host_memory)
+
+
+def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, host_memory: bool) -> None:
     h = hierarchy(ctx)
     reduce_op = "sum" if op == "mean" else op
     bounds = ring.chunk_bounds(dst.size, h.shards)
     node_bounds = [bounds[s] for s in h.starts] + [dst.size]  # each local rank's block
     lo, hi = node_bounds[h.local], node_bounds[h.local + 1]
-    in_window = host_memory and h.topology.shared_memory and h.node.size > 1
-    if in_window:
-        slots = h.slots(dst.size, dst.dtype)
+    slots = None
+    if host_memory and h.topology.shared_memory and h.node.size > 1:
+        slots = h.slots(dst.size, dst.dtype)  # None when the node has no room for the window
+    if slots is not None:
         mine = slots[h.local]
         # Peers read every block of this slot but this rank's own, which this rank reads from src
         # (unless src is read-only: the fused reduction takes operands of one type).
@@ -153,7 +202,7 @@ def allreduce(ctx: CommContext, src, dst, ops, op: str, host_memory: bool) -> No
     if op == "mean":
         ops.divide(mine[lo:hi], ctx.size)
         ops.fence()
-    if in_window:
+    if slots is not None:
         h.barrier()
         for q, slot in enumerate(slots):  # every block from the rank that finished it
             ops.copy(dst[node_bounds[q] : node_bounds[q + 1]], slot[node_bounds[q] : node_bounds[q + 1]])

@@ -1,9 +1,10 @@
 """Which ranks share a node, and the communicators the hierarchical allreduce runs on.
 
 A node is a set of ranks that share memory. MPI says which ranks those are
-(Comm.Split_type(COMM_TYPE_SHARED)); GFLOW_RANKS_PER_NODE=k says instead that consecutive ranks form
-nodes of k (the last node may have fewer), which lets one machine pose as several nodes for tests and
-benchmarks, or names the nodes where MPI cannot see them. Nodes are numbered by their lowest rank.
+(Comm.Split_type(COMM_TYPE_SHARED)); GFLOW_RANKS_PER_NODE=k says instead that consecutive ranks
+of the communicator form nodes of k (the last node may have fewer), which lets one machine pose as
+several nodes for tests and benchmarks, or names the nodes where MPI cannot see them. Nodes are
+numbered by their lowest rank.
 
 Shards. The hierarchical allreduce cuts the flat buffer into S shards, S = the largest node's rank
 count, as np.array_split cuts it. In a node of k ranks, local rank j owns the contiguous block of
@@ -49,55 +50,62 @@ class Topology:
         return f"{len(self.nodes)} node(s) of {shape} (from {self.source}{memory})"
 
 
-def parse_setting(value: str) -> int:
-    """GFLOW_RANKS_PER_NODE's value as a count (0: unset, ask MPI); ValueError when it is not a
-    positive integer."""
-    if value is None or value.strip() == "":
+def parse_setting(value) -> int:
+    """GFLOW_RANKS_PER_NODE's value (a string or an int) as a count (0: unset, ask MPI); ValueError
+    when it is not a positive integer."""
+    if value is None or (isinstance(value, str) and value.strip() == ""):
         return 0
     try:
-        k = int(value)
-    except ValueError:
+        k = int(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
         k = 0
-    if k < 1:
+    if isinstance(value, bool) or k < 1 or (isinstance(value, float) and value != k):
         raise ValueError(f"{SETTING} must be a positive integer number of ranks per node, got {value!r}")
     return k
 
 
-def discover(comm: MPI.Intracomm, setting: str | None = None) -> Topology:
+def discover(comm: MPI.Intracomm, setting=None) -> Topology:
     """The topology of `comm` (collective: every rank of comm calls it at the same point).
 
-    Raises MismatchError on every rank when the ranks hold different settings, naming two of them;
-    ValueError on every rank when they all hold the same malformed one."""
+    Raises MismatchError on every rank when the ranks hold different settings ("2", " 2" and 2 are
+    the same), naming two of them; ValueError on every rank when they all hold the same malformed
+    one."""
     setting = config.ranks_per_node if setting is None else setting
+    try:
+        mine, error = parse_setting(setting), None
+    except ValueError as exc:
+        mine, error = None, str(exc)
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     try:
         members = MPI.Group.Translate_ranks(shared.Get_group(), list(range(shared.size)), comm.Get_group())
     finally:
         shared.Free()
-    everyone = comm.allgather((setting or "", tuple(members)))
-    settings = [s for s, _ in everyone]
-    if len(set(settings)) > 1:
-        a = 0
-        b = next(r for r, s in enumerate(settings) if s != settings[0])
+    everyone = comm.allgather((mine, error, _shown(setting), tuple(members)))
+    verdicts = [(k, err) for k, err, _, _ in everyone]
+    if len(set(verdicts)) > 1:
+        b = next(r for r, v in enumerate(verdicts) if v != verdicts[0])
         raise MismatchError(
-            f"ranks disagree about the topology: rank {a} has {_shown(settings[a])}, "
-            f"rank {b} has {_shown(settings[b])}; set {SETTING} alike on every rank (or on none)"
+            f"ranks disagree about the topology: rank 0 has {everyone[0][2]}, rank {b} has "
+            f"{everyone[b][2]}; set {SETTING} alike on every rank (or on none)"
         )
-    k = parse_setting(settings[0])
+    if error is not None:
+        raise ValueError(error)
+    k = mine
     if k:
         nodes = tuple(tuple(range(lo, min(lo + k, comm.size))) for lo in range(0, comm.size, k))
-        shared_with = [set(m) for _, m in everyone]
+        shared_with = [set(m) for *_, m in everyone]
         can_share = all(set(node) <= shared_with[node[0]] for node in nodes)
         return Topology(nodes, f"{SETTING}={k}", can_share)
     by_leader = {}
-    for rank, (_, group) in enumerate(everyone):
+    for rank, (*_, group) in enumerate(everyone):
         by_leader.setdefault(min(group), []).append(rank)
     nodes = tuple(tuple(by_leader[leader]) for leader in sorted(by_leader))
     return Topology(nodes, "MPI shared-memory communicators", True)
 
 
-def _shown(setting: str) -> str:
-    return f"{SETTING}={setting!r}" if setting else f"{SETTING} unset"
+def _shown(setting) -> str:
+    unset = setting is None or (isinstance(setting, str) and not setting.strip())
+    return f"{SETTING} unset" if unset else f"{SETTING}={setting!r}"
 
 
 def shard_block(j: int, k: int, shards: int) -> tuple[int, int]:
