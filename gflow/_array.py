@@ -145,6 +145,11 @@ class HostArrays:
             raise ValueError(f"{name}: expected {count} elements, got {out.size}")
         self.write_view(out, name)
         check_writable(out, name)
+        if np.may_share_memory(out, x) and not _same_memory(out, x):
+            raise ValueError(
+                f"{name} overlaps x in part: pass out=x (or an array over exactly x's memory) to "
+                "reduce in place, or a separate array"
+            )
         return out
 
     def transport(self):
@@ -160,6 +165,16 @@ class HostArrays:
 
 
 HOST = HostArrays()
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether a and b are the same bytes (views of one buffer, start and length alike)."""
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.nbytes == b.nbytes
+        and a.flags.c_contiguous
+        and b.flags.c_contiguous
+    )
 
 
 def kind_of(x, name: str = "x"):

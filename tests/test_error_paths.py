@@ -500,3 +500,34 @@ def test_lazy_push_order_checksum_covers_shapes():
     on_all_ranks(lazy.flush, "the next step")
     for g, x in zip(grads, inputs, strict=True):
         assert_close_to_reference(g, x, "sum")
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_an_out_that_overlaps_x_in_part_is_refused():
+    # Review of issue 9, found along the way: out=buf[1:] with x=buf[:n] gave wrong elements on the
+    # ring (it reads x while writing out). Now a ValueError on that rank before any data moves, the
+    # peers' MismatchError, and the next call works; out=x and views of exactly x stay in place.
+    n = 300_000
+    buf = random_array(rank_rng(76), n + 1, np.float64)
+    x = buf[:n]
+    mine = WORLD.rank == LAST
+    error = ValueError if mine or WORLD.size == 1 else gflow.MismatchError
+    call = (lambda: gflow.allreduce(x, out=buf[1:])) if mine else (lambda: gflow.allreduce(x))
+    on_all_ranks(lambda: expect(error, call, "overlaps x in part" if error is ValueError else "disagree"))
+    expected = gflow.allreduce(x)
+    same = x.view()
+    on_all_ranks(lambda: np.testing.assert_array_equal(gflow.allreduce(x, out=same), expected))
+
+
+@pytest.mark.parallel([2, 3])
+def test_ranks_with_another_small_message_bytes_fail_together(monkeypatch):
+    # Review of issue 9, found along the way: the last rank's larger small_message_bytes sent it down
+    # the latency path with a longer message than its peers' receives; the truncation came back as
+    # ERR_IN_STATUS, which the agreement took for an MPI failure (GflowError on one rank, MismatchError
+    # on the other) and left a persistent request active, so the next call died in MPI_Startall.
+    x = random_array(rank_rng(77), 300_000, np.float32)
+    if WORLD.rank == LAST:
+        monkeypatch.setattr(gflow.config, "small_message_bytes", 2**21)
+    on_all_ranks(lambda: expect(gflow.MismatchError, lambda: gflow.allreduce(x), "disagree"))
+    monkeypatch.undo()
+    on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))

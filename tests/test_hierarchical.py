@@ -97,6 +97,38 @@ def test_read_only_and_strided_inputs():
 
 
 @pytest.mark.parallel([2, 3, 4])
+def test_pieces_ints_and_a_node_without_room(monkeypatch):
+    """Messages above shared_memory_max_bytes go in pieces; an int setting works like the string
+    (and agrees with it); a node whose /dev/shm lacks room takes a ring inside the node, warning."""
+    from gflow.collectives import hierarchical
+
+    x = random_array(rank_rng(8), 100_003, np.float64)
+    monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 8192)
+    for setting in ["", 2 if WORLD.rank % 2 else "2", "3"]:
+        with posed_nodes(setting) as comm:
+            on_all_ranks(lambda c=comm: assert_close_to_reference(gflow.allreduce(x, comm=c), x, "sum"))
+            assert_same_on_all_ranks(gflow.allreduce(x, "max", algorithm="hierarchical", comm=comm))
+    monkeypatch.setattr(hierarchical, "_shared_memory_room", lambda: 100_000)
+    monkeypatch.setattr(hierarchical, "_warned", False)
+    with posed_nodes("") as comm:
+        with pytest.warns(RuntimeWarning, match="using a ring inside the node"):
+            y = gflow.allreduce(x, algorithm="hierarchical", comm=comm)
+        on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))
+        assert context(comm).hierarchy._window is None
+
+
+@pytest.mark.parallel([2, 3])
+def test_piece_size_disagreement_fails_every_rank(monkeypatch):
+    x = random_array(rank_rng(9), 100_000, np.float32)
+    if WORLD.rank == 0:
+        monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 8192)
+    with pytest.raises(gflow.MismatchError, match="settings checksum"):
+        gflow.allreduce(x, algorithm="hierarchical")
+    monkeypatch.undo()
+    on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x, algorithm="hierarchical"), x, "sum"))
+
+
+@pytest.mark.parallel([2, 3, 4])
 def test_auto_settles_by_topology_and_size():
     """auto: the shared-memory node phase on one node from shared_memory_min_bytes; across nodes the
     hierarchical allreduce from hierarchical_min_bytes; the ring below, or where every node holds
