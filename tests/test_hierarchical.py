@@ -108,7 +108,7 @@ def test_pieces_ints_and_a_node_without_room(monkeypatch):
         with posed_nodes(setting) as comm:
             on_all_ranks(lambda c=comm: assert_close_to_reference(gflow.allreduce(x, comm=c), x, "sum"))
             assert_same_on_all_ranks(gflow.allreduce(x, "max", algorithm="hierarchical", comm=comm))
-    monkeypatch.setattr(hierarchical, "_shared_memory_room", lambda: 100_000)
+    monkeypatch.setattr(hierarchical, "_shared_memory_room", lambda: 1000)
     monkeypatch.setattr(hierarchical, "_warned", False)
     with posed_nodes("") as comm:
         with pytest.warns(RuntimeWarning, match="using a ring inside the node"):
