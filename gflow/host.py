@@ -48,17 +48,27 @@ def reduce(out: np.ndarray, low: np.ndarray, high: np.ndarray, op: str) -> None:
         _UFUNC[op](low, high, out=out)
 
 
+# Below this the fused loop's gain is smaller than loading Numba and its compiled loop into a fresh
+# process (about 0.5 s here), which every short-lived rank (a test, a short script) would pay.
+_FUSED_MIN_BYTES = 2**20
+
+
 def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
     """out = ((parts[0] op parts[1]) op parts[2]) ..., elementwise, in that order; out may alias any part.
 
-    A sum of float32/64 or int32/64 is one fused pass (each part read once, out written once), where
-    pairwise reductions would make len(parts) - 1 passes: the shared-memory node phase reduces a
+    A sum of float32/64 or int32/64 from _FUSED_MIN_BYTES up is one fused pass (each part read once,
+    out written once), where pairwise reductions would make len(parts) - 1 passes: the shared-memory node phase reduces a
     node's slots with it. Other ops and float16 go pairwise, with the same association."""
     if len(parts) == 1:
         if out is not parts[0]:
             np.copyto(out, parts[0])
         return
-    if op == "sum" and out.dtype.char != "e" and all(part.flags.writeable for part in parts):
+    if (
+        op == "sum"
+        and out.nbytes >= _FUSED_MIN_BYTES
+        and out.dtype.char != "e"
+        and all(part.flags.writeable for part in parts)
+    ):
         # (Numba types a read-only array apart from a writable one, and indexes only uniform tuples.)
         from ._fused import fused_sum
 
