@@ -56,9 +56,10 @@ _FUSED_MIN_BYTES = 2**20
 def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
     """out = ((parts[0] op parts[1]) op parts[2]) ..., elementwise, in that order; out may alias any part.
 
-    A sum of float32/64 or int32/64 from _FUSED_MIN_BYTES up is one fused pass (each part read once,
-    out written once), where pairwise reductions would make len(parts) - 1 passes: the shared-memory node phase reduces a
-    node's slots with it. Other ops and float16 go pairwise, with the same association."""
+    A sum of float32/64 or int32/64 from _FUSED_MIN_BYTES up is one fused pass (each part read
+    once, out written once), where pairwise reductions would make len(parts) - 1 passes: the
+    shared-memory node phase reduces a node's slots with it. Other ops and float16 go pairwise,
+    with the same association."""
     if len(parts) == 1:
         if out is not parts[0]:
             np.copyto(out, parts[0])
