@@ -14,7 +14,10 @@ from mpi4py import MPI
 import gflow
 
 torch.set_num_threads(1)
-SIZES = [1, 2, 3, 4]
+# The layers above the collectives run at 1-3 ranks: the collectives under them are tested at 1-4
+# (test_allreduce.py, test_hierarchical.py, ...), and 4 ranks each importing torch on the 2-core CI
+# machine cost a third of the suite's time.
+SIZES = [1, 2, 3]
 TORCH = {np.float16: torch.float16, np.float32: torch.float32, np.float64: torch.float64,
          np.int32: torch.int32, np.int64: torch.int64}  # fmt: skip
 

@@ -19,7 +19,10 @@ import gflow
 import gflow.torch as hvd
 
 torch.set_num_threads(1)
-SIZES = [1, 2, 3, 4]
+# The layers above the collectives run at 1-3 ranks: the collectives under them are tested at 1-4
+# (test_allreduce.py, test_hierarchical.py, ...), and 4 ranks each importing torch on the 2-core CI
+# machine cost a third of the suite's time.
+SIZES = [1, 2, 3]
 PER_RANK = 4  # samples per rank per step
 
 
