@@ -86,6 +86,9 @@ def info() -> int:
         "validate": gflow.config.validate,
         "small_message_bytes": gflow.config.small_message_bytes,
         "ring_segment_bytes": gflow.config.ring_segment_bytes,
+        "shared_memory_min_bytes": gflow.config.shared_memory_min_bytes,
+        "hierarchical_min_bytes": gflow.config.hierarchical_min_bytes,
+        "shared_memory_max_bytes": gflow.config.shared_memory_max_bytes,
     }
     for name in ("numba", "numba_cuda", "cupy", "torch"):
         try:
