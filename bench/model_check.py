@@ -85,7 +85,9 @@ def run_environment(args, name, nprocs_list, sizes, ranks_per_node, cluster=None
             ["--quick"] if args.quick else []
         )
         print(f"--- {name}: measure at p = {p} ---", flush=True)
-        if cluster is None:
+        if args.reuse and os.path.exists(result):
+            pass
+        elif cluster is None:
             _common.launch(script, p, worker_args)
         else:
             cluster.launch(script, worker_args)
@@ -113,16 +115,21 @@ def fusion_check(args) -> list[dict]:
     fusion = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fusion.py")
     sizes = model.workload_sizes("resnet50")
     records = []
-    with netem.ShapedNetwork(1e9, 4) as net:
+    with netem.ShapedNetwork(1e9, 4) as net:  # (the network is made even when all is reused: cheap)
         print("--- flat network, 4 x 1 Gbit/s: calibrate ---", flush=True)
         calibrate = [_common.mpiexec(), "-n", "4", sys.executable, *calibrate_cmd(calib)]
-        subprocess.run(net.command(calibrate), check=True)
+        if not (args.reuse and os.path.exists(calib)):
+            subprocess.run(net.command(calibrate), check=True)
         for ratio in (0, 1):
             print(f"--- fusion.py resnet50 p = 4, 1 Gbit/s, compute/comm {ratio} ---", flush=True)
             worker_args = ["--worker", "--model", "resnet50", "--network", "1gbit", "--ratio", str(ratio)]
             worker_args += ["--reps", "3", "--out", args.out]
-            net.launch(fusion, 4, worker_args)
-            with open(os.path.join(args.out, f"fusion_resnet50_p4_1gbit_r{ratio}.json")) as f:
+            if not (
+                args.reuse
+                and os.path.exists(os.path.join(args.out, f"fusion_resnet50_p4_1gbit_r{float(ratio)}.json"))
+            ):
+                net.launch(fusion, 4, worker_args)
+            with open(os.path.join(args.out, f"fusion_resnet50_p4_1gbit_r{float(ratio)}.json")) as f:
                 result = json.load(f)
             rows = {row["contender"]: row["seconds"] for row in result["rows"]}
             compute = rows.get("compute only", 0.0)
@@ -194,6 +201,7 @@ def main() -> None:
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--no-cluster", action="store_true", help="shared memory only (no root needed)")
     parser.add_argument("--fusion-only", action="store_true", help="only the fusion.py iteration check")
+    parser.add_argument("--reuse", action="store_true", help="reuse calibrations and timings found in --out")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
@@ -210,7 +218,8 @@ def main() -> None:
     records = run_environment(args, "shm", [2, 3, 4], sizes, None)
     if not args.no_cluster:
         with netem.EmulatedCluster(1e9, 2, 2) as cluster:
-            print(cluster.describe(cluster.latency_us()), flush=True)
+            if not args.reuse:
+                print(cluster.describe(cluster.latency_us()), flush=True)
             net_sizes = [s for s in sizes if s <= 64 * 2**20]
             records += run_environment(args, "cluster2x2-1gbit", [4], net_sizes, 2, cluster)
         records += fusion_check(args)

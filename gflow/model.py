@@ -115,21 +115,24 @@ def _slowdown(cal: Calibration, ranks_on_node: int) -> float:
     return float(max(1, math.ceil(ranks_on_node / cal.cores)))
 
 
-def _ring_parts(cal, nbytes, p, alpha, beta, cpu, flows=1):
+def _ring_parts(cal, nbytes, p, alpha, beta, cpu, flows=1, network=False):
     """(fixed, bandwidth) seconds of a ring over p ranks whose steps cross links of (alpha, beta)
-    shared by `flows` flows."""
+    shared by `flows` flows; network: the links are between nodes."""
     if p == 1 or nbytes == 0:
         return 0.0, 0.0
     chunk = nbytes / p
     segments = max(1, math.ceil(chunk / DEFAULT_RING_SEGMENT_BYTES))
     step = cpu * cal.py_step + alpha
     fixed = (p - 1) * (segments + 1) * step
-    bandwidth = (p - 1) * chunk * (2 * flows * beta + cpu * cal.gamma)
+    if network:  # the cores reduce one segment while the link carries the next
+        bandwidth = (p - 1) * chunk * (flows * beta + max(flows * beta, cpu * cal.gamma))
+    else:  # inside a node the same cores move and reduce
+        bandwidth = (p - 1) * chunk * (2 * flows * beta + cpu * cal.gamma)
     return fixed, bandwidth
 
 
-def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1, scale=1.0):
-    fixed, bandwidth = _ring_parts(cal, nbytes, p, alpha, beta, cpu, flows)
+def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1, scale=1.0, network=False):
+    fixed, bandwidth = _ring_parts(cal, nbytes, p, alpha, beta, cpu, flows, network)
     return fixed + scale * bandwidth
 
 
@@ -181,7 +184,7 @@ def allreduce_time(
     agree = _agreement(cal, ranks, alpha_x, cpu)
     if algorithm == "ring":
         scale = cal.ring_scale if m == 1 else 1.0
-        return codec + agree + _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu, scale=scale)
+        return codec + agree + _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu, scale=scale, network=m > 1)
     if algorithm != "hierarchical":
         raise ValueError(
             f"algorithm: expected auto, ring, recursive_doubling or hierarchical, got {algorithm!r}"
@@ -189,7 +192,11 @@ def allreduce_time(
     node = 0.0
     if k > 1:
         node = cpu * (cal.node_fixed + cal.node_passes * cal.copy * nbytes)
-    cross = _ring(cal, nbytes / k, m, cal.alpha_inter, cal.beta_inter, cpu, flows=k) if m > 1 else 0.0
+    cross = (
+        _ring(cal, nbytes / k, m, cal.alpha_inter, cal.beta_inter, cpu, flows=k, network=True)
+        if m > 1
+        else 0.0
+    )
     return codec + agree + node + cross
 
 
@@ -368,16 +375,20 @@ def calibrate(comm=None, progress=print) -> Calibration:
         k = node_comm.size
         agree = _agreement(cal, k, cal.alpha_intra, slow)
         times = []
-        for count in (k, n):
+        for count in (k, n):  # into `out`, as a trainer's buffers: a new result array is page faults
             x = a[:count]
             t = _local_rate(
-                node_comm, lambda x=x: gflow.allreduce(x, comm=node_comm, algorithm="hierarchical"), 10
+                node_comm,
+                lambda x=x: gflow.allreduce(x, comm=node_comm, algorithm="hierarchical", out=out[: x.size]),
+                10,
             )
             times.append(comm.allreduce(t, op=MPI.MAX))
         cal.node_fixed = max(1e-6, (times[0] - agree) / slow)
         cal.node_passes = max(0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
         x = a[: 2 * 2**20]
-        t = _local_rate(node_comm, lambda: gflow.allreduce(x, comm=node_comm, algorithm="ring"), 10)
+        t = _local_rate(
+            node_comm, lambda: gflow.allreduce(x, comm=node_comm, algorithm="ring", out=out[: x.size]), 10
+        )
         t = comm.allreduce(t, op=MPI.MAX)
         fixed, bandwidth = _ring_parts(cal, x.nbytes, k, cal.alpha_intra, slow * cal.beta_intra, slow)
         cal.ring_scale = max(0.2, (t - agree - fixed) / bandwidth)
