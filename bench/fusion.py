@@ -44,6 +44,7 @@ import netem  # noqa: E402
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 from gflow._workloads import ALEXNET, RESNET50  # noqa: E402
+from gflow.model import segments as model_segments  # noqa: E402
 
 MODELS = {"alexnet": ALEXNET, "resnet50": RESNET50, "1000x1000": [(1000,)] * 1000}
 EXPECTED_PARAMS = {"alexnet": 61_100_840, "resnet50": 25_557_032, "1000x1000": 1_000_000}
@@ -151,7 +152,7 @@ def worker(args) -> None:
         for name in ("per-tensor + overlap", "lazy + overlap"):
             del runs[name]
     nbytes = 4 * np.array(sizes)
-    segments = _segments(nbytes, args.threshold)
+    segments = model_segments([int(b) for b in nbytes], args.threshold)
     wire = {
         "per-tensor": sum(wire_bytes(int(b), p, small) for b in nbytes),
         "lazy": sum(wire_bytes(s, p, small) for s in segments),
@@ -191,19 +192,6 @@ def worker(args) -> None:
                 f"    {row['contender']:24s} {row['seconds'] * 1e3:9.1f} ms  {row['speedup']:5.2f}x",
                 flush=True,
             )
-
-
-def _segments(nbytes, threshold: int) -> list[int]:
-    """The segment sizes LazyAllreduce forms from this sequence of tensor sizes."""
-    segments, pending = [], 0
-    for b in nbytes:
-        pending += int(b)
-        if pending >= threshold:
-            segments.append(pending)
-            pending = 0
-    if pending:
-        segments.append(pending)
-    return segments
 
 
 def report(out_dir: str, paths: list[str]) -> None:

@@ -30,6 +30,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
+from gflow.model import parse_rate  # noqa: E402 - --per-link here, and the other benchmarks' networks
+
 TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 CPU_LIMIT_BITS = 16e9  # aggregate loopback rate the 2-core machine really sustains (see above)
 
@@ -50,15 +52,6 @@ for _ in range(reps):
 if c.rank == 0:
     print((time.perf_counter() - t) / reps / 2 * 1e6)
 """
-
-
-def parse_rate(text: str) -> float:
-    """'1gbit' -> 1e9 bits/s; also mbit, kbit, or a plain number of bits/s."""
-    text = text.lower().strip()
-    for suffix, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * factor
-    return float(text)
 
 
 class ShapedNetwork:

@@ -147,21 +147,12 @@ def calibrate_command(args) -> int:
     return 0
 
 
-def _rate(text: str) -> float:
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-    lowered = text.lower()
-    for suffix, factor in units.items():
-        if lowered.endswith(suffix):
-            return float(lowered[: -len(suffix)]) * factor
-    return float(lowered)
-
-
 def model_command(parser, args) -> int:
     from . import model
 
     try:
         base = model.Calibration.load(args.calibration)
-        link = _rate(args.link)
+        link = model.parse_rate(args.link)
         if link <= 0 or args.ranks < 1 or args.ranks_per_node < 1:
             raise ValueError("--link, --ranks and --ranks-per-node must be positive")
         if os.path.exists(args.workload):
@@ -213,21 +204,13 @@ def _plot_model(args, sizes, compute_s, batch, cal) -> None:
         return
     ranks = [r for r in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if r <= max(args.ranks, 8)]
     fig, ax = plt.subplots(figsize=(7, 5))
-    for i, technique in enumerate(model.TECHNIQUES):
-        speedups = [
-            model.predict(
-                sizes, r, min(args.ranks_per_node, r), compute_s, batch, cal, args.density, [technique]
-            )[0]["speedup"]
-            for r in ranks
-        ]
-        ax.plot(
-            ranks,
-            speedups,
-            marker="o",
-            ms=3,
-            label=model.predict(sizes, 2, 1, 1, 1, cal, args.density, [technique])[0]["technique"],
-            ls="-" if i else "--",
-        )
+    per_rank = [
+        model.predict(sizes, r, min(args.ranks_per_node, r), compute_s, batch, cal, args.density)
+        for r in ranks
+    ]
+    for i, row in enumerate(per_rank[0]):  # one line per technique, the first dashed (the baseline)
+        speedups = [rows[i]["speedup"] for rows in per_rank]
+        ax.plot(ranks, speedups, marker="o", ms=3, label=row["technique"], ls="-" if i else "--")
     ax.plot(ranks, ranks, color="gray", lw=1, ls=":", label="linear")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)

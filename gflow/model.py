@@ -48,7 +48,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ._config import DEFAULT_RING_SEGMENT_BYTES, DEFAULT_SMALL_MESSAGE_BYTES
+from ._config import (
+    DEFAULT_HIERARCHICAL_MIN_BYTES,
+    DEFAULT_RING_SEGMENT_BYTES,
+    DEFAULT_SHARED_MEMORY_MIN_BYTES,
+    DEFAULT_SMALL_MESSAGE_BYTES,
+)
 from ._workloads import MODELS
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: what communication can hide behind
@@ -171,13 +176,13 @@ def allreduce_time(
     if ranks == 1:
         return codec + cpu * cal.copy * nbytes
     alpha_x, beta_x = (cal.alpha_inter, cal.beta_inter) if m > 1 else (cal.alpha_intra, cpu * cal.beta_intra)
-    if algorithm == "auto":
+    if algorithm == "auto":  # as collectives/common.py settles it, for host arrays
         if nbytes <= DEFAULT_SMALL_MESSAGE_BYTES:
             algorithm = "recursive_doubling"
-        elif (m > 1 and k > 1) or m == 1:
-            algorithm = "hierarchical"
+        elif m > 1:
+            algorithm = "hierarchical" if k > 1 and nbytes >= DEFAULT_HIERARCHICAL_MIN_BYTES else "ring"
         else:
-            algorithm = "ring"
+            algorithm = "hierarchical" if nbytes >= DEFAULT_SHARED_MEMORY_MIN_BYTES else "ring"
     if algorithm == "recursive_doubling":
         rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
         return codec + rounds * (alpha_x + cpu * cal.rd_step + nbytes * (beta_x + cpu * cal.gamma))
@@ -198,6 +203,15 @@ def allreduce_time(
         else 0.0
     )
     return codec + agree + node + cross
+
+
+def parse_rate(text: str) -> float:
+    """A link rate in bits/s: '56gbit' -> 56e9; also mbit, kbit, or a plain number of bits/s."""
+    text = text.lower().strip()
+    for suffix, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * factor
+    return float(text)
 
 
 def segments(sizes_bytes: list[int], threshold: int) -> list[int]:
