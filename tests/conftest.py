@@ -6,7 +6,8 @@ is missing. A test marked @pytest.mark.parallel([1, 2, 3, 4]) runs once per worl
 mpi-pytest spawns `mpiexec -n N pytest <that test>` and fails the test if any rank fails. Inside those
 children a watchdog (faulthandler) dumps every thread's stack and kills the rank after
 GFLOW_TEST_DEADLINE seconds (default 60), so a deadlock fails its test instead of hanging CI; the
-parent's pytest-timeout is the backstop.
+parent's pytest-timeout is the backstop. The multi-rank tests of one file and world size share one
+`mpiexec` (tests/batching.py).
 """
 
 import faulthandler
@@ -24,6 +25,12 @@ if os.environ.get("GFLOW_TEST_GPU") != "1":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import pytest
+from batching import (  # noqa: F401  (hooks: pytest finds them by name in this module)
+    pytest_configure,
+    pytest_pyfunc_call,
+    pytest_runtest_logreport,
+    pytest_runtest_protocol,
+)
 from hypothesis import HealthCheck, settings
 
 # mpi-pytest calls plain `mpiexec`: make it the one installed beside this Python (the MPICH wheel's).
@@ -52,7 +59,7 @@ def _deadlock_watchdog(request):
     if IN_MPI_CHILD:
         marker = request.node.get_closest_marker("timeout")  # a longer test says so with its marker
         deadline = max(DEADLINE_S, float(marker.args[0]) - 10) if marker and marker.args else DEADLINE_S
-        faulthandler.dump_traceback_later(deadline, exit=True)
+        faulthandler.dump_traceback_later(deadline, exit=True, file=sys.__stderr__)  # past any capture
     yield
     if IN_MPI_CHILD:
         faulthandler.cancel_dump_traceback_later()

@@ -35,6 +35,7 @@ plain arrays everywhere, and LossScaler.unscale must really unscale a non-contig
 import faulthandler
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -105,7 +106,7 @@ class Table:
             return
         log(f"{label} ...")
         if IN_MPI_CHILD:
-            faulthandler.dump_traceback_later(CASE_DEADLINE_S, exit=True)
+            faulthandler.dump_traceback_later(CASE_DEADLINE_S, exit=True, file=sys.__stderr__)
         start = time.monotonic()
         comm = None if self.default_comm else WORLD.Dup()
         twin_comm = WORLD.Dup()

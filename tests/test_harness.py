@@ -1,4 +1,5 @@
-"""The test harness itself: a deadlocked multi-rank test must fail within seconds, not hang CI."""
+"""The test harness itself: a deadlocked multi-rank test must fail within seconds, not hang CI, and the
+batches of multi-rank tests (tests/batching.py) must give each test the verdict of all its ranks."""
 
 import os
 import subprocess
@@ -24,3 +25,19 @@ def test_a_deadlock_fails_within_the_deadline():
     assert done.returncode != 0, output
     assert "Timeout" in output or "most recent call first" in output, output  # the watchdog's stack dump
     assert elapsed < 45, f"took {elapsed:.0f} s to fail"
+
+
+def test_batched_tests_get_the_verdict_of_every_rank():
+    case = os.path.join(HERE, "batch_cases.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", case],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    assert "2 failed, 3 passed, 1 skipped" in output, output
+    assert "failed on rank(s) [1] of 2" in output and "rank 1 disagrees" in output, output
+    assert "FAILED tests/batch_cases.py::test_kills_its_batch" in output, output
+    assert "PASSED tests/batch_cases.py::test_after_the_dead_batch_still_runs" in output, output
+    assert "nothing to test here" in output, output

@@ -1,0 +1,172 @@
+"""Run each test file's multi-rank tests of one world size in a single `mpiexec`, not one per test.
+
+mpi-pytest starts `mpiexec -n N pytest <one test>` for every multi-rank test. Each start imports pytest,
+NumPy, Numba (and torch) on every rank: 5-12 s on 2 cores, which was most of the suite's half hour. Here,
+when the first test of a (file, world size) group comes up, the parent starts one `mpiexec` for the whole
+group. Every child rank writes a line per test phase to its own report file; the parent then gives each
+test the verdict of all ranks together: passed only if every rank passed, failed with each failing rank's
+report, skipped when every rank skipped (mpi-pytest counted a child's skip as a pass).
+
+A test that kills its batch (the deadlock watchdog, a crash) fails with the batch's output; the tests
+after it run again in a fresh batch. `@pytest.mark.isolated` keeps a test in its own `mpiexec`
+(mpi-pytest's way, judged by the exit status), and GFLOW_TEST_BATCH=0 turns batching off.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+CHILD_FLAG = "_PYTEST_MPI_CHILD_PROCESS"  # mpi-pytest's: children run their tests unmodified
+REPORT_DIR = "GFLOW_TEST_REPORT_DIR"
+IN_MPI_CHILD = CHILD_FLAG in os.environ
+ENABLED = os.environ.get("GFLOW_TEST_BATCH", "1") != "0"
+OUTPUT_TAIL = 6000  # characters of a dead batch's output shown with the test it died in
+
+_verdicts = {}  # node id -> (outcome, text), filled by a batch in the parent
+
+
+def _world_size(item) -> int:
+    from pytest_mpi.plugin import _extract_nprocs_for_single_test
+
+    return _extract_nprocs_for_single_test(item) if item.get_closest_marker("parallel") else 1
+
+
+def _batched(item) -> bool:
+    if IN_MPI_CHILD or not ENABLED or item.get_closest_marker("isolated"):
+        return False
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.size == 1 and _world_size(item) > 1
+
+
+def _item_budget(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    return float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 120)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "isolated: run this multi-rank test in its own mpiexec")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Outermost, so the batch runs before pytest-timeout arms its per-test timer.
+    if _batched(item) and item.nodeid not in _verdicts:
+        _run_batch(item)
+    yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if not _batched(pyfuncitem):
+        return None
+    outcome, text = _verdicts.pop(pyfuncitem.nodeid)
+    if outcome == "skipped":
+        pytest.skip(text)
+    if outcome == "failed":
+        pytest.fail(text, pytrace=False)
+    return True
+
+
+def _run_batch(first):
+    size = _world_size(first)
+    items = first.session.items
+    group = [
+        it
+        for it in items[items.index(first) :]
+        if it.path == first.path and _batched(it) and _world_size(it) == size and it.nodeid not in _verdicts
+    ]
+    args = [str(first.config.rootpath / it.nodeid) for it in group]
+    # --capture=sys: the watchdog's stack dump and MPI's own messages reach the batch's output.
+    quiet = ["-q", "--no-header", "--no-summary", "--disable-warnings", "--tb=short", "--capture=sys"]
+    with tempfile.TemporaryDirectory(prefix="gflow-batch-") as reports:
+        env = dict(os.environ, **{CHILD_FLAG: "1", REPORT_DIR: reports})
+        pytest_cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--runxfail", *quiet, *args]
+        cmd = ["mpiexec", "-n", str(size), *pytest_cmd]
+        budget = sum(_item_budget(it) for it in group) + 60
+        try:
+            done = subprocess.run(
+                cmd, env=env, cwd=first.config.rootpath, capture_output=True, text=True, timeout=budget
+            )
+            status, output = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as e:
+            status = f"killed after {budget:.0f} s"
+            output = _text(e.stdout) + _text(e.stderr)
+        _judge(group, size, _read_reports(reports), status, output)
+
+
+def _text(data) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _read_reports(folder):
+    """{rank: {node id: {phase: (outcome, text)}}} from the children's report files."""
+    ranks = {}
+    for name in os.listdir(folder):
+        rank = int(name.split(".")[0])
+        tests = ranks.setdefault(rank, {})
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a rank killed mid-line
+                    continue
+                tests.setdefault(entry["id"], {})[entry["when"]] = (entry["outcome"], entry["text"])
+    return ranks
+
+
+def _judge(group, size, ranks, status, output):
+    for item in group:
+        phases = [ranks.get(rank, {}).get(item.nodeid, {}) for rank in range(size)]
+        if not all("teardown" in p for p in phases):
+            # The batch ended inside this test: it fails; the tests after it go to a fresh batch.
+            tail = output[-OUTPUT_TAIL:]
+            _verdicts[item.nodeid] = ("failed", f"the batch's mpiexec ended in this test ({status}):\n{tail}")
+            return
+        failed = [(r, text) for r, p in enumerate(phases) for res, text in p.values() if res == "failed"]
+        skipped = [p.get("setup", ("", ""))[1] or p.get("call", ("", ""))[1] for p in phases if _skipped(p)]
+        if failed:
+            shown = "\n".join(f"--- rank {r} ---\n{text}" for r, text in failed[:size])
+            ranks_failed = sorted({r for r, _ in failed})
+            _verdicts[item.nodeid] = ("failed", f"failed on rank(s) {ranks_failed} of {size}:\n{shown}")
+        elif len(skipped) == size:
+            _verdicts[item.nodeid] = ("skipped", skipped[0])
+        elif skipped:
+            text = f"skipped on {len(skipped)} of {size} ranks only: {skipped[0]}"
+            _verdicts[item.nodeid] = ("failed", text)
+        else:
+            _verdicts[item.nodeid] = ("passed", "")
+
+
+def _skipped(phases) -> bool:
+    return any(outcome == "skipped" for outcome, _ in phases.values())
+
+
+# In the children: one JSON line per test phase, flushed at once so a rank that dies leaves what it did.
+_report_file = None
+
+
+def pytest_runtest_logreport(report):
+    global _report_file
+    folder = os.environ.get(REPORT_DIR)
+    if not IN_MPI_CHILD or not folder:
+        return
+    if _report_file is None:
+        from mpi4py import MPI
+
+        _report_file = open(os.path.join(folder, f"{MPI.COMM_WORLD.rank}.jsonl"), "a")
+    if report.skipped:
+        text = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    elif report.failed:
+        text = report.longreprtext
+        for title, content in report.sections:
+            text += f"\n--- {title} ---\n{content}"
+    else:
+        text = ""
+    entry = {"id": report.nodeid, "when": report.when, "outcome": report.outcome, "text": text}
+    _report_file.write(json.dumps(entry) + "\n")
+    _report_file.flush()
