@@ -1,5 +1,5 @@
-"""Allreduce side by side: gflow ring, hierarchical and auto, MPI's own Allreduce (and torch gloo if
-installed).
+"""Allreduce side by side: gflow ring, hierarchical, auto and auto from a gradient pool, MPI's own
+Allreduce (and torch gloo if installed).
 
     python bench/allreduce.py                      # p = 2, 3, 4; 4 KB .. 256 MB; writes bench/out/
     python bench/allreduce.py --procs 2 --max-bytes 16M --quick
@@ -35,15 +35,20 @@ def repetitions(nbytes: int, quick: bool) -> int:
 
 
 def contenders(comm, x, y, gloo: bool):
-    """name -> zero-argument callable doing one allreduce of x into y on every rank."""
+    """name -> zero-argument callable doing one allreduce of x into y on every rank. "gflow pool":
+    x's values sit in a LazyAllreduce gradient pool (gradient_buffers), as a trainer's gradients do,
+    which the node phase reads in place."""
     from mpi4py import MPI
 
     import gflow
 
+    pooled = gflow.LazyAllreduce(comm=comm).gradient_buffers([x.shape], x.dtype)[0]
+    pooled[...] = x
     runs = {
         "gflow ring": lambda: gflow.allreduce(x, out=y, algorithm="ring", comm=comm),
         "gflow hierarchical": lambda: gflow.allreduce(x, out=y, algorithm="hierarchical", comm=comm),
         "gflow auto": lambda: gflow.allreduce(x, out=y, comm=comm),
+        "gflow pool": lambda: gflow.allreduce(pooled, out=y, comm=comm),
         "MPI Allreduce": lambda: comm.Allreduce(x, y, op=MPI.SUM),
     }
     if not gloo:

@@ -24,7 +24,7 @@ OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
 CODE_OP = {code: name for name, code in OP_CODE.items()}
 _MPI_OPS = ((MPI.SUM, "sum"), (MPI.MAX, "max"), (MPI.MIN, "min"))  # MPI.Op is not hashable
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "lazy", "sparse")
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "lazy", "sparse", "gradient_buffers")
 COLLECTIVE_CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
 CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}
 

@@ -244,3 +244,92 @@ def test_gflow_info_prints_the_topology():
         [sys.executable, "-m", "gflow", "info"], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert "topology: 1 node(s) of 1 ranks each (from GFLOW_RANKS_PER_NODE=1)" in out
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("reduce_in_place", [False, True])
+def test_lazy_gradient_pool_lives_in_shared_memory(monkeypatch, reduce_in_place):
+    """gradient_buffers() carves the pool out of each node's shared window, and a segment pushed from
+    it is reduced straight from every rank's pool: no copy into the node phase's window."""
+    from gflow.collectives import hierarchical
+
+    copies = []
+    real_copy_in = hierarchical._copy_in
+    monkeypatch.setattr(hierarchical, "_copy_in", lambda *a: (copies.append(a[2].size), real_copy_in(*a)))
+    shapes = [(300, 300), (7,), (200, 500), (1000,)]  # two segments above shared_memory_min_bytes
+    rng = rank_rng(11)
+    for setting in ["", "2", "3"]:
+        with posed_nodes(setting) as comm:
+            lazy = gflow.LazyAllreduce(threshold_bytes=300_000, op="sum", comm=comm)
+            grads = lazy.gradient_buffers(shapes, reduce_in_place=reduce_in_place)
+            nodes = expected_nodes(setting, WORLD.size)
+            shared = WORLD.size > 1 and max(len(n) for n in nodes) > 1
+            in_pool = [any(p.views(g) is not None for p in hierarchical._pools) for g in grads]
+            assert in_pool == [shared] * len(grads), (setting, in_pool)
+            assert all(not g.any() for g in grads)  # zeroed
+            for step in range(2):
+                values = [random_array(rng, s, np.float32) for s in shapes]
+                for g, v in zip(grads, values, strict=True):
+                    g[...] = v
+                copies.clear()
+
+                def run(lazy=lazy, grads=grads):
+                    for g in grads:
+                        lazy.push(g)
+                    lazy.flush()
+
+                on_all_ranks(run, f"nodes={setting or 'MPI'} step {step}")
+                for g, v in zip(grads, values, strict=True):
+                    on_all_ranks(lambda g=g, v=v: assert_close_to_reference(g, v, "sum"))
+                    assert_same_on_all_ranks(g)
+                assert copies == [], copies  # every node phase read the pools where they are
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_a_rank_whose_input_is_not_in_its_pool_gets_the_copy_path():
+    """Ranks of a node that pass pool memory and ranks that pass an ordinary array (or another place
+    of the pool) find out in the node phase's first barrier and all copy in: right results either way."""
+    lazy = gflow.LazyAllreduce(threshold_bytes=2**20, op="sum")
+    (grad, other) = lazy.gradient_buffers([(300_000,), (300_000,)])
+    rng = rank_rng(12)
+    for outsider in range(WORLD.size):
+        grad[...] = random_array(rng, grad.shape, np.float32)
+        other[...] = grad
+        mine = grad if WORLD.rank != outsider else (grad.copy() if outsider % 2 else other)
+        y = gflow.allreduce(mine)
+        on_all_ranks(lambda y=y: assert_close_to_reference(y, grad, "sum"))
+        assert_same_on_all_ranks(y)
+        gflow.allreduce(mine, out=mine)  # in place, into the pool
+        on_all_ranks(lambda mine=mine, y=y: np.testing.assert_array_equal(mine, y))
+
+
+@pytest.mark.parallel([2, 3])
+def test_gradient_buffers_is_collective_and_checks_every_rank(monkeypatch):
+    """A rank whose arguments fail its checks raises its error and the others MismatchError; ranks
+    asking for different pools fail together; a node without room for the pool warns and keeps it in
+    private memory; after all that, the next call works."""
+    from gflow.collectives import hierarchical
+
+    last = WORLD.rank == WORLD.size - 1
+    lazy = gflow.LazyAllreduce(op="sum")
+    if last:
+        with pytest.raises((TypeError, ValueError)):
+            lazy.gradient_buffers([(10,)], dtype=np.complex64)
+    else:
+        with pytest.raises(gflow.MismatchError, match="rejected"):
+            lazy.gradient_buffers([(10,)])
+    with pytest.raises(gflow.MismatchError, match="gradient_buffers"):
+        lazy.gradient_buffers([(10,), (5 if last else 6,)])
+    monkeypatch.setattr(hierarchical, "_shared_memory_room", lambda: 1000)
+    monkeypatch.setattr(hierarchical, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="private memory"):
+        (grad,) = lazy.gradient_buffers([(100_000,)])
+    assert not any(p.views(grad) is not None for p in hierarchical._pools)
+    monkeypatch.undo()
+    (grad,) = lazy.gradient_buffers([(100_000,)])
+    assert any(p.views(grad) is not None for p in hierarchical._pools)
+    values = random_array(rank_rng(13), grad.shape, np.float32)
+    grad[...] = values
+    lazy.push(grad)
+    lazy.flush()
+    on_all_ranks(lambda: assert_close_to_reference(grad, values, "sum"))

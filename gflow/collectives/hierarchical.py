@@ -11,7 +11,9 @@ The node phase has two forms:
   shards reading every peer's slot once, in local-rank order, in one fused pass
   (host.reduce_many), into its own slot; after the cross-node ring and a node barrier, each rank
   copies every block straight out of the slot of the rank that finished it. Two node barriers per
-  call (the slots alternate between calls, see Hierarchy.slots). Per rank that is about 5 passes
+  call (the slots alternate between calls, see Hierarchy.slots). When the input already lives in a
+  gradient pool allocated in shared memory (shared_pool, LazyAllreduce.gradient_buffers), the ranks
+  reduce straight from their peers' pools and the copy in is saved. Per rank that is about 5 passes
   over the message where a ring makes about 8 (its copies through MPI's shared-memory cells, and its
   reductions), and no Python step per segment;
 - a ring on the node's communicator (device arrays, or no shared memory): the same reduce-scatter and
@@ -53,6 +55,7 @@ class Hierarchy:
         self.local = members.index(ctx.rank)
         self.first, self.last = shard_block(self.local, len(members), self.shards)
         self.node = CommContext(ctx.comm.Split(node_index, ctx.rank), ctx.is_background, own=True)
+        self.node_group = self.node.comm.Get_group()  # which shared pools this node phase can read
         # Where each local rank's block starts: the chunk bounds of the node's ring.
         self.starts = [shard_block(j, len(members), self.shards)[0] for j in range(len(members))]
         self.cross = {}
@@ -66,19 +69,36 @@ class Hierarchy:
         self._slots = None
         self._parity = 0
 
-    def barrier(self) -> None:
+    def barrier(self, value: int = 0, pool=None) -> bool:
         """A node barrier that also orders the window's memory (MPI's unified model: sync, barrier,
-        sync). It waits politely, yielding the core between polls: a node phase is memory-bound work
-        spread over every rank of the node, and a rank spinning in a barrier would slow the ones still
-        working whenever ranks outnumber cores."""
-        self._window.Sync()
-        request = self.node.comm.Ibarrier()
+        sync), and tells whether every node rank passed the same `value`. It waits politely,
+        yielding the core between polls: a node phase is memory-bound work spread over every rank
+        of the node, and a rank spinning in a barrier would slow the ones still working whenever
+        ranks outnumber cores. `pool`: a SharedPool whose memory is ordered too."""
+        windows = [self._window] if pool is None else [self._window, pool.window]
+        for window in windows:
+            window.Sync()
+        values = np.array([value, -value], np.int64)
+        extremes = np.empty(2, np.int64)
+        request = self.node.comm.Iallreduce(values, extremes, op=MPI.MIN)
         if self.node.is_background:
             self.node.waitall([request])
         else:
             while not request.Test():
                 os.sched_yield()
-        self._window.Sync()
+        for window in windows:
+            window.Sync()
+        return extremes[0] == -extremes[1]
+
+    def pool_views(self, src):
+        """(tag, views, pool): when src lies in a shared pool this node phase can read, each node
+        rank's memory at the same place, and a tag naming the pool and the place, for the node ranks
+        to check that they all pass theirs; (0, None, None) when it does not."""
+        for pool in _pools:
+            views = pool.views(src)
+            if views is not None and MPI.Group.Compare(pool.group, self.node_group) == MPI.IDENT:
+                return pool.tag(src), views, pool
+        return 0, None, None
 
     def slots(self, count: int, dtype):
         """Every node rank's slot of the window for this call, as count elements of dtype; None when
@@ -118,10 +138,62 @@ class Hierarchy:
         if MPI.Is_finalized():
             return
         self._free_window()
+        self.node_group.Free()
         self.node.free()
         for cross in self.cross.values():
             cross.free()
         self.cross = {}
+
+
+class SharedPool:
+    """One rank's gradient pool in an MPI shared-memory window of its node, and its peers' pools.
+    Kept until the process ends (freeing a window is collective over the node, and arrays handed
+    out may still point into it)."""
+
+    def __init__(self, window, memory, local: int, group, ident: int):
+        self.window, self.memory, self.local, self.group, self.ident = window, memory, local, group, ident
+
+    def views(self, src):
+        """Each node rank's pool memory at the place src has in this rank's pool; None if src is
+        not (wholly) in it."""
+        own = self.memory[self.local]
+        start = src.__array_interface__["data"][0] - own.__array_interface__["data"][0]
+        if not src.flags.c_contiguous or start < 0 or start + src.nbytes > own.nbytes:
+            return None
+        return [m[start : start + src.nbytes].view(src.dtype) for m in self.memory]
+
+    def tag(self, src) -> int:
+        start = src.__array_interface__["data"][0] - self.memory[self.local].__array_interface__["data"][0]
+        return (self.ident << 40) | (start + 1)
+
+
+_pools: list = []
+_next_pool = 1  # a pool's number is agreed by its node ranks: the largest of their next numbers
+
+
+def shared_pool(ctx: CommContext, nbytes: int):
+    """nbytes of zeroed host memory for this rank's gradient pool, in a shared window of its node,
+    so that the node phase reads every rank's gradients where they were written (no copy in); None
+    when that cannot help (no shared memory, one rank per node) or the node lacks room for it.
+    Collective over ctx, and every rank gets a window or none (they agree)."""
+    global _next_pool
+    h = hierarchy(ctx)
+    useful = h.topology.shared_memory and max(len(n) for n in h.topology.nodes) > 1
+    size = max(4096, -(-nbytes // 4096) * 4096)
+    room = h.node.comm.allreduce(_shared_memory_room(), op=MPI.MIN) if useful else 0
+    fits = useful and size * h.node.size <= room // 2
+    if not ctx.comm.allreduce(bool(fits), op=MPI.LAND):
+        if useful:
+            _warn_no_room(size * h.node.size, room)
+        return None
+    ident = h.node.comm.allreduce(_next_pool, op=MPI.MAX)
+    _next_pool = ident + 1
+    window = MPI.Win.Allocate_shared(size, 1, comm=h.node.comm)
+    window.Lock_all(MPI.MODE_NOCHECK)
+    memory = [np.frombuffer(window.Shared_query(q)[0], np.uint8) for q in range(h.node.size)]
+    memory[h.local][:] = 0
+    _pools.append(SharedPool(window, memory, h.local, h.node.comm.Get_group(), ident))
+    return memory[h.local][:nbytes]
 
 
 _SHM = "/dev/shm"  # where MPICH and Open MPI put shared-memory windows on Linux
@@ -143,8 +215,9 @@ def _warn_no_room(needed: int, room: int) -> None:
         _warned = True
         warnings.warn(
             f"gflow: the hierarchical allreduce's node phase needs a {needed >> 20} MiB shared-memory "
-            f"window and {_SHM} has {room >> 20} MiB free; using a ring inside the node instead (give "
-            f"{_SHM} more room, or lower gflow.config.shared_memory_max_bytes)",
+            f"window and {_SHM} has {room >> 20} MiB free; using a ring inside the node (or a gradient "
+            f"pool in private memory) instead (give {_SHM} more room, or lower "
+            "gflow.config.shared_memory_max_bytes)",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -183,15 +256,19 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, host_memory: bool
         slots = h.slots(dst.size, dst.dtype)  # None when the node has no room for the window
     if slots is not None:
         mine = slots[h.local]
-        # Peers read every block of this slot but this rank's own, which this rank reads from src
-        # (unless src is read-only: the fused reduction takes operands of one type).
-        own = src[lo:hi] if src.flags.writeable else None
-        ops.copy(mine[:lo], src[:lo])
-        ops.copy(mine[hi:], src[hi:])
-        if own is None:
-            ops.copy(mine[lo:hi], src[lo:hi])
-        h.barrier()
-        parts = [own if q == h.local and own is not None else slot[lo:hi] for q, slot in enumerate(slots)]
+        tag, pools, pool = h.pool_views(src)
+        if pools is None:
+            _copy_in(ops, mine, src, lo, hi)
+        if not h.barrier(tag, pool):  # some node rank's src is elsewhere: all copy in after all
+            if pools is not None:
+                _copy_in(ops, mine, src, lo, hi)
+            pools = pool = None
+            h.barrier()
+        if pools is not None:  # every node rank's src is at the same place of its shared pool
+            parts = [memory[lo:hi] for memory in pools]
+        else:
+            own = src[lo:hi] if src.flags.writeable else None  # see _copy_in
+            parts = [own if q == h.local and own is not None else s[lo:hi] for q, s in enumerate(slots)]
         ops.reduce_many(mine[lo:hi], parts, reduce_op)
     else:
         ring.reduce_scatter(h.node, src, dst, ops, reduce_op, node_bounds)
@@ -203,8 +280,17 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, host_memory: bool
         ops.divide(mine[lo:hi], ctx.size)
         ops.fence()
     if slots is not None:
-        h.barrier()
+        h.barrier(pool=pool)
         for q, slot in enumerate(slots):  # every block from the rank that finished it
             ops.copy(dst[node_bounds[q] : node_bounds[q + 1]], slot[node_bounds[q] : node_bounds[q + 1]])
     else:
         ring.allgather(h.node, dst, ops, node_bounds)
+
+
+def _copy_in(ops, mine, src, lo: int, hi: int) -> None:
+    """src into this rank's slot for the peers to read: every block but this rank's own, which it
+    reads from src itself (unless src is read-only: the fused reduction takes operands of one type)."""
+    ops.copy(mine[:lo], src[:lo])
+    ops.copy(mine[hi:], src[hi:])
+    if not src.flags.writeable:
+        ops.copy(mine[lo:hi], src[lo:hi])

@@ -32,9 +32,10 @@ from .. import engine
 from .._array import HOST, check_array, check_writable
 from .._config import config
 from .._context import context
-from .._validate import DTYPE_CODE, check_op, signature
+from .._validate import DTYPE_CODE, check_dtype, check_op, signature
 from ..compression import WIRE_DTYPE, check_compression, decode, encode
 from ..errors import CompressionOverflowError
+from . import hierarchical
 from .api import allreduce_on, rejected_in_background
 from .recursive_doubling import allreduce_with_agreement
 from .sparse import SparseAllreduce
@@ -47,6 +48,19 @@ _SHAPES = [struct.Struct(f"<{n}q") for n in range(8)]
 def _shape_bytes(shape) -> bytes:
     n = len(shape)
     return (_SHAPES[n] if n < len(_SHAPES) else struct.Struct(f"<{n}q")).pack(*shape)
+
+
+def _check_shape(shape) -> tuple:
+    """A gradient_buffers() shape as a tuple of non-negative ints, or TypeError/ValueError."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"gradient_buffers: a shape must be a tuple of ints, got {shape!r}") from None
+    if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in dims):
+        raise ValueError(f"gradient_buffers: a shape must be a tuple of non-negative ints, got {shape!r}")
+    return tuple(int(n) for n in dims)
 
 
 # Measured with bench/fusion.py (bench/RESULTS.md): larger segments stop paying on this machine.
@@ -273,33 +287,75 @@ class LazyAllreduce:
         arrays may hold reduced values, so recompute the gradients before retrying. Not with dense
         compression="fp16" (the pool would hold float16, so pushing casts anyway); sparse segments
         keep full precision, so they may.
+
+        Collective: every rank calls it, with the same shapes and dtype (a rank whose arguments fail
+        its checks raises its error, the others MismatchError). Where nodes hold several ranks with
+        shared memory, the pool is allocated in an MPI shared-memory window of the node, so the
+        hierarchical allreduce's node phase reads each rank's gradients where backward wrote them
+        (collectives/hierarchical.py); that memory is kept until the process ends. Each call
+        allocates a new pool.
         """
-        if self.compression and not self.sparse:
-            raise ValueError(
-                "gradient_buffers: the pool is float16 with compression='fp16'; push ordinary arrays"
-            )
-        if reduce_in_place and self.sparse:
-            raise ValueError("gradient_buffers: reduce_in_place applies to dense segments, not sparse ones")
-        self._reduce_in_place = bool(reduce_in_place)
-        dtype = np.dtype(dtype)
-        check_op(self.op, dtype)
+        try:
+            if self._in_step():
+                raise RuntimeError("gradient_buffers: a step is in flight (pushed, not flushed)")
+            if self.compression and not self.sparse:
+                raise ValueError(
+                    "gradient_buffers: the pool is float16 with compression='fp16'; push ordinary arrays"
+                )
+            if reduce_in_place and self.sparse:
+                raise ValueError(
+                    "gradient_buffers: reduce_in_place applies to dense segments, not sparse ones"
+                )
+            dtype = check_dtype(np.dtype(dtype))
+            check_op(self.op, dtype)
+            shapes = [_check_shape(shape) for shape in shapes]
+        except Exception as exc:
+            if not self._alone():  # the peers are about to allocate with this rank: they must fail too
+                rejected_in_background(context(self._comm), "gradient_buffers", exc).wait()  # raises exc
+            raise
         sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
-        self._pool, self._pool_members, arrays = [], [], []
-        start, pending = 0, 0
+        segments, start, pending = [], 0, 0
         for i, size in enumerate(sizes):
             pending += size * dtype.itemsize
             if pending >= self.threshold_bytes or i == len(sizes) - 1:
-                group = list(range(start, i + 1))
-                buffer = np.zeros(sum(sizes[j] for j in group), dtype)
-                views, offset = [], 0
-                for j in group:
-                    views.append(buffer[offset : offset + sizes[j]].reshape(shapes[j]))
-                    offset += sizes[j]
-                arrays += views
-                self._pool.append(buffer)
-                self._pool_members.append(views)
+                segments.append(list(range(start, i + 1)))
                 start, pending = i + 1, 0
+        aligned = [-(-sum(sizes[j] for j in group) * dtype.itemsize // 64) * 64 for group in segments]
+        memory = self._pool_memory(sum(aligned), shapes, dtype, sum(sizes))
+        self._reduce_in_place = bool(reduce_in_place)
+        self._pool, self._pool_members, arrays = [], [], []
+        offset = 0
+        for group, nbytes in zip(segments, aligned, strict=True):
+            buffer = memory[offset : offset + nbytes].view(dtype)[: sum(sizes[j] for j in group)]
+            views, at = [], 0
+            for j in group:
+                views.append(buffer[at : at + sizes[j]].reshape(shapes[j]))
+                at += sizes[j]
+            arrays += views
+            self._pool.append(buffer)
+            self._pool_members.append(views)
+            offset += nbytes
         return arrays
+
+    def _pool_memory(self, nbytes: int, shapes, dtype, count: int):
+        """Zeroed bytes for the pool: in the node's shared memory when that helps (agreed by every
+        rank, on the background channel, in order with the segments), else private memory."""
+        if self._alone():
+            return np.zeros(nbytes, np.uint8)
+        parent = context(self._comm)
+        ctx = parent.background()
+        layout = b"".join(_shape_bytes(shape) for shape in shapes) + struct.pack("<q", len(shapes))
+        sig = signature("gradient_buffers", "mpi", count, dtype, None, extra=zlib.crc32(layout))
+
+        def allocate():
+            ctx.check_usable()
+            if config.validate:
+                allreduce_with_agreement(ctx, sig, config.small_message_bytes)
+            return hierarchical.shared_pool(ctx, nbytes)
+
+        handle = engine.submit("gradient_buffers", allocate, ctx=ctx, on_failure=parent.reset_background)
+        memory = handle.wait()
+        return np.zeros(nbytes, np.uint8) if memory is None else memory
 
     def flush(self) -> None:
         """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
