@@ -182,7 +182,7 @@ def allreduce_time(
         elif m > 1:
             algorithm = "hierarchical" if k > 1 and nbytes >= DEFAULT_HIERARCHICAL_MIN_BYTES else "ring"
         else:
-            algorithm = "hierarchical" if nbytes >= DEFAULT_SHARED_MEMORY_MIN_BYTES else "ring"
+            algorithm = "hierarchical" if k > 2 and nbytes >= DEFAULT_SHARED_MEMORY_MIN_BYTES else "ring"
     if algorithm == "recursive_doubling":
         rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
         return codec + rounds * (alpha_x + cpu * cal.rd_step + nbytes * (beta_x + cpu * cal.gamma))

@@ -130,11 +130,13 @@ def test_piece_size_disagreement_fails_every_rank(monkeypatch):
 
 @pytest.mark.parallel([2, 3, 4])
 def test_auto_settles_by_topology_and_size():
-    """auto: the shared-memory node phase on one node from shared_memory_min_bytes; across nodes the
-    hierarchical allreduce from hierarchical_min_bytes; the ring below, or where every node holds
-    one rank. Watched through the hierarchy it builds (made only when that algorithm runs)."""
+    """auto: the shared-memory node phase on one node of 3 ranks or more from shared_memory_min_bytes;
+    across nodes the hierarchical allreduce from hierarchical_min_bytes; the ring below, on one node
+    of 2 ranks, or where every node holds one rank. Watched through the hierarchy it builds (made only
+    when that algorithm runs)."""
     big = random_array(rank_rng(1), gflow.config.shared_memory_min_bytes // 4 + 1, np.float32)
-    for setting, hierarchical in [("", True), ("2", True), ("1", False)]:
+    p = WORLD.size
+    for setting, hierarchical in [("", p > 2), ("2", p > 2), ("1", False)]:
         with posed_nodes(setting) as comm:
             gflow.allreduce(big[:1000], comm=comm)  # the latency path: no topology needed
             assert context(comm).topology is None
@@ -296,10 +298,10 @@ def test_a_rank_whose_input_is_not_in_its_pool_gets_the_copy_path():
         grad[...] = random_array(rng, grad.shape, np.float32)
         other[...] = grad
         mine = grad if WORLD.rank != outsider else (grad.copy() if outsider % 2 else other)
-        y = gflow.allreduce(mine)
+        y = gflow.allreduce(mine, algorithm="hierarchical")
         on_all_ranks(lambda y=y: assert_close_to_reference(y, grad, "sum"))
         assert_same_on_all_ranks(y)
-        gflow.allreduce(mine, out=mine)  # in place, into the pool
+        gflow.allreduce(mine, out=mine, algorithm="hierarchical")  # in place, into the pool
         on_all_ranks(lambda mine=mine, y=y: np.testing.assert_array_equal(mine, y))
 
 

@@ -42,14 +42,15 @@ def settle_auto(ctx: CommContext, nbytes: int, host_memory: bool) -> str:
     """What algorithm="auto" runs for a bandwidth-sized message, once the ranks have agreed on the
     call: the topology (found now on first use, collectively) and the agreed size and kind of array
     decide, so every rank settles alike. Hierarchical where it pays: across nodes from
-    config.hierarchical_min_bytes; on one node, for host arrays, its shared-memory node phase from
-    config.shared_memory_min_bytes. The thresholds are measured (bench/RESULTS.md, "Scale")."""
+    config.hierarchical_min_bytes; on one node of three ranks or more, for host arrays, its
+    shared-memory node phase from config.shared_memory_min_bytes. The thresholds are measured
+    (bench/RESULTS.md, "Scale")."""
     topo = hierarchical.topology(ctx)
     if len(topo.nodes) > 1:
         if topo.shards > 1 and nbytes >= config.hierarchical_min_bytes:
             return "hierarchical"
-    elif host_memory and topo.shared_memory and nbytes >= config.shared_memory_min_bytes:
-        return "hierarchical"
+    elif host_memory and topo.shared_memory and ctx.size > 2 and nbytes >= config.shared_memory_min_bytes:
+        return "hierarchical"  # (two ranks alone: one exchange each way; the ring is as fast or faster)
     return "ring"
 
 
