@@ -3,12 +3,14 @@
     python bench/model_check.py                     # shared memory p = 2, 3, 4 and a 2 x 2 emulated cluster
     python bench/model_check.py --quick             # fewer sizes and repetitions
 
-`gflow calibrate` runs once per environment (shared memory at p = 4; the emulated cluster of 2 nodes x 2
-ranks at 1 Gbit/s per node link, bench/netem.py), measuring ping-pongs, local loops and gflow's own
-allreduces at a few sizes that are not among those checked (see gflow/model.py). Then gflow.allreduce
-is timed at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring, the hierarchical allreduce and
-auto, at p = 2, 3, 4 on shared memory and in the cluster: none of these timings was used to
-calibrate, so all are held out. Contenders alternate; medians of the slowest rank.
+`gflow.model.calibrate` runs once per environment (shared memory at p = 4; the emulated cluster of 2
+nodes x 2 ranks at 1 Gbit/s per node link, bench/netem.py), in the same job as that environment's
+first timings, just before them (this machine's speed drifts by up to 1.5x between runs minutes
+apart), measuring ping-pongs, local loops and gflow's own allreduces at a few sizes that are not among
+those checked (see gflow/model.py; on shared memory it also measures the fixed costs with one rank per
+core). Then gflow.allreduce is timed at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring,
+the hierarchical allreduce and auto, at p = 4, 3, 2 on shared memory and p = 4 in the cluster: none of
+these timings was used to calibrate, so all are held out. Contenders alternate; medians of the slowest rank.
 Last, bench/fusion.py's lazy ResNet-50 step at p = 4 under the emulated network (every rank a host, 1
 Gbit/s per link), without and with compute, against gflow.model.step_time (`--fusion-only` runs just
 that). Writes bench/out/model_check.{json,md,png}: predicted against measured, and the share within 20%.
@@ -34,8 +36,13 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     import gflow
+    import gflow.model
 
     comm = MPI.COMM_WORLD
+    if args.calibrate:  # in this job, just before the timings: the machine's speed drifts between runs
+        cal = gflow.model.calibrate(comm, progress=print if comm.rank == 0 else lambda _: None)
+        if comm.rank == 0:
+            cal.save(args.calibrate)
     rows = []
     for nbytes in args.sizes:
         x = np.random.default_rng(comm.rank).random(nbytes // 4, dtype=np.float32)
@@ -69,28 +76,22 @@ def run_environment(args, name, nprocs_list, sizes, ranks_per_node, cluster=None
     calib = os.path.join(args.out, f"calibration_{name}.json")
     records = []
     script = os.path.abspath(__file__)
-    if cluster is None:
-        print(f"--- {name}: calibrate at p = {max(nprocs_list)} ---", flush=True)
-        subprocess.run(
-            [_common.mpiexec(), "-n", str(max(nprocs_list)), sys.executable, *calibrate_cmd(calib)],
-            check=True,
-        )
-    else:
-        print(f"--- {name}: calibrate ---", flush=True)
-        subprocess.run(cluster.command([sys.executable, *calibrate_cmd(calib)]), check=True)
-    cal = model.Calibration.load(calib)
-    for p in nprocs_list:
+    for p in sorted(nprocs_list, reverse=True):  # the largest p calibrates, then the others follow
         result = os.path.join(args.out, f"model_check_{name}_p{p}.json")
         worker_args = ["--worker", "--result", result, "--sizes", *map(str, sizes)] + (
             ["--quick"] if args.quick else []
         )
-        print(f"--- {name}: measure at p = {p} ---", flush=True)
+        first = p == max(nprocs_list)
+        if first:
+            worker_args += ["--calibrate", calib]
+        print(f"--- {name}: {'calibrate and ' if first else ''}measure at p = {p} ---", flush=True)
         if args.reuse and os.path.exists(result):
             pass
         elif cluster is None:
             _common.launch(script, p, worker_args)
         else:
             cluster.launch(script, worker_args)
+        cal = model.Calibration.load(calib)
         with open(result) as f:
             measured = json.load(f)
         for row in measured["rows"]:
@@ -205,6 +206,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--calibrate", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)

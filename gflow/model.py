@@ -24,7 +24,10 @@ communicator (a tiny ring, a tiny and a 32 MB node phase, an 8 MB ring inside th
 recursive doubling); everything else it predicts is held out (bench/model_check.py).
 
 A node of k ranks on c cores runs its CPU-bound terms ceil(k/c) times slower when k > c (`cores`),
-which is what happens on the 2-core development machine at p = 3 and 4. The model of each algorithm
+which is what happens on the 2-core development machine at p = 3 and 4. Its fixed costs (latency,
+Python steps, barriers) are set by the scheduler then, and do not scale that way: `calibrate` on one
+node with more ranks than cores also measures them with one rank per core (`uncrowded`), which the
+model uses for nodes of at most c ranks. The model of each algorithm
 follows its code:
 
 - ring: 2(p-1) steps; reduce-scatter steps move ceil(chunk / segment) segments each and reduce
@@ -44,7 +47,7 @@ follows its code:
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -78,6 +81,9 @@ class Calibration:
     py_step: float = 25e-6
     cores: int = 2
     source: str = "documented defaults (the 2-core development machine)"
+    # The fixed costs (alpha_intra, py_step, rd_step, node_fixed) measured again with one rank per
+    # core, when the calibration ran more ranks than cores on one node; None: not measured.
+    uncrowded: dict | None = None
 
     @classmethod
     def load(cls, path: str | None = None) -> "Calibration":
@@ -98,12 +104,18 @@ class Calibration:
         if not isinstance(data, dict):
             raise ValueError(f"calibration {path}: expected a JSON object of constants")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        missing = sorted(set(cls.__dataclass_fields__) - set(known) - {"source"})
+        missing = sorted(set(cls.__dataclass_fields__) - set(known) - {"source", "uncrowded"})
         if missing:
             raise ValueError(
                 f"calibration {path}: missing {', '.join(missing)} "
                 "(from an older gflow? run `gflow calibrate` again)"
             )
+        uncrowded = known.get("uncrowded")
+        if uncrowded is not None and not (
+            isinstance(uncrowded, dict)
+            and all(k in _FIXED_COSTS and isinstance(v, (int, float)) for k, v in uncrowded.items())
+        ):
+            raise ValueError(f"calibration {path}: uncrowded must map {', '.join(_FIXED_COSTS)} to seconds")
         known.setdefault("source", path)
         return cls(**known)
 
@@ -111,6 +123,19 @@ class Calibration:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(asdict(self), f, indent=2)
+
+
+def _for_node(cal: Calibration, ranks_on_node: int) -> Calibration:
+    """cal as it applies to nodes of ranks_on_node ranks: with one rank per core or fewer, the fixed
+    costs measured that way, when the calibration has them. Under oversubscription a barrier or a
+    ring step waits for a rank the scheduler has set aside, so the fixed costs measured with more
+    ranks than cores do not shrink by the core count the way the bandwidth terms do."""
+    if ranks_on_node <= cal.cores and cal.uncrowded:
+        return replace(cal, **{k: v for k, v in cal.uncrowded.items() if k in _FIXED_COSTS})
+    return cal
+
+
+_FIXED_COSTS = ("alpha_intra", "py_step", "rd_step", "node_fixed")
 
 
 def _slowdown(cal: Calibration, ranks_on_node: int) -> float:
@@ -166,6 +191,7 @@ def allreduce_time(
         raise ValueError(f"need ranks >= 1 and nbytes >= 0, got ranks={ranks}, nbytes={nbytes}")
     k = min(ranks_per_node or ranks, ranks)
     m = math.ceil(ranks / k)
+    cal = _for_node(cal, k)
     cpu = _slowdown(cal, k)
     codec = 0.0
     if compression == "fp16":
@@ -407,12 +433,47 @@ def calibrate(comm=None, progress=print) -> Calibration:
         fixed, bandwidth = _ring_parts(cal, x.nbytes, k, cal.alpha_intra, slow * cal.beta_intra, slow)
         cal.ring_scale = max(0.2, (t - agree - fixed) / bandwidth)
         node_comm.Free()
+    if len(topo.nodes) == 1 and comm.size > cores > 1:
+        cal.uncrowded = _uncrowded(comm, cores)
+        progress("one rank per core: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in cal.uncrowded.items()))
     progress(
         f"node phase {cal.node_passes:.2f} copies per byte + {cal.node_fixed * 1e6:.0f} us; ring "
         f"bandwidth x{cal.ring_scale:.2f}; Python per ring step {cal.py_step * 1e6:.1f} us, per "
         f"recursive-doubling round {cal.rd_step * 1e6:.1f} us"
     )
     return cal
+
+
+def _uncrowded(comm, cores: int) -> dict:
+    """The fixed costs with one rank per core: the first `cores` ranks measure gflow's own tiny
+    allreduces (and a ping-pong) while the others wait without spinning. Collective over comm."""
+    import time
+
+    from mpi4py import MPI
+
+    import gflow
+
+    busy = comm.rank < cores
+    sub = comm.Split(0 if busy else MPI.UNDEFINED, comm.rank)
+    result = None
+    if busy:
+        p = sub.size
+        alpha = sub.allreduce(_pingpong(sub, 0, 1, 8, 200), op=MPI.MAX)
+        x = np.ones(p, np.float32)
+        t = _local_rate(sub, lambda: gflow.allreduce(x, comm=sub, algorithm="ring"), 100)
+        py_step = max(1e-6, t / (2 * (p - 1) + math.ceil(math.log2(p))) - alpha)
+        t = _local_rate(sub, lambda: gflow.allreduce(x, comm=sub), 100)
+        rounds = math.ceil(math.log2(p)) + (0 if p & (p - 1) == 0 else 2)
+        rd_step = max(1e-6, t / rounds - alpha)
+        out = np.empty_like(x)
+        t = _local_rate(sub, lambda: gflow.allreduce(x, comm=sub, algorithm="hierarchical", out=out), 20)
+        node_fixed = max(1e-6, t - math.ceil(math.log2(p)) * (alpha + py_step))  # less the agreement
+        result = {"alpha_intra": alpha, "py_step": py_step, "rd_step": rd_step, "node_fixed": node_fixed}
+        sub.Free()
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.001)
+    return comm.bcast(result, root=0)
 
 
 # A V100 node of GradientFlow's cluster, for `python -m gflow model` (stated in the README): per-element

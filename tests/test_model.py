@@ -102,6 +102,7 @@ def test_model_command_prints_the_table(tmp_path):
         (["--ranks", "8", "--link", "fast"], "could not convert"),
         (["--ranks", "8", "--calibration", "BAD"], "calibration"),
         (["--ranks", "8", "--calibration", "MISSING"], "missing"),
+        (["--ranks", "8", "--calibration", "CROWDED"], "uncrowded must map"),
         (["--ranks", "8", "--workload", "SIZES"], "--compute-ms"),
         ([], "--ranks"),
     ],
@@ -113,7 +114,9 @@ def test_model_command_refuses_bad_input_with_usage(tmp_path, args, message):
     partial.write_text(json.dumps({"alpha_intra": 1e-6}))
     sizes = tmp_path / "sizes.txt"
     sizes.write_text("1000 2000")
-    swap = {"BAD": str(bad), "MISSING": str(partial), "SIZES": str(sizes)}
+    crowded = tmp_path / "crowded.json"
+    crowded.write_text(json.dumps({**vars(CAL), "uncrowded": {"py_step": "fast"}}))
+    swap = {"BAD": str(bad), "MISSING": str(partial), "SIZES": str(sizes), "CROWDED": str(crowded)}
     done = run_cli(tmp_path, "model", "--plot", "", *[swap.get(a, a) for a in args])
     assert done.returncode == 2
     assert "usage:" in done.stderr and message in done.stderr
@@ -122,8 +125,18 @@ def test_model_command_refuses_bad_input_with_usage(tmp_path, args, message):
 @pytest.mark.parallel([2, 3])
 def test_calibrate_measures_every_constant():
     cal = model.calibrate(progress=lambda line: None)
+    base = model.Calibration(**{**vars(cal), "uncrowded": None})
     assert WORLD.allgather(json.dumps(vars(cal))) == [json.dumps(vars(cal))] * WORLD.size  # the same
     for name in ("alpha_intra", "beta_intra", "gamma", "copy", "codec", "csc", "py_step"):
         assert 0 < getattr(cal, name) < 1e-2, name
     assert cal.node_passes >= 1
     assert f"on {WORLD.size} ranks" in cal.source
+    # More ranks than cores on one node: the fixed costs again with one rank per core, used by the
+    # model for nodes that small.
+    if WORLD.size > cal.cores:
+        assert set(cal.uncrowded) == {"alpha_intra", "py_step", "rd_step", "node_fixed"}
+        assert all(0 < v < 1e-2 for v in cal.uncrowded.values()), cal.uncrowded
+        tiny = [model.allreduce_time(4096, 2, algorithm="hierarchical", calibration=c) for c in (cal, base)]
+        assert tiny[0] != tiny[1]
+    else:
+        assert cal.uncrowded is None
