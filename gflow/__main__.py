@@ -1,6 +1,7 @@
-"""Command line: `python -m gflow demo|info|calibrate|model`.
+"""Command line: `python -m gflow demo|bench|info|calibrate|model`.
 
 mpiexec -n 4 python -m gflow demo     # gflow's allreduce beside MPI's own, checked and timed
+mpiexec -n 4 python -m gflow bench -b 4K -e 256M -f 2 --check    # nccl-tests' all_reduce_perf
 python -m gflow info                  # what this installation sees: paste it into bug reports
 mpiexec -n 4 python -m gflow info     # ... and the nodes (topology) gflow finds among the ranks
 mpiexec -n 4 python -m gflow calibrate --out calib.json    # the cost model's constants, measured
@@ -12,6 +13,8 @@ import json
 import os
 import sys
 import time
+
+from . import benchmark
 
 
 def demo(sizes_bytes: list[int], repeats: int) -> int:
@@ -224,6 +227,18 @@ def _plot_model(args, sizes, compute_s, batch, cal) -> None:
     print(f"wrote {args.plot}")
 
 
+def bench_command(parser, args) -> int:
+    from mpi4py import MPI
+
+    try:
+        benchmark.check_arguments(args)
+    except ValueError as exc:
+        if MPI.COMM_WORLD.rank == 0:  # every rank finds the same fault: one message is enough
+            parser.error(str(exc))
+        return 2
+    return benchmark.run(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="gflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -236,6 +251,13 @@ def main(argv=None) -> int:
         "--sizes", default="4K,64K,1M,4M,16M", help="message sizes (K/M suffixes), comma-separated"
     )
     d.add_argument("--repeats", type=int, default=15)
+    b = sub.add_parser(
+        "bench",
+        help="allreduce bandwidth over a range of sizes, nccl-tests style (run under mpiexec)",
+        description=benchmark.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    benchmark.add_arguments(b)
     sub.add_parser("info", help="versions, MPI library and thread level, GPU seen or not")
     c = sub.add_parser("calibrate", help="measure the cost model's constants (run under mpiexec)")
     c.add_argument("--out", default="gflow-calibration.json", help="the JSON file to write")
@@ -262,6 +284,8 @@ def main(argv=None) -> int:
         return calibrate_command(args)
     if args.command == "model":
         return model_command(m, args)
+    if args.command == "bench":
+        return bench_command(b, args)
     units = {"K": 2**10, "M": 2**20}
     sizes = [
         int(float(s[:-1]) * units[s[-1].upper()]) if s[-1].upper() in units else int(s)
