@@ -227,7 +227,8 @@ class DataParallel:
         When every parameter is a NumPy floating array of one dtype (and not dense fp16, whose pool
         holds float16), they are views of LazyAllreduce's fusion pool, so pushing costs no copy;
         otherwise new arrays of each parameter's kind. The same arrays on every call, zeroed on the
-        first. After synchronize() they hold the reduced gradients.
+        first. After synchronize() they hold the reduced gradients. The first call is collective
+        when it carves the pool (LazyAllreduce.gradient_buffers): every rank calls it then.
         """
         if self._buffers is None:
             lazy = self._lazy

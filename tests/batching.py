@@ -8,8 +8,12 @@ test the verdict of all ranks together: passed only if every rank passed, failed
 report, skipped when every rank skipped (mpi-pytest counted a child's skip as a pass).
 
 A test that kills its batch (the deadlock watchdog, a crash) fails with the batch's output; the tests
-after it run again in a fresh batch. `@pytest.mark.isolated` keeps a test in its own `mpiexec`
-(mpi-pytest's way, judged by the exit status), and GFLOW_TEST_BATCH=0 turns batching off.
+after it run again in a fresh batch. A batch that crashes or hangs after its last test (at exit:
+MPI_Finalize, atexit handlers) fails its last test. `@pytest.mark.isolated` keeps a test in its own
+`mpiexec` (mpi-pytest's way, judged by the exit status), and GFLOW_TEST_BATCH=0 turns batching off.
+
+The tests of a batch share their processes, as under `mpiexec -n N pytest`: a test must not depend on
+state a fresh process has (a warn-once flag: monkeypatch it; or mark the test isolated).
 """
 
 import json
@@ -80,7 +84,9 @@ def _run_batch(first):
         for it in items[items.index(first) :]
         if it.path == first.path and _batched(it) and _world_size(it) == size and it.nodeid not in _verdicts
     ]
-    args = [str(first.config.rootpath / it.nodeid) for it in group]
+    config = first.config
+    args = [str(config.rootpath / it.nodeid) for it in group]
+    args += ["--rootdir", str(config.rootpath)] + (["-c", str(config.inipath)] if config.inipath else [])
     # --capture=sys: the watchdog's stack dump and MPI's own messages reach the batch's output.
     quiet = ["-q", "--no-header", "--no-summary", "--disable-warnings", "--tb=short", "--capture=sys"]
     with tempfile.TemporaryDirectory(prefix="gflow-batch-") as reports:
@@ -120,6 +126,7 @@ def _read_reports(folder):
 
 
 def _judge(group, size, ranks, status, output):
+    any_failed = False
     for item in group:
         phases = [ranks.get(rank, {}).get(item.nodeid, {}) for rank in range(size)]
         if not all("teardown" in p for p in phases):
@@ -129,6 +136,7 @@ def _judge(group, size, ranks, status, output):
             return
         failed = [(r, text) for r, p in enumerate(phases) for res, text in p.values() if res == "failed"]
         skipped = [p.get("setup", ("", ""))[1] or p.get("call", ("", ""))[1] for p in phases if _skipped(p)]
+        any_failed |= bool(failed)
         if failed:
             shown = "\n".join(f"--- rank {r} ---\n{text}" for r, text in failed[:size])
             ranks_failed = sorted({r for r, _ in failed})
@@ -140,6 +148,13 @@ def _judge(group, size, ranks, status, output):
             _verdicts[item.nodeid] = ("failed", text)
         else:
             _verdicts[item.nodeid] = ("passed", "")
+    if status != 0 and not (status == 1 and any_failed):  # every test reported, yet the batch failed
+        tail = output[-OUTPUT_TAIL:]
+        last = group[-1].nodeid
+        _verdicts[last] = (
+            "failed",
+            f"every test of the batch reported, then its mpiexec ended ({status}):\n{tail}",
+        )
 
 
 def _skipped(phases) -> bool:

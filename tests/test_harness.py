@@ -41,3 +41,18 @@ def test_batched_tests_get_the_verdict_of_every_rank():
     assert "FAILED tests/batch_cases.py::test_kills_its_batch" in output, output
     assert "PASSED tests/batch_cases.py::test_after_the_dead_batch_still_runs" in output, output
     assert "nothing to test here" in output, output
+
+
+def test_a_batch_that_fails_after_its_tests_fails_its_last_test():
+    """A crash at exit (MPI_Finalize, an atexit handler) must not pass unseen."""
+    case = os.path.join(HERE, "batch_exit_case.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", case],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    assert "1 failed, 1 passed" in output, output
+    assert "FAILED tests/batch_exit_case.py::test_passes_then_rank_1_fails_at_exit" in output, output
+    assert "every test of the batch reported, then its mpiexec ended (7)" in output, output

@@ -265,7 +265,8 @@ def test_lazy_gradient_pool_lives_in_shared_memory(monkeypatch, reduce_in_place)
             lazy = gflow.LazyAllreduce(threshold_bytes=300_000, op="sum", comm=comm)
             grads = lazy.gradient_buffers(shapes, reduce_in_place=reduce_in_place)
             nodes = expected_nodes(setting, WORLD.size)
-            shared = WORLD.size > 1 and max(len(n) for n in nodes) > 1
+            # Where auto would take the node phase: nodes of 2+ ranks, or one node of 3+.
+            shared = max(len(n) for n in nodes) > 1 if len(nodes) > 1 else WORLD.size > 2
             in_pool = [any(p.views(g) is not None for p in hierarchical._pools) for g in grads]
             assert in_pool == [shared] * len(grads), (setting, in_pool)
             assert all(not g.any() for g in grads)  # zeroed
@@ -305,7 +306,31 @@ def test_a_rank_whose_input_is_not_in_its_pool_gets_the_copy_path():
         on_all_ranks(lambda mine=mine, y=y: np.testing.assert_array_equal(mine, y))
 
 
-@pytest.mark.parallel([2, 3])
+@pytest.mark.parallel([2, 3, 4])
+def test_gradient_buffers_during_a_step_abandons_it_on_that_rank():
+    """A rank that calls gradient_buffers() with a step in flight abandons its step (RuntimeError,
+    its pushed array keeps its values); the others' call fails with MismatchError; the next step works."""
+    lazy = gflow.LazyAllreduce(threshold_bytes=2**16, op="sum")
+    grads = lazy.gradient_buffers([(100_000,), (10,)])
+    values = [random_array(rank_rng(14), g.shape, np.float32) for g in grads]
+    for g, v in zip(grads, values, strict=True):
+        g[...] = v
+    if WORLD.rank == 0:
+        lazy.push(grads[0])  # above the threshold: its segment is fired
+        with pytest.raises(RuntimeError, match="a step was in flight"):
+            lazy.gradient_buffers([(5,)])
+        np.testing.assert_array_equal(grads[0], values[0])
+    else:
+        with pytest.raises(gflow.MismatchError):
+            lazy.gradient_buffers([(5,)])
+    for g in grads:
+        lazy.push(g)
+    lazy.flush()
+    for g, v in zip(grads, values, strict=True):
+        on_all_ranks(lambda g=g, v=v: assert_close_to_reference(g, v, "sum"))
+
+
+@pytest.mark.parallel([3])
 def test_gradient_buffers_is_collective_and_checks_every_rank(monkeypatch):
     """A rank whose arguments fail its checks raises its error and the others MismatchError; ranks
     asking for different pools fail together; a node without room for the pool warns and keeps it in
@@ -322,9 +347,15 @@ def test_gradient_buffers_is_collective_and_checks_every_rank(monkeypatch):
             lazy.gradient_buffers([(10,)])
     with pytest.raises(gflow.MismatchError, match="gradient_buffers"):
         lazy.gradient_buffers([(10,), (5 if last else 6,)])
+    with pytest.raises(ValueError, match="more than this machine's memory"):
+        lazy.gradient_buffers([(2**32, 2**32)])  # (its element count wraps to 0 in int64)
     monkeypatch.setattr(hierarchical, "_shared_memory_room", lambda: 1000)
-    monkeypatch.setattr(hierarchical, "_warned", False)
-    with pytest.warns(RuntimeWarning, match="private memory"):
+    with pytest.warns(RuntimeWarning, match="private memory.*has 0 MiB free"):
+        (grad,) = lazy.gradient_buffers([(100_000,)])
+    assert not any(p.views(grad) is not None for p in hierarchical._pools)
+    monkeypatch.undo()
+    monkeypatch.setattr(hierarchical, "MAX_SHARED_POOLS", len(hierarchical._pools))
+    with pytest.warns(RuntimeWarning, match="already holds"):
         (grad,) = lazy.gradient_buffers([(100_000,)])
     assert not any(p.views(grad) is not None for p in hierarchical._pools)
     monkeypatch.undo()

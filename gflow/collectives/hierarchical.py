@@ -121,6 +121,7 @@ class Hierarchy:
             self._window = MPI.Win.Allocate_shared(2 * size, 1, comm=self.node.comm)
             self._window.Lock_all(MPI.MODE_NOCHECK)
             memory = [np.frombuffer(self._window.Shared_query(q)[0], np.uint8) for q in range(self.node.size)]
+            memory[self.local][:] = 0  # take the room now: a later window must not count it as free
             self._slots = [[m[:size], m[size : 2 * size]] for m in memory]
             self._slot_bytes = size
         self._parity ^= 1
@@ -169,23 +170,33 @@ class SharedPool:
 
 _pools: list = []
 _next_pool = 1  # a pool's number is agreed by its node ranks: the largest of their next numbers
+# MPICH holds about 2,000 windows per process; pools are kept until exit, so their number is bounded.
+MAX_SHARED_POOLS = 64
 
 
 def shared_pool(ctx: CommContext, nbytes: int):
-    """nbytes of zeroed host memory for this rank's gradient pool, in a shared window of its node,
-    so that the node phase reads every rank's gradients where they were written (no copy in); None
-    when that cannot help (no shared memory, one rank per node) or the node lacks room for it.
-    Collective over ctx, and every rank gets a window or none (they agree)."""
+    """(memory, None): nbytes of zeroed host memory for this rank's gradient pool in a shared window
+    of its node, so that the node phase reads every rank's gradients where they were written (no
+    copy in); or (None, why) when that cannot help (auto would not take the node phase: no shared
+    memory, one rank per node, two ranks on one node), the node lacks room for it, or this process
+    already holds MAX_SHARED_POOLS pools. Collective over ctx; every rank gets a window or none."""
     global _next_pool
     h = hierarchy(ctx)
-    useful = h.topology.shared_memory and max(len(n) for n in h.topology.nodes) > 1
+    topo = h.topology
+    largest = max(len(n) for n in topo.nodes)
+    useful = topo.shared_memory and (largest > 1 if len(topo.nodes) > 1 else ctx.size > 2)
     size = max(4096, -(-nbytes // 4096) * 4096)
     room = h.node.comm.allreduce(_shared_memory_room(), op=MPI.MIN) if useful else 0
-    fits = useful and size * h.node.size <= room // 2
+    fits = useful and size * h.node.size <= room // 2 and len(_pools) < MAX_SHARED_POOLS
     if not ctx.comm.allreduce(bool(fits), op=MPI.LAND):
-        if useful:
-            _warn_no_room(size * h.node.size, room)
-        return None
+        if not useful:
+            return None, None
+        if len(_pools) >= MAX_SHARED_POOLS:
+            return None, f"this process already holds {MAX_SHARED_POOLS} shared pools (kept until exit)"
+        return None, (
+            f"{size * h.node.size >> 20} MiB on this node, and {_SHM} has {room >> 20} MiB free (gflow "
+            f"takes at most half of it); give {_SHM} more room"
+        )
     ident = h.node.comm.allreduce(_next_pool, op=MPI.MAX)
     _next_pool = ident + 1
     window = MPI.Win.Allocate_shared(size, 1, comm=h.node.comm)
@@ -193,7 +204,7 @@ def shared_pool(ctx: CommContext, nbytes: int):
     memory = [np.frombuffer(window.Shared_query(q)[0], np.uint8) for q in range(h.node.size)]
     memory[h.local][:] = 0
     _pools.append(SharedPool(window, memory, h.local, h.node.comm.Get_group(), ident))
-    return memory[h.local][:nbytes]
+    return memory[h.local][:nbytes], None
 
 
 _SHM = "/dev/shm"  # where MPICH and Open MPI put shared-memory windows on Linux
@@ -215,8 +226,8 @@ def _warn_no_room(needed: int, room: int) -> None:
         _warned = True
         warnings.warn(
             f"gflow: the hierarchical allreduce's node phase needs a {needed >> 20} MiB shared-memory "
-            f"window and {_SHM} has {room >> 20} MiB free; using a ring inside the node (or a gradient "
-            f"pool in private memory) instead (give {_SHM} more room, or lower "
+            f"window and {_SHM} has {room >> 20} MiB free (gflow takes at most half of it); using a ring "
+            f"inside the node instead (give {_SHM} more room, or lower "
             "gflow.config.shared_memory_max_bytes)",
             RuntimeWarning,
             stacklevel=2,

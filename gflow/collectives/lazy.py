@@ -23,7 +23,10 @@ residuals only then. After an error every rank's pushed arrays keep their local 
 residual is as before the step: nothing is lost or counted twice, and the step can be retried.
 """
 
+import math
+import os
 import struct
+import warnings
 import zlib
 
 import numpy as np
@@ -289,15 +292,23 @@ class LazyAllreduce:
         keep full precision, so they may.
 
         Collective: every rank calls it, with the same shapes and dtype (a rank whose arguments fail
-        its checks raises its error, the others MismatchError). Where nodes hold several ranks with
-        shared memory, the pool is allocated in an MPI shared-memory window of the node, so the
-        hierarchical allreduce's node phase reads each rank's gradients where backward wrote them
-        (collectives/hierarchical.py); that memory is kept until the process ends. Each call
-        allocates a new pool.
+        its checks raises its error, the others MismatchError). Where the hierarchical allreduce's
+        node phase would run (nodes of several ranks with shared memory; on one node, three ranks or
+        more), the pool is allocated in an MPI shared-memory window of the node, so that the node
+        phase reads each rank's gradients where backward wrote them (collectives/hierarchical.py).
+        It reads the communicator's topology (GFLOW_RANKS_PER_NODE) if no allreduce has yet. Each
+        call allocates a new pool, kept until the process ends; past
+        hierarchical.MAX_SHARED_POOLS of them, or without room in /dev/shm, the pool is in private
+        memory (with a warning) and the node phase copies it in.
+
+        Called while this rank has a step in flight, it abandons that step (as a failed one: the
+        pushed arrays keep their values) and raises RuntimeError; the other ranks' call raises
+        MismatchError.
         """
+        if self._in_step():
+            self._fail_step(RuntimeError("gradient_buffers: a step was in flight (pushed, not flushed)"))
+            self.flush()  # raises, once the step's segments are done: this rank starts clean
         try:
-            if self._in_step():
-                raise RuntimeError("gradient_buffers: a step is in flight (pushed, not flushed)")
             if self.compression and not self.sparse:
                 raise ValueError(
                     "gradient_buffers: the pool is float16 with compression='fp16'; push ordinary arrays"
@@ -309,11 +320,18 @@ class LazyAllreduce:
             dtype = check_dtype(np.dtype(dtype))
             check_op(self.op, dtype)
             shapes = [_check_shape(shape) for shape in shapes]
+            total = sum(math.prod(shape) for shape in shapes) * dtype.itemsize
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if total > memory:
+                raise ValueError(
+                    f"gradient_buffers: the shapes hold {total} bytes of {dtype.name}, more than this "
+                    f"machine's memory ({memory} bytes)"
+                )
         except Exception as exc:
             if not self._alone():  # the peers are about to allocate with this rank: they must fail too
                 rejected_in_background(context(self._comm), "gradient_buffers", exc).wait()  # raises exc
             raise
-        sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+        sizes = [math.prod(shape) for shape in shapes]
         segments, start, pending = [], 0, 0
         for i, size in enumerate(sizes):
             pending += size * dtype.itemsize
@@ -354,7 +372,14 @@ class LazyAllreduce:
             return hierarchical.shared_pool(ctx, nbytes)
 
         handle = engine.submit("gradient_buffers", allocate, ctx=ctx, on_failure=parent.reset_background)
-        memory = handle.wait()
+        memory, why_not = handle.wait()
+        if why_not:
+            warnings.warn(
+                f"gflow: LazyAllreduce.gradient_buffers: the gradient pool stays in private memory (the "
+                f"hierarchical allreduce's node phase then copies it in): a shared pool needs {why_not}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return np.zeros(nbytes, np.uint8) if memory is None else memory
 
     def flush(self) -> None:
