@@ -20,8 +20,8 @@ seconds, per byte or per element, for a rank that has a core to itself:
                               shared-memory transport and cache effects the terms above miss)
 
 `calibrate` fits the last four from gflow's own allreduces at a few sizes on the calibration's
-communicator (a tiny ring, a tiny and a 32 MB node phase, an 8 MB ring inside the node, a tiny
-recursive doubling); everything else it predicts is held out (bench/model_check.py).
+communicator (a tiny ring, a tiny and a 32 MB node phase, an 8 MB and a 32 MB ring inside the node,
+a tiny recursive doubling); everything else it predicts is held out (bench/model_check.py).
 
 A node of k ranks on c cores runs its CPU-bound terms ceil(k/c) times slower when k > c (`cores`),
 which is what happens on the 2-core development machine at p = 3 and 4. Its fixed costs (latency,
@@ -84,6 +84,9 @@ class Calibration:
     # The fixed costs (alpha_intra, py_step, rd_step, node_fixed) measured again with one rank per
     # core, when the calibration ran more ranks than cores on one node; None: not measured.
     uncrowded: dict | None = None
+    # ring_scale measured at RING_SCALE_BYTES[1] (ring_scale: at [0]); between them the model
+    # interpolates in log size (caches make a ring's bytes dearer as messages grow). None: one scale.
+    ring_scale_large: float | None = None
 
     @classmethod
     def load(cls, path: str | None = None) -> "Calibration":
@@ -104,7 +107,8 @@ class Calibration:
         if not isinstance(data, dict):
             raise ValueError(f"calibration {path}: expected a JSON object of constants")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        missing = sorted(set(cls.__dataclass_fields__) - set(known) - {"source", "uncrowded"})
+        optional = {"source", "uncrowded", "ring_scale_large"}
+        missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(
                 f"calibration {path}: missing {', '.join(missing)} "
@@ -136,6 +140,17 @@ def _for_node(cal: Calibration, ranks_on_node: int) -> Calibration:
 
 
 _FIXED_COSTS = ("alpha_intra", "py_step", "rd_step", "node_fixed")
+RING_SCALE_BYTES = (8 * 2**20, 32 * 2**20)  # where calibrate measures a ring inside a node
+
+
+def _ring_scale(cal: Calibration, nbytes: int) -> float:
+    small, large = RING_SCALE_BYTES
+    if cal.ring_scale_large is None or nbytes <= small:
+        return cal.ring_scale
+    if nbytes >= large:
+        return cal.ring_scale_large
+    share = math.log2(nbytes / small) / math.log2(large / small)
+    return cal.ring_scale + share * (cal.ring_scale_large - cal.ring_scale)
 
 
 def _slowdown(cal: Calibration, ranks_on_node: int) -> float:
@@ -166,8 +181,11 @@ def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1, scale=1.0, network=False):
     return fixed + scale * bandwidth
 
 
-def _agreement(cal, p, alpha, cpu):
-    return 0.0 if p == 1 else math.ceil(math.log2(p)) * (alpha + cpu * cal.py_step)
+def _agreement(cal, p, alpha, cpu, inside: int = 0):
+    """The header-only exchange before a bandwidth algorithm; `inside` of its rounds stay in a node."""
+    rounds = 0 if p == 1 else math.ceil(math.log2(p))
+    inside = min(inside, rounds)
+    return inside * (cal.alpha_intra + cpu * cal.py_step) + (rounds - inside) * (alpha + cpu * cal.py_step)
 
 
 def allreduce_time(
@@ -211,10 +229,14 @@ def allreduce_time(
             algorithm = "hierarchical" if k > 2 and nbytes >= DEFAULT_SHARED_MEMORY_MIN_BYTES else "ring"
     if algorithm == "recursive_doubling":
         rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
-        return codec + rounds * (alpha_x + cpu * cal.rd_step + nbytes * (beta_x + cpu * cal.gamma))
-    agree = _agreement(cal, ranks, alpha_x, cpu)
+        # Round i pairs ranks 2**i apart: the first log2(k) rounds stay inside a node of consecutive ranks.
+        inside = min(rounds, int(math.log2(k))) if m > 1 else 0
+        near = cal.alpha_intra + cpu * cal.rd_step + nbytes * (cpu * cal.beta_intra + cpu * cal.gamma)
+        far = alpha_x + cpu * cal.rd_step + nbytes * (beta_x + cpu * cal.gamma)
+        return codec + inside * near + (rounds - inside) * far
+    agree = _agreement(cal, ranks, alpha_x, cpu, int(math.log2(k)) if m > 1 else 0)
     if algorithm == "ring":
-        scale = cal.ring_scale if m == 1 else 1.0
+        scale = _ring_scale(cal, nbytes) if m == 1 else 1.0
         return codec + agree + _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu, scale=scale, network=m > 1)
     if algorithm != "hierarchical":
         raise ValueError(
@@ -425,20 +447,25 @@ def calibrate(comm=None, progress=print) -> Calibration:
             times.append(comm.allreduce(t, op=MPI.MAX))
         cal.node_fixed = max(1e-6, (times[0] - agree) / slow)
         cal.node_passes = max(0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
-        x = a[: 2 * 2**20]
-        t = _local_rate(
-            node_comm, lambda: gflow.allreduce(x, comm=node_comm, algorithm="ring", out=out[: x.size]), 10
-        )
-        t = comm.allreduce(t, op=MPI.MAX)
-        fixed, bandwidth = _ring_parts(cal, x.nbytes, k, cal.alpha_intra, slow * cal.beta_intra, slow)
-        cal.ring_scale = max(0.2, (t - agree - fixed) / bandwidth)
+        scales = []
+        for x in (a[: RING_SCALE_BYTES[0] // 4], a[: RING_SCALE_BYTES[1] // 4]):
+            t = _local_rate(
+                node_comm,
+                lambda x=x: gflow.allreduce(x, comm=node_comm, algorithm="ring", out=out[: x.size]),
+                10 if x.nbytes < 2**24 else 4,
+            )
+            t = comm.allreduce(t, op=MPI.MAX)
+            fixed, bandwidth = _ring_parts(cal, x.nbytes, k, cal.alpha_intra, slow * cal.beta_intra, slow)
+            scales.append(max(0.2, (t - agree - fixed) / bandwidth))
+        cal.ring_scale, cal.ring_scale_large = scales
         node_comm.Free()
     if len(topo.nodes) == 1 and comm.size > cores > 1:
         cal.uncrowded = _uncrowded(comm, cores)
         progress("one rank per core: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in cal.uncrowded.items()))
     progress(
         f"node phase {cal.node_passes:.2f} copies per byte + {cal.node_fixed * 1e6:.0f} us; ring "
-        f"bandwidth x{cal.ring_scale:.2f}; Python per ring step {cal.py_step * 1e6:.1f} us, per "
+        f"bandwidth x{cal.ring_scale:.2f} (8 MB), x{cal.ring_scale_large or cal.ring_scale:.2f} (32 MB); "
+        f"Python per ring step {cal.py_step * 1e6:.1f} us, per "
         f"recursive-doubling round {cal.rd_step * 1e6:.1f} us"
     )
     return cal
