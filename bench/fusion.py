@@ -151,6 +151,22 @@ def worker(args) -> None:
     else:  # without compute, overlap changes nothing: keep the run short
         for name in ("per-tensor + overlap", "lazy + overlap"):
             del runs[name]
+    if args.timeline:  # the lazy step again with the timeline on (its cost), alternating with the rest
+        from gflow import timeline
+
+        timeline.start_timeline(args.timeline)
+        tracing, timeline._active = timeline._active, None  # on only inside the traced contender
+        lazy_step = runs.get("lazy + overlap", lazy_after)
+
+        def traced():
+            timeline._active = tracing
+            try:
+                timeline.instant("step")
+                lazy_step()
+            finally:
+                timeline._active = None
+
+        runs["lazy, timeline on" if args.ratio == 0 else "lazy + overlap, timeline on"] = traced
     nbytes = 4 * np.array(sizes)
     segments = model_segments([int(b) for b in nbytes], args.threshold)
     wire = {
@@ -173,6 +189,9 @@ def worker(args) -> None:
                 f"  {args.model} p={p} {args.network} ratio={args.ratio}: repetition {rep + 1}/{args.reps}",
                 flush=True,
             )
+    if args.timeline:
+        timeline._active = tracing
+        timeline.stop_timeline()
     if rank == 0:
         rows = []
         base = float(np.median(times["per-tensor"]))
@@ -243,6 +262,10 @@ def main() -> None:
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--networks", nargs="+", default=["shm", "500mbit", "1gbit"])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.0, 1.0], help="compute / communication")
+    parser.add_argument(
+        "--timeline",
+        help="also run the lazy step with gflow's timeline on, written to this path (one file per rank)",
+    )
     parser.add_argument("--threshold", type=int, default=None, help="LazyAllreduce threshold_bytes")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=OUT)
@@ -280,6 +303,12 @@ def main() -> None:
                         "--out",
                         args.out,
                     ]
+                    if args.timeline:
+                        root, ext = os.path.splitext(args.timeline)
+                        worker_args += [
+                            "--timeline",
+                            f"{root}_{model}_p{p}_{network}_r{ratio:g}{ext or '.json'}",
+                        ]
                     rate = None if network == "shm" else netem.parse_rate(network)
                     netem.launch(os.path.abspath(__file__), p, worker_args, rate)
                     paths.append(os.path.join(args.out, f"fusion_{model}_p{p}_{network}_r{ratio}.json"))

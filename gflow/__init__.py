@@ -3,6 +3,8 @@
 The public API; the implementation lives in the private modules.
 """
 
+import os as _os
+
 from ._config import config
 from .collectives.api import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
 from .collectives.lazy import LazyAllreduce
@@ -11,6 +13,10 @@ from .compression import LossScaler
 from .data_parallel import DataParallel, broadcast_parameters
 from .engine import Handle
 from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError
+from .timeline import start_timeline, stop_timeline
+
+if _os.environ.get("GFLOW_TIMELINE"):
+    start_timeline(_os.environ["GFLOW_TIMELINE"])
 
 __version__ = "0.1.0"
 
@@ -31,4 +37,6 @@ __all__ = [
     "broadcast_parameters",
     "config",
     "reduce_scatter",
+    "start_timeline",
+    "stop_timeline",
 ]

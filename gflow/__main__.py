@@ -1,7 +1,8 @@
-"""Command line: `python -m gflow demo|bench|info|calibrate|model`.
+"""Command line: `python -m gflow demo|bench|timeline|info|calibrate|model`.
 
 mpiexec -n 4 python -m gflow demo     # gflow's allreduce beside MPI's own, checked and timed
 mpiexec -n 4 python -m gflow bench -b 4K -e 256M -f 2 --check    # nccl-tests' all_reduce_perf
+python -m gflow timeline merge trace.*.json -o trace.json        # GFLOW_TIMELINE's files, merged
 python -m gflow info                  # what this installation sees: paste it into bug reports
 mpiexec -n 4 python -m gflow info     # ... and the nodes (topology) gflow finds among the ranks
 mpiexec -n 4 python -m gflow calibrate --out calib.json    # the cost model's constants, measured
@@ -239,6 +240,23 @@ def bench_command(parser, args) -> int:
     return benchmark.run(args)
 
 
+def timeline_command(parser, args) -> int:
+    from . import timeline
+
+    try:
+        if args.action == "merge":
+            count = timeline.merge(args.files, args.out)
+            print(f"wrote {args.out}: {count} events from {len(args.files)} file(s)")
+        else:
+            if len(args.files) != 1:
+                raise ValueError("plot takes one trace (merge the ranks' files first)")
+            timeline.plot(args.files[0], args.out, args.start_ms, args.end_ms)
+            print(f"wrote {args.out}")
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(str(exc))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="gflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -258,6 +276,12 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     benchmark.add_arguments(b)
+    t = sub.add_parser("timeline", help="merge the ranks' timeline files, or plot one (PNG)")
+    t.add_argument("action", choices=["merge", "plot"])
+    t.add_argument("files", nargs="+", help="merge: every rank's file; plot: one (merged) trace")
+    t.add_argument("-o", "--out", required=True, help="the merged trace (JSON) or the picture (PNG)")
+    t.add_argument("--start-ms", type=float, help="plot: from this time (ms after the first span)")
+    t.add_argument("--end-ms", type=float, help="plot: up to this time")
     sub.add_parser("info", help="versions, MPI library and thread level, GPU seen or not")
     c = sub.add_parser("calibrate", help="measure the cost model's constants (run under mpiexec)")
     c.add_argument("--out", default="gflow-calibration.json", help="the JSON file to write")
@@ -286,6 +310,8 @@ def main(argv=None) -> int:
         return model_command(m, args)
     if args.command == "bench":
         return bench_command(b, args)
+    if args.command == "timeline":
+        return timeline_command(t, args)
     units = {"K": 2**10, "M": 2**20}
     sizes = [
         int(float(s[:-1]) * units[s[-1].upper()]) if s[-1].upper() in units else int(s)

@@ -19,6 +19,19 @@ def _env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be 0 or 1, got {value!r}")
 
 
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0 (0: off), got {value!r}")
+    return seconds
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None or value == "":
@@ -74,6 +87,10 @@ class Config:
         shared_memory_max_bytes: the hierarchical allreduce moves larger messages in pieces of this
             size, so its shared-memory window holds two slots of at most this per rank and
             communicator (GFLOW_SHARED_MEMORY_MAX_BYTES).
+        stall_warning_s: a rank that has waited on its peers this long in a collective says which
+            ranks have not entered it yet, on stderr (GFLOW_STALL_WARNING_S; 0: never; gflow/stall.py).
+        stall_abort_s: ... and after this long ends the job with MPI_Abort (GFLOW_STALL_ABORT_S;
+            default 0: never).
     """
 
     validate: bool = True
@@ -84,6 +101,8 @@ class Config:
     shared_memory_min_bytes: int = DEFAULT_SHARED_MEMORY_MIN_BYTES
     hierarchical_min_bytes: int = DEFAULT_HIERARCHICAL_MIN_BYTES
     shared_memory_max_bytes: int = DEFAULT_SHARED_MEMORY_MAX_BYTES
+    stall_warning_s: float = 60.0
+    stall_abort_s: float = 0.0
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -100,6 +119,8 @@ class Config:
             shared_memory_max_bytes=_env_int(
                 "GFLOW_SHARED_MEMORY_MAX_BYTES", DEFAULT_SHARED_MEMORY_MAX_BYTES
             ),
+            stall_warning_s=_env_seconds("GFLOW_STALL_WARNING_S", 60.0),
+            stall_abort_s=_env_seconds("GFLOW_STALL_ABORT_S", 0.0),
         )
 
 

@@ -11,6 +11,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from . import stall, timeline
 from ._config import config
 from .errors import GflowError
 
@@ -56,6 +57,29 @@ def _polite_waitall(requests) -> None:
         time.sleep(pause)
 
 
+def _traced(wait):
+    """wait, marked for the stall inspector (this thread waits on a peer since now), and shown as a
+    "wait" span when a timeline is on."""
+
+    local, monotonic = stall._local, time.monotonic
+
+    def waitall(requests):
+        try:
+            mark = local.mark
+        except AttributeError:
+            mark = stall.mark()
+        mark.since = monotonic()
+        try:
+            if timeline._active is None:
+                return wait(requests)
+            with timeline.span("wait"):
+                return wait(requests)
+        finally:
+            mark.since = None
+
+    return waitall
+
+
 class CommContext:
     """gflow's view of one user communicator."""
 
@@ -67,6 +91,11 @@ class CommContext:
         # started theirs yet could never return. The duplicate is waited for on first use (.comm).
         self._user_comm = comm
         self._comm, self._pending = (comm, None) if own else comm.Idup()
+        # The stall inspector's questions travel on a duplicate of their own (none for gflow's own
+        # node and cross-node communicators: their collectives are counted on the caller's context).
+        self.monitor_comm, self._monitor_pending = (None, None) if own else comm.Idup()
+        self.entered = 0  # collectives begun on this context (stall.py)
+        self.last_sig = None
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.rd_fold, self.rd_rounds = rd_schedule(self.rank, self.size)
@@ -79,7 +108,7 @@ class CommContext:
         self.failed = None  # set on a background context by its first failed collective
         # How this context waits for its messages: the caller's thread blocks in MPI (lowest latency);
         # the engine thread polls and sleeps in between, so the caller's computation keeps the core.
-        self.waitall = _polite_waitall if background else MPI.Request.Waitall
+        self.waitall = _traced(_polite_waitall if background else MPI.Request.Waitall)
 
     def check_usable(self) -> None:
         """Refuse to communicate on a background context after one of its collectives failed.
@@ -104,6 +133,10 @@ class CommContext:
         if self._pending is not None:
             self._pending.Wait()
             self._pending = None
+            if self._monitor_pending is not None:
+                self._monitor_pending.Wait()
+                self._monitor_pending = None
+                stall.watch(self)
         return self._comm
 
     def background(self) -> "CommContext":
@@ -152,6 +185,11 @@ class CommContext:
                 plan.free()
             self.rd_plans.clear()
             self.comm.Free()
+            stall.unwatch(self)
+            if self.monitor_comm is not None:
+                with stall._lock:  # not while the monitor is asking or answering on it
+                    self.monitor_comm.Free()
+                    self.monitor_comm = None
 
 
 def _free_all() -> None:

@@ -10,6 +10,8 @@ in training.
 
 import numpy as np
 
+from . import timeline
+
 COMPRESSIONS = (None, "fp16")
 WIRE_DTYPE = np.dtype(np.float16)
 
@@ -27,12 +29,14 @@ def check_compression(compression, dtype: np.dtype):
 
 def encode(ops, wire, src, op: str, size: int, scale: float = 1.0) -> None:
     """Cast src (times scale) into the float16 wire buffer, dividing by size first for a mean."""
-    ops.cast_scaled(wire, src, scale / size if op == "mean" else scale)
+    with timeline.span("fp16 encode", elements=wire.size):
+        ops.cast_scaled(wire, src, scale / size if op == "mean" else scale)
 
 
 def decode(ops, dst, wire) -> bool:
     """Cast the reduced float16 wire buffer back into dst; True if any value is NaN or inf."""
-    return ops.cast_scaled(dst, wire, 1.0)
+    with timeline.span("fp16 decode", elements=wire.size):
+        return ops.cast_scaled(dst, wire, 1.0)
 
 
 class LossScaler:

@@ -15,6 +15,7 @@ import threading
 
 from mpi4py import MPI
 
+from . import stall, timeline
 from .errors import GflowError
 
 
@@ -77,6 +78,8 @@ class Engine:
                 self._thread = threading.Thread(target=self._run, name="gflow-engine", daemon=True)
                 self._thread.start()
             self._queue.put((fn, handle, ctx))
+        if timeline._active is not None:
+            timeline.counter("engine queue", self._queue.qsize())
         return handle
 
     def _run(self) -> None:
@@ -86,7 +89,12 @@ class Engine:
                 return
             fn, handle, ctx = item
             try:
-                handle._finish(result=fn())
+                mark = stall.mark()
+                mark.job = handle.description
+                with timeline.span(handle.description):
+                    result = fn()
+                mark.job = None
+                handle._finish(result=result)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 if ctx is not None and ctx.failed is None and isinstance(exc, GflowError):
                     ctx.failed = f"{handle.description}: {exc}"

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from .. import engine
+from .. import engine, timeline
 from .._array import check_array
 from .._config import config
 from .._context import CommContext, context
@@ -191,7 +191,14 @@ def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=_USER
     run = lambda: _allreduce_checked(  # noqa: E731
         ctx, kind, x, dtype, name, chosen, codec, result, algorithm, tag
     )
-    return run() if about is None else _annotated(run, about)
+    if timeline._active is None:  # (the span's arguments cost more than the span)
+        return run() if about is None else _annotated(run, about)
+    count = int(np.prod(kind.shape(x), dtype=np.int64))
+    with timeline.span(
+        "allreduce", bytes=count * dtype.itemsize, dtype=dtype.name, op=name, algorithm=algorithm,
+        compression=codec or None,
+    ):  # fmt: skip
+        return run() if about is None else _annotated(run, about)
 
 
 def _allreduce_checked(ctx: CommContext, kind, x, dtype, name, chosen, codec, result, algorithm, tag):

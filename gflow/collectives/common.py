@@ -3,6 +3,7 @@ algorithm, and each collective on flat contiguous buffers given the ops for thei
 
 from mpi4py import MPI
 
+from .. import timeline
 from .._config import config
 from .._context import CommContext
 from .._validate import KIND_CODE, signature
@@ -13,7 +14,8 @@ from .recursive_doubling import allreduce_with_agreement
 def _agree(ctx: CommContext, sig: tuple) -> None:
     """Header-only agreement before a bandwidth algorithm (skipped when validation is off)."""
     if config.validate and ctx.size > 1:
-        allreduce_with_agreement(ctx, sig, config.small_message_bytes)
+        with timeline.span("agreement"):
+            allreduce_with_agreement(ctx, sig, config.small_message_bytes)
 
 
 def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, name: str) -> None:
@@ -22,9 +24,10 @@ def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, nam
         if dst is not src:
             ops.copy(dst, src)
     elif chosen == "recursive_doubling":
-        allreduce_with_agreement(
-            ctx, sig, config.small_message_bytes, src, dst, "sum" if name == "mean" else name
-        )
+        with timeline.span("recursive doubling", bytes=dst.nbytes) if timeline._active else timeline.OFF:
+            allreduce_with_agreement(
+                ctx, sig, config.small_message_bytes, src, dst, "sum" if name == "mean" else name
+            )
         if name == "mean":
             ops.divide(dst, ctx.size)
     else:
@@ -32,7 +35,7 @@ def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, nam
         host_memory = sig[6] == KIND_CODE["host"]  # agreed, unlike the transport each rank picked
         if chosen == "auto":
             chosen = settle_auto(ctx, dst.nbytes, host_memory)
-        if chosen == "hierarchical":
+        if chosen == "hierarchical":  # (the timeline shows which by the phases inside)
             hierarchical.allreduce(ctx, src, dst, ops, name, host_memory)
         else:
             ring.allreduce(ctx, src, dst, ops, name)

@@ -29,6 +29,7 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 
+from .. import timeline
 from .._config import config
 from .._context import CommContext
 from . import ring
@@ -265,37 +266,41 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, host_memory: bool
     slots = None
     if host_memory and h.topology.shared_memory and h.node.size > 1:
         slots = h.slots(dst.size, dst.dtype)  # None when the node has no room for the window
-    if slots is not None:
-        mine = slots[h.local]
-        tag, pools, pool = h.pool_views(src)
-        if pools is None:
-            _copy_in(ops, mine, src, lo, hi)
-        if not h.barrier(tag, pool):  # some node rank's src is elsewhere: all copy in after all
-            if pools is not None:
+    with timeline.span("node phase", bytes=dst.nbytes, ranks=h.node.size) as phase:
+        if slots is not None:
+            mine = slots[h.local]
+            tag, pools, pool = h.pool_views(src)
+            if pools is None:
                 _copy_in(ops, mine, src, lo, hi)
-            pools = pool = None
-            h.barrier()
-        if pools is not None:  # every node rank's src is at the same place of its shared pool
-            parts = [memory[lo:hi] for memory in pools]
+            if not h.barrier(tag, pool):  # some node rank's src is elsewhere: all copy in after all
+                if pools is not None:
+                    _copy_in(ops, mine, src, lo, hi)
+                pools = pool = None
+                h.barrier()
+            if pools is not None:  # every node rank's src is at the same place of its shared pool
+                parts = [memory[lo:hi] for memory in pools]
+            else:
+                own = src[lo:hi] if src.flags.writeable else None  # see _copy_in
+                parts = [own if q == h.local and own is not None else s[lo:hi] for q, s in enumerate(slots)]
+            ops.reduce_many(mine[lo:hi], parts, reduce_op)
+            phase.note(pool=pools is not None)
         else:
-            own = src[lo:hi] if src.flags.writeable else None  # see _copy_in
-            parts = [own if q == h.local and own is not None else s[lo:hi] for q, s in enumerate(slots)]
-        ops.reduce_many(mine[lo:hi], parts, reduce_op)
-    else:
-        ring.reduce_scatter(h.node, src, dst, ops, reduce_op, node_bounds)
-        mine = dst
-    for s in range(h.first, h.last):
+            ring.reduce_scatter(h.node, src, dst, ops, reduce_op, node_bounds)
+            mine = dst
+    for s in range(h.first, h.last) if len(h.topology.nodes) > 1 else ():  # (one node: nothing to do)
         shard = mine[bounds[s] : bounds[s + 1]]
-        ring.allreduce(h.cross[s], shard, shard, ops, reduce_op)
+        with timeline.span("cross-node ring", bytes=shard.nbytes, shard=s):
+            ring.allreduce(h.cross[s], shard, shard, ops, reduce_op)
     if op == "mean":
         ops.divide(mine[lo:hi], ctx.size)
         ops.fence()
-    if slots is not None:
-        h.barrier(pool=pool)
-        for q, slot in enumerate(slots):  # every block from the rank that finished it
-            ops.copy(dst[node_bounds[q] : node_bounds[q + 1]], slot[node_bounds[q] : node_bounds[q + 1]])
-    else:
-        ring.allgather(h.node, dst, ops, node_bounds)
+    with timeline.span("node allgather", bytes=dst.nbytes):
+        if slots is not None:
+            h.barrier(pool=pool)
+            for q, slot in enumerate(slots):  # every block from the rank that finished it
+                ops.copy(dst[node_bounds[q] : node_bounds[q + 1]], slot[node_bounds[q] : node_bounds[q + 1]])
+        else:
+            ring.allgather(h.node, dst, ops, node_bounds)
 
 
 def _copy_in(ops, mine, src, lo: int, hi: int) -> None:

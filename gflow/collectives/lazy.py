@@ -26,12 +26,13 @@ residual is as before the step: nothing is lost or counted twice, and the step c
 import math
 import os
 import struct
+import time
 import warnings
 import zlib
 
 import numpy as np
 
-from .. import engine
+from .. import engine, timeline
 from .._array import HOST, check_array, check_writable
 from .._config import config
 from .._context import context
@@ -127,6 +128,7 @@ class LazyAllreduce:
         self._checksum = 0
         self._pushes = 0  # arrays pushed in this step (alone, they need no segment)
         self._error = None  # the error of a push that failed its checks: flush() raises it
+        self._filling_since = None  # with a timeline on: when the pending segment's first push came
 
     def _fail_step(self, error: Exception) -> None:
         """This rank's step failed its local checks: it does nothing more until flush() raises
@@ -136,6 +138,7 @@ class LazyAllreduce:
             self._error = error
             self._members, self._member_arrays, self._member_scales = [], [], []
             self._pending_bytes = 0
+            self._filling_since = None
             self._fired.append((rejected_in_background(context(self._comm), "lazy", error), [], None))
 
     def push(self, grad, *, scale: float = 1.0) -> None:
@@ -180,6 +183,8 @@ class LazyAllreduce:
             self._checked_dtype = dtype if kind is HOST else None
         pushed = _SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype], len(shape)) + _shape_bytes(shape)
         self._pushes += 1
+        if timeline._active is not None and self._filling_since is None:
+            self._filling_since = time.time_ns()  # the segment's first push (see _fire)
         if self._alone() and scale == 1.0 and not self.sparse and not self.compression:
             # One rank: every op's result is the gradient itself, already where flush() would write it.
             # Skipping the fusion buffer saves two passes over the gradients (as DDP does alone).
@@ -270,6 +275,10 @@ class LazyAllreduce:
             run = lambda: allreduce_on(ctx, source, wire_op, buffer, "auto", None, tag)  # noqa: E731
         run = kind.in_background(run)
         handle = engine.submit(f"lazy allreduce segment {index}", run, keep=(source, buffer), ctx=ctx)
+        if self._filling_since is not None:  # one span per segment: from its first push to its fire
+            timeline.complete("segment filling", self._filling_since, segment=index, tensors=len(pushed),
+                              bytes=total * dtype.itemsize)  # fmt: skip
+            self._filling_since = None
         self._fired.append((handle, members, csc))
 
     def _in_place(self, index: int, pushed) -> bool:
@@ -396,6 +405,10 @@ class LazyAllreduce:
             CompressionOverflowError: with dense compression="fp16", a reduced value is inf or NaN (on
                 every rank; the pushed arrays hold the reduced values, inf/NaN included).
         """
+        with timeline.span("lazy flush"):
+            self._flush()
+
+    def _flush(self) -> None:
         ctx = context(self._comm).background()
         if self._error is None:
             self._fire()

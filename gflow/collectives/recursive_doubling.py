@@ -21,7 +21,7 @@ The lower-ranked operand always goes first, so every rank computes bitwise the s
 import numpy as np
 from mpi4py import MPI
 
-from .. import host
+from .. import host, stall
 from .._context import TAG_AGREE, CommContext
 from .._validate import SIG_LEN, describe
 from ..errors import GflowError, MismatchError
@@ -109,6 +109,7 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     """
     if src is not None and src.nbytes > capacity:
         raise ValueError(f"payload of {src.nbytes} bytes exceeds the agreement capacity of {capacity} bytes")
+    stall.entered(ctx, sig)
     plan = _plan(ctx, sig, capacity, src)
     send_mv, acc = plan.send_mv, plan.acc
     send_mv[:HEADER_BYTES] = plan.header

@@ -25,6 +25,7 @@ latencies, which is why small messages take recursive doubling instead.
 import numpy as np
 from mpi4py import MPI
 
+from .. import timeline
 from .._config import config
 from .._context import TAG_RING_AG, TAG_RING_RS, CommContext
 
@@ -128,8 +129,10 @@ def allgather(ctx: CommContext, buf, ops, bounds: list[int]) -> None:
 def allreduce(ctx: CommContext, src, buf, ops, op: str) -> None:
     """Ring allreduce of the flat `src` into the flat `buf` (may be src). op: sum, mean, max or min."""
     bounds = chunk_bounds(buf.size, ctx.size)
-    reduce_scatter(ctx, src, buf, ops, "sum" if op == "mean" else op, bounds)
+    with timeline.span("reduce-scatter", bytes=buf.nbytes, ranks=ctx.size):
+        reduce_scatter(ctx, src, buf, ops, "sum" if op == "mean" else op, bounds)
     if op == "mean":
         ops.divide(buf[bounds[ctx.rank] : bounds[ctx.rank + 1]], ctx.size)
         ops.fence()
-    allgather(ctx, buf, ops, bounds)
+    with timeline.span("allgather", bytes=buf.nbytes, ranks=ctx.size):
+        allgather(ctx, buf, ops, bounds)

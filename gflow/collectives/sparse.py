@@ -34,6 +34,7 @@ import zlib
 
 import numpy as np
 
+from .. import timeline
 from .._array import check_array
 from .._context import CommContext, context
 from .._validate import DTYPE_CODE, check_op
@@ -186,8 +187,9 @@ class SparseAllreduce:
             density = self.current_density()
             tag = ("sparse", self._fingerprint(n, dtype, density, extra))
             t = time.perf_counter()
-            norms = ops.to_numpy(ops.accumulate_norms(u_new, v_new, u, v, g, momentum, chunk))
-            local_norms = _wire_norms(ops, norms, v_new, chunk, ctx.size)
+            with timeline.span("CSC residual + norms", elements=n):
+                norms = ops.to_numpy(ops.accumulate_norms(u_new, v_new, u, v, g, momentum, chunk))
+                local_norms = _wire_norms(ops, norms, v_new, chunk, ctx.size)
             times["residual + norms"] = time.perf_counter() - t
         except Exception:
             reject(ctx, "sparse")
@@ -202,15 +204,17 @@ class SparseAllreduce:
                 )
             t = time.perf_counter()
             k = min(nchunks, math.ceil(density * nchunks))
-            order = np.lexsort((np.arange(nchunks), -norms))  # by norm, descending; ties: lower index
-            ids = np.sort(order[:k]).astype(np.int64)
+            with timeline.span("CSC selection", chunks=nchunks, sent=k):
+                order = np.lexsort((np.arange(nchunks), -norms))  # by norm, descending; ties: lower index
+                ids = np.sort(order[:k]).astype(np.int64)
             times["selection"] = time.perf_counter() - t
 
             t = time.perf_counter()
             packed_len = k * chunk - (chunk * nchunks - n if k and ids[-1] == nchunks - 1 else 0)
-            packed = ops.empty(packed_len, dtype)
-            device_ids = ops.index_array(ids)
-            ops.pack(packed, v_new, device_ids, chunk)
+            with timeline.span("CSC pack", elements=packed_len):
+                packed = ops.empty(packed_len, dtype)
+                device_ids = ops.index_array(ids)
+                ops.pack(packed, v_new, device_ids, chunk)
             times["pack"] = time.perf_counter() - t
             scale = self._fp16_scale(norms[ids], ctx.size) if self.compression else None
             if scale is not None:
@@ -227,13 +231,14 @@ class SparseAllreduce:
             raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
 
         t = time.perf_counter()
-        result = kind.new(grad, shape, dtype) if out is None else out
-        flat_result = kind.write_view(result, "result")
-        ops.clear(flat_result)
-        ops.scatter_add(flat_result, packed, device_ids, chunk)
-        if momentum:
-            ops.zero_chunks(u_new, device_ids, chunk)
-        ops.fence()
+        with timeline.span("CSC scatter-add", elements=n):
+            result = kind.new(grad, shape, dtype) if out is None else out
+            flat_result = kind.write_view(result, "result")
+            ops.clear(flat_result)
+            ops.scatter_add(flat_result, packed, device_ids, chunk)
+            if momentum:
+                ops.zero_chunks(u_new, device_ids, chunk)
+            ops.fence()
         times["scatter-add + clear"] = time.perf_counter() - t
 
         payload = packed_len * (WIRE_DTYPE.itemsize if scale is not None else np.dtype(dtype).itemsize)

@@ -1,0 +1,68 @@
+"""The stall inspector (gflow/stall.py): a rank waiting on a late peer names it, in blocking calls and
+in the background engine; GFLOW_STALL_ABORT_S ends the job with that message; bad settings are named."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers import WORLD, on_all_ranks
+
+import gflow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("mode", ["blocking", "engine"])
+def test_a_late_rank_is_named_by_the_others(monkeypatch, capsys, mode):
+    monkeypatch.setattr(gflow.config, "stall_warning_s", 1.0)
+    x = np.ones(1 << 16, np.float32)
+    gflow.allreduce(x)  # the communicators exist (a peer that has not made its own yet cannot answer)
+    gflow.allreduce_async(x).wait()
+    late = WORLD.size - 1
+    WORLD.barrier()
+    if WORLD.rank == late:
+        time.sleep(3.5)
+    start = time.monotonic()
+    y = gflow.allreduce(x) if mode == "blocking" else gflow.allreduce_async(x).wait()
+    waited = time.monotonic() - start
+    on_all_ranks(lambda: np.testing.assert_array_equal(y, np.full_like(x, WORLD.size)))
+    err = capsys.readouterr().err
+    if WORLD.rank != late:
+        assert waited > 2.5
+        thread = "MainThread" if mode == "blocking" else "gflow-engine"
+        assert f"gflow rank {WORLD.rank}: waited" in err and f"on thread {thread}" in err, err
+        assert f"rank {late} has not entered it yet" in err, err
+        assert "allreduce of 65536 float32 (host array), op=sum" in err, err
+    else:
+        assert "waited" not in err, err
+
+
+def test_stall_abort_ends_the_job_with_the_message():
+    env = dict(os.environ, GFLOW_STALL_WARNING_S="1", GFLOW_STALL_ABORT_S="3")
+    for mode in ("sync", "async"):
+        start = time.monotonic()
+        done = subprocess.run(
+            ["mpiexec", "-n", "3", sys.executable, os.path.join(HERE, "stall_case.py"), "30", mode],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        elapsed = time.monotonic() - start
+        output = done.stdout + done.stderr
+        assert done.returncode != 0, output
+        assert elapsed < 20, f"{mode}: took {elapsed:.0f} s"
+        assert (
+            "rank 2 has not entered it yet" in output and "ending the job (GFLOW_STALL_ABORT_S=3)" in output
+        ), output
+        assert "finished" not in output, output
+
+
+def test_malformed_stall_settings_are_named():
+    for name, value in [("GFLOW_STALL_WARNING_S", "-1"), ("GFLOW_STALL_ABORT_S", "soon")]:
+        done = subprocess.run(
+            [sys.executable, "-c", "import gflow"], env=dict(os.environ, **{name: value}),
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode != 0 and name in done.stderr and repr(value) in done.stderr, done.stderr

@@ -1,0 +1,131 @@
+"""The timeline (gflow/timeline.py): GFLOW_TIMELINE / start_timeline write a Chrome trace per rank with
+the collectives, their phases, waits, LazyAllreduce's pushes, fires and flush and the engine's jobs;
+`gflow timeline merge|plot` read them; an unwritable path warns and training goes on."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
+
+import gflow
+from gflow import timeline
+
+
+def cli(*args):
+    """`python -m gflow ...` as a program of its own (not a rank of this job: no PMI_* from mpiexec)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "gflow", *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def spans(events, name):
+    return [e for e in events if e.get("ph") == "X" and e["name"] == name]
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_a_lazy_step_and_an_allreduce_are_traced(tmp_path):
+    folder = WORLD.bcast(str(tmp_path), root=0)
+    path = gflow.start_timeline(os.path.join(folder, "trace.json"))
+    assert path == (
+        os.path.join(folder, "trace.json")
+        if WORLD.size == 1
+        else os.path.join(folder, f"trace.{WORLD.rank}.json")
+    )
+    x = random_array(rank_rng(1), 300_000, np.float32)
+    y = gflow.allreduce(x, compression="fp16")
+    lazy = gflow.LazyAllreduce(threshold_bytes=2**16, op="sum")
+    grads = [random_array(rank_rng(2), n, np.float32) for n in (20_000, 30, 50_000)]
+    expected = [g.copy() for g in grads]
+    for g in grads:
+        lazy.push(g)
+    lazy.flush()
+    gflow.stop_timeline()
+    for g, e in zip(grads, expected, strict=True):
+        on_all_ranks(lambda g=g, e=e: assert_close_to_reference(g, e, "sum"))
+    np.testing.assert_allclose(
+        y, np.sum(WORLD.allgather(x.astype(np.float64)), axis=0), rtol=4e-3, atol=0.05 * WORLD.size
+    )
+    events = timeline.load(path)
+    assert all(e["pid"] == WORLD.rank for e in events)
+    # The fp16 call, and inside it the allreduce of its float16 wire buffer (half the bytes).
+    outer = [e for e in spans(events, "allreduce") if e["args"].get("compression") == "fp16"]
+    assert len(outer) == 1 and outer[0]["args"]["bytes"] == x.nbytes
+    inner = [e for e in spans(events, "allreduce") if e["args"]["bytes"] == x.nbytes // 2]
+    assert (
+        inner
+        and outer[0]["ts"] <= inner[0]["ts"]
+        and inner[0]["ts"] + inner[0]["dur"] <= outer[0]["ts"] + outer[0]["dur"]
+    )
+    assert spans(events, "fp16 encode") and spans(events, "fp16 decode") and spans(events, "lazy flush")
+    filling = [(e["args"]["segment"], e["args"]["tensors"]) for e in spans(events, "segment filling")]
+    assert filling == ([(0, 1), (1, 2)] if WORLD.size > 1 else [])  # (alone, pushes need no segment)
+    threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    if WORLD.size > 1:
+        assert {"MainThread", "gflow-engine"} <= threads
+        assert spans(events, "agreement") and spans(events, "wait")
+        assert spans(events, "lazy allreduce segment 0") and spans(events, "reduce-scatter")
+        # Every span lies inside the step's wall time, with a non-negative duration.
+        assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
+    WORLD.barrier()
+    if WORLD.rank == 0 and WORLD.size > 1:
+        files = [os.path.join(folder, f"trace.{r}.json") for r in range(WORLD.size)]
+        merged = os.path.join(folder, "merged.json")
+        done = cli("timeline", "merge", *files, "-o", merged)
+        assert done.returncode == 0, done.stderr
+        data = json.load(open(merged))
+        assert {e["pid"] for e in data["traceEvents"]} == set(range(WORLD.size))
+        png = os.path.join(folder, "step.png")
+        done = cli("timeline", "plot", merged, "-o", png)
+        assert done.returncode == 0, done.stderr
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_off_records_nothing_and_an_unwritable_path_warns(tmp_path):
+    assert timeline._active is None and timeline.span("x") is timeline.OFF
+    with pytest.warns(RuntimeWarning, match="no timeline"):
+        assert gflow.start_timeline(str(tmp_path / "missing" / "trace.json")) is None
+    assert timeline._active is None
+    y = gflow.allreduce(np.ones(10))  # training goes on
+    np.testing.assert_array_equal(y, np.ones(10))
+
+
+def test_the_environment_variable_starts_it(tmp_path):
+    path = tmp_path / "env.json"
+    code = "import numpy as np, gflow; gflow.allreduce(np.ones(10))"
+    env = dict(os.environ, GFLOW_TIMELINE=str(path))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    events = timeline.load(str(path))
+    assert spans(events, "allreduce")
+
+
+def test_bad_timeline_commands_exit_2(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"ph": "M", "name": "x", "pid": 0, "tid": 0}]')
+    done = subprocess.run(
+        [sys.executable, "-m", "gflow", "timeline", "plot", str(bad), "-o", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "no spans" in done.stderr
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gflow",
+            "timeline",
+            "merge",
+            str(tmp_path / "none.json"),
+            "-o",
+            str(tmp_path / "m.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "usage:" in done.stderr
