@@ -233,9 +233,13 @@ def bench_command(parser, args) -> int:
 
     try:
         benchmark.check_arguments(args)
+        error = None
     except ValueError as exc:
-        if MPI.COMM_WORLD.rank == 0:  # every rank finds the same fault: one message is enough
-            parser.error(str(exc))
+        error = str(exc)
+    rejected = MPI.COMM_WORLD.allgather(error is not None)  # every rank stops if any rank's are bad
+    if error is not None and (MPI.COMM_WORLD.rank == rejected.index(True)):
+        parser.error(error)  # one message, from the first rank that refused
+    if any(rejected):
         return 2
     return benchmark.run(args)
 

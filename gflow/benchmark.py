@@ -48,8 +48,8 @@ def sizes_from(begin: int, end: int, factor: float) -> list[int]:
     if factor <= 1 and end > begin:
         raise ValueError(f"-f must be above 1, got {factor}")
     sizes = [begin]
-    while sizes[-1] * factor <= end and end > begin:
-        sizes.append(int(sizes[-1] * factor))
+    while end > begin and sizes[-1] * factor <= end:
+        sizes.append(max(int(sizes[-1] * factor), sizes[-1] + 1))  # (a factor near 1 still moves on)
     return sizes
 
 

@@ -17,6 +17,7 @@ not answering. Each rank applies its own settings (they change no result, so ran
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -33,18 +34,20 @@ _watched: list = []  # contexts whose questions the monitor answers
 _lock = threading.RLock()  # held while the monitor talks on a context's duplicate, and to free it
 _monitor = None
 _questions = 0
+_warned_off = False
 
 
 class _Mark:
     """What one thread is doing: the context of its last collective and since when it waits."""
 
-    __slots__ = ("thread", "ctx", "since", "warned_at", "job")
+    __slots__ = ("thread", "ctx", "since", "warned_at", "warned_since", "job")
 
     def __init__(self):
         self.thread = threading.current_thread().name
         self.ctx = None
         self.since = None
         self.warned_at = None
+        self.warned_since = None  # the wait warned_at belongs to
         self.job = None
 
 
@@ -70,8 +73,16 @@ def entered(ctx, sig) -> None:
 
 def watch(ctx) -> None:
     """Answer the peers' questions about ctx (its monitor duplicate is made by the caller)."""
-    global _monitor
+    global _monitor, _warned_off
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:  # the monitor would call MPI beside the caller
+        if not _warned_off and (config.stall_warning_s > 0 or config.stall_abort_s > 0):
+            _warned_off = True
+            warnings.warn(
+                "gflow: the stall inspector is off: it needs MPI initialised with MPI_THREAD_MULTIPLE "
+                "(mpi4py's default)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return
     with _lock:
         _watched.append(ctx)
@@ -125,6 +136,8 @@ def _inspect(m: _Mark) -> None:
     if since is None or ctx is None or ctx.monitor_comm is None:
         m.warned_at = None
         return
+    if m.warned_since is not since:  # a new wait: its warnings start afresh
+        m.warned_since, m.warned_at = since, None
     waited = time.monotonic() - since
     due_abort = abort > 0 and waited >= abort
     due_warning = warn > 0 and waited >= warn and (m.warned_at is None or waited - m.warned_at >= warn)
@@ -134,6 +147,9 @@ def _inspect(m: _Mark) -> None:
     text = report(ctx, m, waited)
     if due_abort:
         print(f"{text}; ending the job (GFLOW_STALL_ABORT_S={abort:g})", file=sys.stderr, flush=True)
+        from . import timeline
+
+        timeline.stop_timeline()  # the trace of a stalled job is the one most worth keeping
         MPI.COMM_WORLD.Abort(1)
     print(text, file=sys.stderr, flush=True)
 
@@ -146,6 +162,12 @@ def report(ctx, m: _Mark, waited: float) -> str:
 
 def _report(ctx, m: _Mark, waited: float) -> str:
     global _questions
+    job = f" ({m.job})" if m.job else ""
+    if not config.validate:
+        return (
+            f"gflow rank {ctx.rank}: waited {waited:.0f} s on thread {m.thread}{job} in a collective (with "
+            "GFLOW_VALIDATE=0 gflow counts no collectives, so it cannot tell which ranks are late)"
+        )
     _questions += 1
     comm, me, mine = ctx.monitor_comm, ctx.rank, ctx.entered
     peers = [r for r in range(ctx.size) if r != me] if comm is not None else []
@@ -158,9 +180,11 @@ def _report(ctx, m: _Mark, waited: float) -> str:
     while receives and time.monotonic() < deadline:
         for r, request in list(receives.items()):
             if request.Test():
-                del receives[r]
-                if buffers[r][0] == _questions:  # (a late answer to an earlier question: no news)
+                if buffers[r][0] == _questions:
+                    del receives[r]
                     answers[r] = (int(buffers[r][1]), buffers[r][2] / 1000)
+                else:  # a late answer to an earlier question: wait on for this one's
+                    receives[r] = comm.Irecv(buffers[r], r, TAG_ANSWER)
         for other in _watched:  # peers may be asking us at the same time
             _answer(other)
         time.sleep(0.005)
@@ -172,22 +196,40 @@ def _report(ctx, m: _Mark, waited: float) -> str:
     waiting = sorted(r for r, (count, seconds) in answers.items() if count >= mine and seconds >= 0)
     silent = sorted(r for r in peers if r not in answers)
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
-    job = f" ({m.job})" if m.job else ""
-    parts = [f"gflow rank {ctx.rank}: waited {waited:.0f} s on thread {m.thread}{job} in collective #{mine}"]
+    world = _world_ranks(ctx)
+    me_named = f"gflow rank {ctx.rank}{world(None)}"
+    parts = [f"{me_named}: waited {waited:.0f} s on thread {m.thread}{job} in collective #{mine}"]
     parts.append(f"on a communicator of {ctx.size} ranks: {what}")
     if late:
         counts = ", ".join(f"rank {r} at #{answers[r][0]}" for r in late)
-        parts.append(f"{_ranks(late)} {'has' if len(late) == 1 else 'have'} not entered it yet ({counts})")
+        verb = "has" if len(late) == 1 else "have"
+        parts.append(f"{_ranks(late)}{world(late)} {verb} not entered it yet ({counts})")
     if waiting:
-        parts.append(f"{_ranks(waiting)} {'is' if len(waiting) == 1 else 'are'} in it too")
+        parts.append(f"{_ranks(waiting)}{world(waiting)} {'is' if len(waiting) == 1 else 'are'} in it too")
     if silent:
         parts.append(
-            f"{_ranks(silent)} did not answer within {ANSWER_S:g} s (not yet on this communicator, gone, "
-            "or stuck holding the GIL)"
+            f"{_ranks(silent)}{world(silent)} did not answer within {ANSWER_S:g} s (gone, stuck holding "
+            "the GIL, or not yet on this communicator)"
         )
     if not (late or silent):
         parts.append("every rank has entered it: a peer is slow inside it, or the network is")
     return "; ".join(parts)
+
+
+def _world_ranks(ctx):
+    """A function giving ' (world ranks ...)' for ranks of ctx's communicator, or '' where those are
+    the world's own; with None, the same for this rank."""
+    group, world = ctx.comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    same = MPI.Group.Compare(group, world) == MPI.IDENT
+
+    def show(ranks):
+        if same:
+            return ""
+        ranks = [ctx.rank] if ranks is None else ranks
+        mapped = MPI.Group.Translate_ranks(group, ranks, world)
+        return f" (world rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, mapped[:16]))})"
+
+    return show
 
 
 def _brief(sig) -> str:

@@ -103,6 +103,7 @@ class Timeline:
         self.path, self.rank = path, rank
         self._file = open(path, "w")  # noqa: SIM115 - kept open until close()
         self._file.write("[\n")
+        self._file.flush()
         self._events: list = []  # (phase, name, thread row, start ns, duration ns or None, args)
         self._lock = threading.Lock()
         self._threads: dict = {}
@@ -131,6 +132,7 @@ class Timeline:
         return tid
 
     def _write(self) -> None:
+        started = time.time_ns()
         events, self._events = self._events, []
         rows, self._meta = self._meta, []
         for phase, name, tid, start, dur, args in events:
@@ -145,7 +147,13 @@ class Timeline:
         if rows:
             text = json.dumps(rows, default=str)[1:-1]
             self._file.write(("" if self._first else ",\n") + text)
+            self._file.flush()
             self._first = False
+        if len(events) >= self.BATCH:  # a pause in this rank's work: shown where it happened
+            tid = self._threads.get(threading.get_ident(), 0)
+            self._events.append(
+                ("X", "timeline writing", tid, started, time.time_ns() - started, {"events": len(events)})
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -172,10 +180,11 @@ def start_timeline(path: str) -> str | None:
 
     stop_timeline()
     world = MPI.COMM_WORLD
-    target = _rank_path(os.fspath(path), world.rank, world.size)
     try:
+        target = _rank_path(os.fspath(path), world.rank, world.size)
         timeline = Timeline(target, world.rank)
-    except OSError as exc:
+    except (OSError, KeyError, IndexError, ValueError) as exc:
+        target = path
         warnings.warn(f"gflow: no timeline: cannot write {target!r} ({exc})", RuntimeWarning, stacklevel=2)
         return None
     _active = timeline
@@ -197,22 +206,24 @@ def merge(paths: list[str], out: str) -> int:
     """One trace of several ranks' files; returns the number of events."""
     events = []
     for path in paths:
-        with open(path) as f:
-            text = f.read().rstrip()
-        if not text.endswith("]"):  # a rank that died before closing its file
-            text = text.rstrip(",") + "]"
-        events += json.loads(text)
+        events += load(path)
     with open(out, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     return len(events)
 
 
 def load(path: str) -> list[dict]:
+    """A trace's events: a rank's file (also one its rank left unfinished) or a merged trace."""
     with open(path) as f:
-        text = f.read().rstrip()
-    if not text.endswith("]") and not text.endswith("}"):
+        text = f.read().strip()
+    if text in ("", "["):  # a rank that ended before writing any event
+        return []
+    if text.startswith("[") and not text.endswith("]"):  # ... or before closing its file
         text = text.rstrip(",") + "]"
-    data = json.loads(text)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a gflow timeline ({exc})") from None
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
@@ -234,6 +245,8 @@ def plot(path: str, out: str, start_ms: float | None = None, end_ms: float | Non
         raise ValueError(f"{path}: no spans to plot")
     origin = spans[0]["ts"]
     start = start_ms if start_ms is not None else 0.0
+    if end_ms is not None and end_ms <= start:
+        raise ValueError(f"--end-ms ({end_ms}) must be after --start-ms ({start})")
     rows = sorted({(e["pid"], e["tid"]) for e in spans})
     kind = {e["name"]: re.sub(r" \d+$", "", e["name"]) for e in spans}
     kinds = sorted(set(kind.values()))

@@ -60,6 +60,23 @@ def test_the_check_counts_wrong_and_diverging_results():
     assert benchmark._wrong_elements(WORLD, x, off, "sum", np.float32, None) == 3
 
 
+def test_sizes_always_grow():
+    assert benchmark.sizes_from(1, 100, 1.5)[:4] == [1, 2, 3, 4]
+    sizes = benchmark.sizes_from(4096, 65536, 1.0001)
+    assert sizes == sorted(set(sizes)) and sizes[-1] <= 65536
+
+
+def test_one_rank_with_bad_arguments_stops_every_rank():
+    common = ["-b", "4K", "-e", "8K", "-w", "0"]
+    python = [sys.executable, "-m", "gflow", "bench", *common]
+    done = subprocess.run(
+        ["mpiexec", "-n", "1", *python, "-n", "2", ":", "-n", "1", *python, "-n", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "-n must be" in done.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -103,6 +103,23 @@ def test_the_environment_variable_starts_it(tmp_path):
     assert spans(events, "allreduce")
 
 
+def test_unfinished_and_merged_files_load(tmp_path):
+    """A rank that died before writing, or before closing its file, still merges; so does a merged
+    trace; a file that is not a trace is named."""
+    empty, cut, junk = tmp_path / "empty.json", tmp_path / "cut.json", tmp_path / "junk.json"
+    empty.write_text("[\n")
+    cut.write_text('[\n{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 1.0, "dur": 2.0},\n')
+    junk.write_text("{oops")
+    assert timeline.load(str(empty)) == [] and len(timeline.load(str(cut))) == 1
+    merged = str(tmp_path / "merged.json")
+    assert timeline.merge([str(empty), str(cut)], merged) == 1
+    assert timeline.merge([merged], str(tmp_path / "again.json")) == 1
+    with pytest.raises(ValueError, match="junk.json"):
+        timeline.load(str(junk))
+    with pytest.warns(RuntimeWarning, match="no timeline"):
+        assert gflow.start_timeline(str(tmp_path / "t{rank}{step}.json")) is None
+
+
 def test_bad_timeline_commands_exit_2(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('[{"ph": "M", "name": "x", "pid": 0, "tid": 0}]')

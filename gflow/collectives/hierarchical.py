@@ -24,12 +24,13 @@ Every block is reduced by one rank, in one fixed order, then copied: all ranks g
 """
 
 import os
+import time
 import warnings
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import timeline
+from .. import stall, timeline
 from .._config import config
 from .._context import CommContext
 from . import ring
@@ -84,9 +85,15 @@ class Hierarchy:
         request = self.node.comm.Iallreduce(values, extremes, op=MPI.MIN)
         if self.node.is_background:
             self.node.waitall([request])
-        else:
-            while not request.Test():
-                os.sched_yield()
+        else:  # (marked for the stall inspector and the timeline, as every wait on a peer is)
+            mark = stall.mark()
+            mark.since = time.monotonic()
+            try:
+                with timeline.span("wait") if timeline._active else timeline.OFF:
+                    while not request.Test():
+                        os.sched_yield()
+            finally:
+                mark.since = None
         for window in windows:
             window.Sync()
         return extremes[0] == -extremes[1]
