@@ -256,6 +256,8 @@ def timeline_command(parser, args) -> int:
                 raise ValueError("plot takes one trace (merge the ranks' files first)")
             timeline.plot(args.files[0], args.out, args.start_ms, args.end_ms)
             print(f"wrote {args.out}")
+    except ImportError:
+        parser.error("plot needs matplotlib (pip install matplotlib)")
     except (OSError, ValueError, KeyError) as exc:
         parser.error(str(exc))
     return 0
