@@ -57,9 +57,10 @@ def _polite_waitall(requests) -> None:
         time.sleep(pause)
 
 
-def _traced(wait):
-    """wait, marked for the stall inspector (this thread waits on a peer since now), and shown as a
-    "wait" span when a timeline is on."""
+def watched(wait):
+    """wait (a function of a list of requests), marked for the stall inspector (this thread waits
+    on a peer since now), and shown as a "wait" span when a timeline is on: every wait on a peer
+    goes through one of these."""
 
     local, monotonic = stall._local, time.monotonic
 
@@ -108,7 +109,7 @@ class CommContext:
         self.failed = None  # set on a background context by its first failed collective
         # How this context waits for its messages: the caller's thread blocks in MPI (lowest latency);
         # the engine thread polls and sleeps in between, so the caller's computation keeps the core.
-        self.waitall = _traced(_polite_waitall if background else MPI.Request.Waitall)
+        self.waitall = watched(_polite_waitall if background else MPI.Request.Waitall)
 
     def check_usable(self) -> None:
         """Refuse to communicate on a background context after one of its collectives failed.

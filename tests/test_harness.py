@@ -9,33 +9,31 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def run_pytest(case: str, *options: str, timeout: float = 120, env=None):
+    """pytest on `case` in a process of its own: (its exit status, its output)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", *options, "-p", "no:cacheprovider", case],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
 def test_a_deadlock_fails_within_the_deadline():
     env = dict(os.environ, GFLOW_TEST_DEADLINE="5")
     case = os.path.join(HERE, "deadlock_case.py") + "::test_one_rank_never_calls"
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", case],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+    status, output = run_pytest(case, timeout=90, env=env)
     elapsed = time.monotonic() - start
-    output = done.stdout + done.stderr
-    assert done.returncode != 0, output
+    assert status != 0, output
     assert "Timeout" in output or "most recent call first" in output, output  # the watchdog's stack dump
     assert elapsed < 45, f"took {elapsed:.0f} s to fail"
 
 
 def test_batched_tests_get_the_verdict_of_every_rank():
-    case = os.path.join(HERE, "batch_cases.py")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", case],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    output = done.stdout + done.stderr
+    _, output = run_pytest(os.path.join(HERE, "batch_cases.py"), "-rA")
     assert "2 failed, 3 passed, 1 skipped" in output, output
     assert "failed on rank(s) [1] of 2" in output and "rank 1 disagrees" in output, output
     assert "FAILED tests/batch_cases.py::test_kills_its_batch" in output, output
@@ -45,14 +43,7 @@ def test_batched_tests_get_the_verdict_of_every_rank():
 
 def test_a_batch_that_fails_after_its_tests_fails_its_last_test():
     """A crash at exit (MPI_Finalize, an atexit handler) must not pass unseen."""
-    case = os.path.join(HERE, "batch_exit_case.py")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", case],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    output = done.stdout + done.stderr
+    _, output = run_pytest(os.path.join(HERE, "batch_exit_case.py"), "-rA")
     assert "1 failed, 1 passed" in output, output
     assert "FAILED tests/batch_exit_case.py::test_passes_then_rank_1_fails_at_exit" in output, output
     assert "every test of the batch reported, then its mpiexec ended (7)" in output, output

@@ -267,7 +267,7 @@ def test_lazy_gradient_pool_lives_in_shared_memory(monkeypatch, reduce_in_place)
             nodes = expected_nodes(setting, WORLD.size)
             # Where auto would take the node phase: nodes of 2+ ranks, or one node of 3+.
             shared = max(len(n) for n in nodes) > 1 if len(nodes) > 1 else WORLD.size > 2
-            in_pool = [any(p.views(g) is not None for p in hierarchical._pools) for g in grads]
+            in_pool = [any(p.place(g) is not None for p in hierarchical._pools) for g in grads]
             assert in_pool == [shared] * len(grads), (setting, in_pool)
             assert all(not g.any() for g in grads)  # zeroed
             for step in range(2):
@@ -352,15 +352,15 @@ def test_gradient_buffers_is_collective_and_checks_every_rank(monkeypatch):
     monkeypatch.setattr(hierarchical, "_shared_memory_room", lambda: 1000)
     with pytest.warns(RuntimeWarning, match="private memory.*has 0 MiB free"):
         (grad,) = lazy.gradient_buffers([(100_000,)])
-    assert not any(p.views(grad) is not None for p in hierarchical._pools)
+    assert not any(p.place(grad) is not None for p in hierarchical._pools)
     monkeypatch.undo()
     monkeypatch.setattr(hierarchical, "MAX_SHARED_POOLS", len(hierarchical._pools))
     with pytest.warns(RuntimeWarning, match="already holds"):
         (grad,) = lazy.gradient_buffers([(100_000,)])
-    assert not any(p.views(grad) is not None for p in hierarchical._pools)
+    assert not any(p.place(grad) is not None for p in hierarchical._pools)
     monkeypatch.undo()
     (grad,) = lazy.gradient_buffers([(100_000,)])
-    assert any(p.views(grad) is not None for p in hierarchical._pools)
+    assert any(p.place(grad) is not None for p in hierarchical._pools)
     values = random_array(rank_rng(13), grad.shape, np.float32)
     grad[...] = values
     lazy.push(grad)

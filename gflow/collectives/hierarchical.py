@@ -24,15 +24,14 @@ Every block is reduced by one rank, in one fixed order, then copied: all ranks g
 """
 
 import os
-import time
 import warnings
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import stall, timeline
+from .. import timeline
 from .._config import config
-from .._context import CommContext
+from .._context import CommContext, watched
 from . import ring
 from .topology import Topology, discover, shard_block
 
@@ -83,17 +82,7 @@ class Hierarchy:
         values = np.array([value, -value], np.int64)
         extremes = np.empty(2, np.int64)
         request = self.node.comm.Iallreduce(values, extremes, op=MPI.MIN)
-        if self.node.is_background:
-            self.node.waitall([request])
-        else:  # (marked for the stall inspector and the timeline, as every wait on a peer is)
-            mark = stall.mark()
-            mark.since = time.monotonic()
-            try:
-                with timeline.span("wait") if timeline._active else timeline.OFF:
-                    while not request.Test():
-                        os.sched_yield()
-            finally:
-                mark.since = None
+        (self.node.waitall if self.node.is_background else _yielding_wait)([request])
         for window in windows:
             window.Sync()
         return extremes[0] == -extremes[1]
@@ -103,9 +92,9 @@ class Hierarchy:
         rank's memory at the same place, and a tag naming the pool and the place, for the node ranks
         to check that they all pass theirs; (0, None, None) when it does not."""
         for pool in _pools:
-            views = pool.views(src)
-            if views is not None and MPI.Group.Compare(pool.group, self.node_group) == MPI.IDENT:
-                return pool.tag(src), views, pool
+            start = pool.place(src)
+            if start is not None and MPI.Group.Compare(pool.group, self.node_group) == MPI.IDENT:
+                return pool.tag(start), pool.views(src, start), pool
         return 0, None, None
 
     def slots(self, count: int, dtype):
@@ -121,15 +110,12 @@ class Hierarchy:
         nbytes = count * np.dtype(dtype).itemsize
         if nbytes > self._slot_bytes or self._window is None:
             self._free_window()
-            size = max(4096, -(-nbytes // 4096) * 4096)
+            size = _pages(nbytes)
             room = self.node.comm.allreduce(_shared_memory_room(), op=MPI.MIN)
             if 2 * size * self.node.size > room // 2:  # leave half the room to everyone else
                 _warn_no_room(2 * size * self.node.size, room)
                 return None
-            self._window = MPI.Win.Allocate_shared(2 * size, 1, comm=self.node.comm)
-            self._window.Lock_all(MPI.MODE_NOCHECK)
-            memory = [np.frombuffer(self._window.Shared_query(q)[0], np.uint8) for q in range(self.node.size)]
-            memory[self.local][:] = 0  # take the room now: a later window must not count it as free
+            self._window, memory = _allocate_shared(self.node.comm, 2 * size, self.local)
             self._slots = [[m[:size], m[size : 2 * size]] for m in memory]
             self._slot_bytes = size
         self._parity ^= 1
@@ -162,17 +148,20 @@ class SharedPool:
     def __init__(self, window, memory, local: int, group, ident: int):
         self.window, self.memory, self.local, self.group, self.ident = window, memory, local, group, ident
 
-    def views(self, src):
-        """Each node rank's pool memory at the place src has in this rank's pool; None if src is
-        not (wholly) in it."""
+    def place(self, src):
+        """src's byte offset in this rank's pool; None if src is not (wholly, contiguously) in it."""
         own = self.memory[self.local]
         start = src.__array_interface__["data"][0] - own.__array_interface__["data"][0]
         if not src.flags.c_contiguous or start < 0 or start + src.nbytes > own.nbytes:
             return None
+        return start
+
+    def views(self, src, start: int):
+        """Each node rank's pool memory at byte offset `start`, shaped as src."""
         return [m[start : start + src.nbytes].view(src.dtype) for m in self.memory]
 
-    def tag(self, src) -> int:
-        start = src.__array_interface__["data"][0] - self.memory[self.local].__array_interface__["data"][0]
+    def tag(self, start: int) -> int:
+        """This pool and the offset, as one number the node ranks compare."""
         return (self.ident << 40) | (start + 1)
 
 
@@ -193,7 +182,7 @@ def shared_pool(ctx: CommContext, nbytes: int):
     topo = h.topology
     largest = max(len(n) for n in topo.nodes)
     useful = topo.shared_memory and (largest > 1 if len(topo.nodes) > 1 else ctx.size > 2)
-    size = max(4096, -(-nbytes // 4096) * 4096)
+    size = _pages(nbytes)
     room = h.node.comm.allreduce(_shared_memory_room(), op=MPI.MIN) if useful else 0
     fits = useful and size * h.node.size <= room // 2 and len(_pools) < MAX_SHARED_POOLS
     if not ctx.comm.allreduce(bool(fits), op=MPI.LAND):
@@ -207,12 +196,25 @@ def shared_pool(ctx: CommContext, nbytes: int):
         )
     ident = h.node.comm.allreduce(_next_pool, op=MPI.MAX)
     _next_pool = ident + 1
-    window = MPI.Win.Allocate_shared(size, 1, comm=h.node.comm)
-    window.Lock_all(MPI.MODE_NOCHECK)
-    memory = [np.frombuffer(window.Shared_query(q)[0], np.uint8) for q in range(h.node.size)]
-    memory[h.local][:] = 0
+    window, memory = _allocate_shared(h.node.comm, size, h.local)
     _pools.append(SharedPool(window, memory, h.local, h.node.comm.Get_group(), ident))
     return memory[h.local][:nbytes], None
+
+
+def _pages(nbytes: int) -> int:
+    """nbytes rounded up to whole 4 KiB pages (at least one)."""
+    return max(4096, -(-nbytes // 4096) * 4096)
+
+
+def _allocate_shared(node_comm, nbytes: int, local: int):
+    """(window, every node rank's memory as bytes) of a shared window of nbytes per rank, with this
+    rank's part zeroed, so it takes its room in /dev/shm at once: a later window must not count it
+    as free (MPICH maps windows without reserving their pages; a write past the room is a SIGBUS)."""
+    window = MPI.Win.Allocate_shared(nbytes, 1, comm=node_comm)
+    window.Lock_all(MPI.MODE_NOCHECK)
+    memory = [np.frombuffer(window.Shared_query(q)[0], np.uint8) for q in range(node_comm.size)]
+    memory[local][:] = 0
+    return window, memory
 
 
 _SHM = "/dev/shm"  # where MPICH and Open MPI put shared-memory windows on Linux
@@ -240,6 +242,14 @@ def _warn_no_room(needed: int, room: int) -> None:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def _yield_until_done(requests) -> None:
+    while not MPI.Request.Testall(requests):
+        os.sched_yield()
+
+
+_yielding_wait = watched(_yield_until_done)  # the caller's thread in a node barrier (see barrier)
 
 
 def hierarchy(ctx: CommContext) -> Hierarchy:

@@ -329,18 +329,18 @@ class LazyAllreduce:
             dtype = check_dtype(np.dtype(dtype))
             check_op(self.op, dtype)
             shapes = [_check_shape(shape) for shape in shapes]
-            total = sum(math.prod(shape) for shape in shapes) * dtype.itemsize
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if total > memory:
+            sizes = [math.prod(shape) for shape in shapes]
+            total = sum(sizes) * dtype.itemsize
+            machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if total > machine:
                 raise ValueError(
                     f"gradient_buffers: the shapes hold {total} bytes of {dtype.name}, more than this "
-                    f"machine's memory ({memory} bytes)"
+                    f"machine's memory ({machine} bytes)"
                 )
         except Exception as exc:
             if not self._alone():  # the peers are about to allocate with this rank: they must fail too
                 rejected_in_background(context(self._comm), "gradient_buffers", exc).wait()  # raises exc
             raise
-        sizes = [math.prod(shape) for shape in shapes]
         segments, start, pending = [], 0, 0
         for i, size in enumerate(sizes):
             pending += size * dtype.itemsize
