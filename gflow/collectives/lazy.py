@@ -23,9 +23,11 @@ residuals only then. After an error every rank's pushed arrays keep their local 
 residual is as before the step: nothing is lost or counted twice, and the step can be retried.
 """
 
+import itertools
 import math
 import os
 import struct
+import sys
 import time
 import warnings
 import zlib
@@ -41,6 +43,7 @@ from ..compression import WIRE_DTYPE, check_compression, decode, encode
 from ..errors import CompressionOverflowError
 from . import hierarchical
 from .api import allreduce_on, rejected_in_background
+from .autotune import ThresholdTuner
 from .recursive_doubling import allreduce_with_agreement
 from .sparse import SparseAllreduce
 
@@ -76,7 +79,11 @@ class LazyAllreduce:
 
     Args:
         threshold_bytes: fire a segment once this many bytes are pending (bytes on the wire: float16
-            ones with compression="fp16", unless sparse).
+            ones with compression="fp16", unless sparse). "auto": try thresholds from 256 KiB to
+            64 MiB during the first steps (about four steps each), timing each step, and keep the
+            fastest: the same on every rank, logged once by rank 0 (collectives/autotune.py). Steps
+            are correct while it tunes. Dense only: sparse segments keep residuals, so their sizes
+            must not change.
         op: "sum", "mean", "max" or "min" (or MPI.SUM/MAX/MIN), applied to every pushed tensor.
         compression: None or "fp16".
         comm: the communicator (default COMM_WORLD).
@@ -84,18 +91,38 @@ class LazyAllreduce:
             send each fused segment by coarse-grained sparse communication: fusion + fp16 + CSC +
             overlap together. Each segment keeps its own residual from step to step, and the
             pushed arrays receive the sparse update (zeros where nothing was sent).
+
+    Attributes:
+        threshold_bytes: the threshold in use (with "auto": the candidate being tried, then the one
+            settled on).
+        tuning: with "auto", whether the threshold is still being tuned.
+        tuning_results: with "auto", once settled: {candidate: seconds per step, averaged over the
+            ranks} (None when it settled without comparing, or from a checkpoint).
     """
 
     def __init__(
         self,
-        threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+        threshold_bytes: int | str = DEFAULT_THRESHOLD_BYTES,
         op="mean",
         compression=None,
         comm=None,
         sparse=None,
     ):
+        self._tuner = None
+        if isinstance(threshold_bytes, str):
+            if threshold_bytes != "auto":
+                raise ValueError(f"threshold_bytes: expected an int or 'auto', got {threshold_bytes!r}")
+            if sparse is not None:
+                raise ValueError(
+                    "threshold_bytes='auto' is for dense fusion: with sparse=..., each segment keeps its "
+                    "own residual from step to step, so the segments must not change; give an int"
+                )
+            self._tuner = ThresholdTuner()
+            threshold_bytes = self._tuner.threshold
         if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, (int, np.integer)):
-            raise TypeError(f"threshold_bytes must be an int, got {type(threshold_bytes).__name__}")
+            raise TypeError(
+                f"threshold_bytes: expected an int or 'auto', got {type(threshold_bytes).__name__}"
+            )
         if threshold_bytes < 1:
             raise ValueError(f"threshold_bytes must be >= 1, got {threshold_bytes}")
         op = check_op(op, np.dtype(np.float32))
@@ -113,8 +140,10 @@ class LazyAllreduce:
         self._checked_dtype = None
         self.op, self.compression, self._comm = op, compression, comm
         self._buffers: list = []  # per segment, the buffer its result lands in, reused step after step
-        self._pool: list = []  # segment buffers holding the arrays gradient_buffers() handed out
-        self._pool_members: list = []  # per pool segment, the arrays handed out, in push order
+        self._pool = None  # the flat pool gradient_buffers() carved its arrays from, in push order
+        self._pool_arrays: list = []  # the arrays handed out
+        self._pool_offsets: list = []  # where each starts in the pool (elements), and where the last ends
+        self._pool_index: dict = {}  # id(array handed out) -> its position
         self._reduce_in_place = False  # gradient_buffers(reduce_in_place=True): no copy back
         self._solo = None  # whether the communicator has one rank (found at the first push)
         self._reset()
@@ -129,6 +158,8 @@ class LazyAllreduce:
         self._pushes = 0  # arrays pushed in this step (alone, they need no segment)
         self._error = None  # the error of a push that failed its checks: flush() raises it
         self._filling_since = None  # with a timeline on: when the pending segment's first push came
+        self._step_started = 0.0  # when the step's first push came (for threshold tuning)
+        self._step_bytes = 0  # what the step's pushes put on the wire (for threshold tuning)
 
     def _fail_step(self, error: Exception) -> None:
         """This rank's step failed its local checks: it does nothing more until flush() raises
@@ -154,6 +185,8 @@ class LazyAllreduce:
         """
         if self._error is not None:
             return  # this step already failed here
+        if not self._pushes:
+            self._begin_step()
         if not isinstance(scale, float):  # checked first: a bad scale must not leave half a push
             if isinstance(scale, bool) or not isinstance(scale, (int, np.integer, np.floating)):
                 self._fail_step(TypeError(f"scale must be a number, got {type(scale).__name__}"))
@@ -199,9 +232,17 @@ class LazyAllreduce:
         self._member_scales.append(scale)
         on_wire = WIRE_DTYPE.itemsize if (self.compression and not self.sparse) else dtype.itemsize
         self._pending_bytes += flat.size * on_wire
+        self._step_bytes += flat.size * on_wire
         self._checksum = zlib.crc32(pushed, self._checksum)
         if self._pending_bytes >= self.threshold_bytes:
             self._fire()
+
+    def _begin_step(self) -> None:
+        """The step's first push: its checksum starts from the threshold (ranks that fuse differently
+        must disagree at the first segment), and tuning times the step from here."""
+        self._checksum = zlib.crc32(struct.pack("<q?", self.threshold_bytes, self._tuner is not None))
+        if self._tuner is not None and self._tuner.settled is None:
+            self._step_started = time.perf_counter()
 
     def _alone(self) -> bool:
         if self._solo is None:
@@ -239,11 +280,12 @@ class LazyAllreduce:
             self._buffers[index : index + 1] = [buffer]
         ctx = context(self._comm).background()
         name = check_op(self.op, np.dtype(members[0][0].dtype))
-        if self._in_place(index, pushed) and all(scale == 1.0 for scale in scales):
+        in_pool = self._pool_run(pushed) if all(scale == 1.0 for scale in scales) else None
+        if in_pool is not None:
             # The gradients already sit in the pool: reduce from there into `buffer` and write the
             # result back at flush(), so that a failed step leaves them as they are; or, when asked,
             # straight into the pool.
-            source = self._pool[index]
+            source = in_pool
             members = [] if self._reduce_in_place else [(source, kind)]
             if self._reduce_in_place:
                 buffer = source
@@ -281,12 +323,18 @@ class LazyAllreduce:
             self._filling_since = None
         self._fired.append((handle, members, csc))
 
-    def _in_place(self, index: int, pushed) -> bool:
-        """Whether this segment's arrays are exactly those gradient_buffers() handed out for segment
-        `index`, in order: then they already sit in the segment buffer."""
-        if index >= len(self._pool_members) or len(pushed) != len(self._pool_members[index]):
-            return False
-        return all(a is b for a, b in zip(pushed, self._pool_members[index], strict=True))
+    def _pool_run(self, pushed):
+        """The piece of the pool holding `pushed` when they are consecutive arrays gradient_buffers()
+        handed out, in order (then they already sit side by side, whatever the threshold); else None."""
+        start = self._pool_index.get(id(pushed[0]))
+        if start is None:
+            return None
+        end = start + len(pushed)
+        if end > len(self._pool_arrays) or any(
+            a is not b for a, b in zip(pushed, self._pool_arrays[start:end], strict=True)
+        ):
+            return None
+        return self._pool[self._pool_offsets[start] : self._pool_offsets[end]]
 
     def gradient_buffers(self, shapes, dtype=np.float32, *, reduce_in_place: bool = False) -> list:
         """Host arrays for gradients, carved out of the fusion pool (DDP's gradient_as_bucket_view).
@@ -341,28 +389,19 @@ class LazyAllreduce:
             if not self._alone():  # the peers are about to allocate with this rank: they must fail too
                 rejected_in_background(context(self._comm), "gradient_buffers", exc).wait()  # raises exc
             raise
-        segments, start, pending = [], 0, 0
-        for i, size in enumerate(sizes):
-            pending += size * dtype.itemsize
-            if pending >= self.threshold_bytes or i == len(sizes) - 1:
-                segments.append(list(range(start, i + 1)))
-                start, pending = i + 1, 0
-        aligned = [-(-sum(sizes[j] for j in group) * dtype.itemsize // 64) * 64 for group in segments]
-        memory = self._pool_memory(sum(aligned), shapes, dtype, sum(sizes))
+        # One flat pool, the arrays side by side in push order: any run of them that a segment
+        # fuses is one piece of it, whatever the threshold (it changes while threshold "auto" tunes).
+        count = sum(sizes)
+        memory = self._pool_memory(-(-count * dtype.itemsize // 64) * 64, shapes, dtype, count)
         self._reduce_in_place = bool(reduce_in_place)
-        self._pool, self._pool_members, arrays = [], [], []
-        offset = 0
-        for group, nbytes in zip(segments, aligned, strict=True):
-            buffer = memory[offset : offset + nbytes].view(dtype)[: sum(sizes[j] for j in group)]
-            views, at = [], 0
-            for j in group:
-                views.append(buffer[at : at + sizes[j]].reshape(shapes[j]))
-                at += sizes[j]
-            arrays += views
-            self._pool.append(buffer)
-            self._pool_members.append(views)
-            offset += nbytes
-        return arrays
+        self._pool = memory.view(dtype)[:count]
+        self._pool_offsets = [0, *itertools.accumulate(sizes)]
+        self._pool_arrays = [
+            self._pool[start : start + size].reshape(shape)
+            for start, size, shape in zip(self._pool_offsets, sizes, shapes, strict=False)
+        ]
+        self._pool_index = {id(a): i for i, a in enumerate(self._pool_arrays)}
+        return list(self._pool_arrays)
 
     def _pool_memory(self, nbytes: int, shapes, dtype, count: int):
         """Zeroed bytes for the pool: in the node's shared memory when that helps (agreed by every
@@ -420,6 +459,12 @@ class LazyAllreduce:
             capacity = config.small_message_bytes
             final = lambda: ctx.check_usable() or allreduce_with_agreement(ctx, ends, capacity)  # noqa: E731
             self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx), [], None))
+        tuner = self._tuner
+        tuning = tuner is not None and tuner.settled is None and self._pushes and self._error is None
+        agreed = None  # the ranks' step times per candidate, summed (the step that settles the threshold)
+        if tuning and tuner.deciding:
+            agreed = self._agree_on_threshold(ctx)
+        started, step_bytes = self._step_started, self._step_bytes
         fired, error = self._fired, self._error
         self._reset()
         results = []
@@ -449,11 +494,65 @@ class LazyAllreduce:
                 offset += flat.size
             if members:
                 members[0][1].ops.fence()
+        if tuning:
+            if agreed is not None:
+                line = tuner.settle(agreed, ctx.size)
+            else:  # an overflowed step did not run as usual: it is not timed
+                line = None if overflow else tuner.step_done(time.perf_counter() - started, step_bytes)
+            self.threshold_bytes = tuner.threshold
+            if line and ctx.rank == 0:
+                print(f"gflow: LazyAllreduce(threshold_bytes='auto'): {line}", file=sys.stderr, flush=True)
         if overflow:
             raise CompressionOverflowError(
                 "LazyAllreduce with compression='fp16': a reduced value is inf or NaN; scale the gradients "
                 "down (gflow.LossScaler) or use compression=None"
             )
+
+    def _agree_on_threshold(self, ctx):
+        """Queue, behind the step's segments, the allreduce of this rank's median step time per
+        candidate; returns the array the sums land in (valid once the step's handles are done)."""
+        medians = self._tuner.medians()
+        summed = np.empty_like(medians)
+        candidates = zlib.crc32(np.array(self._tuner.candidates, np.int64).tobytes())
+        run = lambda: allreduce_on(  # noqa: E731
+            ctx,
+            medians,
+            "sum",
+            summed,
+            "auto",
+            None,
+            ("lazy", candidates),
+            "LazyAllreduce's threshold tuning",
+        )
+        handle = engine.submit("lazy threshold agreement", run, keep=(medians, summed), ctx=ctx)
+        self._fired.append((handle, [], None))
+        return summed
+
+    def retune(self) -> None:
+        """Tune the threshold again, from the next step (threshold_bytes="auto"): after the model,
+        the batch size or the network changed. Every rank calls it, between the same two steps (a
+        rank that does not fails its next step, and every rank's flush raises MismatchError).
+
+        Raises:
+            ValueError: the threshold is fixed (not "auto"). RuntimeError: a step is in flight.
+        """
+        if self._tuner is None:
+            raise ValueError(
+                f"LazyAllreduce.retune: the threshold is fixed at {self.threshold_bytes} bytes; make the "
+                "object with threshold_bytes='auto' to tune it"
+            )
+        if self._in_step():
+            raise RuntimeError("LazyAllreduce.retune: a step is in flight (pushed, not flushed)")
+        self._tuner = ThresholdTuner()
+        self.threshold_bytes = self._tuner.threshold
+
+    @property
+    def tuning(self) -> bool:
+        return self._tuner is not None and self._tuner.settled is None
+
+    @property
+    def tuning_results(self) -> dict | None:
+        return None if self._tuner is None else self._tuner.results
 
     def _settings(self) -> dict:
         from .._state import compression_name
@@ -463,7 +562,7 @@ class LazyAllreduce:
             csc = SparseAllreduce(op=self.op, compression=self.compression, **self.sparse)
             sparse = {k: v for k, v in csc._settings().items() if k not in ("op", "compression")}
         return {
-            "threshold_bytes": self.threshold_bytes, "op": self.op,
+            "threshold_bytes": "auto" if self._tuner is not None else self.threshold_bytes, "op": self.op,
             "compression": compression_name(self.compression), "sparse": sparse,
         }  # fmt: skip
 
@@ -473,7 +572,8 @@ class LazyAllreduce:
     def state_dict(self) -> dict:
         """The settings, the world size and, with sparse=, each segment's SparseAllreduce state
         (keyed by segment index; per rank: every rank saves its own). Dense fusion keeps nothing
-        from step to step besides its settings.
+        from step to step besides its settings and, with threshold_bytes="auto", the threshold it
+        settled on (tuned_threshold_bytes; None while tuning: a restart tunes again).
 
         Raises:
             RuntimeError: a step is in flight (pushed, not flushed).
@@ -492,6 +592,8 @@ class LazyAllreduce:
         state = st.header("LazyAllreduce")
         state.update(self._settings())
         state.update(world_size=size, segments=segments)
+        # With "auto", the threshold settled on: a restart goes on with it instead of tuning again.
+        state["tuned_threshold_bytes"] = None if self._tuner is None else self._tuner.settled
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -523,4 +625,11 @@ class LazyAllreduce:
             except ValueError as exc:
                 raise ValueError(f"{who}: segment {index}: {exc}") from None
             loaded[int(index)] = csc
+        tuned = st._plain(state.get("tuned_threshold_bytes"))
+        if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
+            raise ValueError(f"{who}: tuned_threshold_bytes must be an int >= 1 or None, got {tuned!r}")
         self._csc = loaded
+        if self._tuner is not None:  # tune again unless the state had settled
+            self._tuner = ThresholdTuner()
+            self._tuner.settled = tuned
+            self.threshold_bytes = self._tuner.threshold
