@@ -148,7 +148,8 @@ class DataParallel:
             (keys are then indices), or of (name, array) pairs. Gradients have their shapes and dtypes.
         op: "mean" (data parallelism's average) or "sum".
         threshold_bytes: LazyAllreduce's segment size; by default 25 MiB (DDP's bucket size), 4 MiB
-            with compression="fp16" (training_threshold: measured end to end).
+            with compression="fp16" (training_threshold: measured end to end); "auto" tunes it
+            during the first steps (LazyAllreduce).
         compression: None or "fp16" (LazyAllreduce's).
         sparse: None, or SparseAllreduce settings (density, chunk_elems, momentum, warmup_steps):
             coarse-grained sparse communication of each segment (each rank keeps a residual).
@@ -165,7 +166,7 @@ class DataParallel:
         params,
         *,
         op="mean",
-        threshold_bytes: int | None = None,
+        threshold_bytes: int | str | None = None,
         compression=None,
         sparse=None,
         loss_scaler: LossScaler | None = None,

@@ -482,3 +482,45 @@ def test_bad_arguments_are_named():
             opt.zero_grad()
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_threshold_auto_tunes_while_training_stays_exact():
+    """threshold_bytes="auto": the steps that try thresholds train exactly as one process does, and
+    every rank settles on the same threshold."""
+    r, n = WORLD.rank, WORLD.size * PER_RANK
+
+    def check():
+        torch.manual_seed(0)
+        # 1.4 MB of gradients: four candidates, 256 KiB to 2 MiB
+        model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Tanh(), torch.nn.Linear(600, 4))
+        ref = copy.deepcopy(model).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+            threshold_bytes="auto",
+        )  # fmt: skip
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        lazy = opt._dp._lazy
+        g = torch.Generator().manual_seed(2)
+        steps = 0
+        while lazy.tuning or steps < 30:
+            x, y = torch.randn(n, 600, generator=g), torch.randint(0, 4, (n,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(
+                model(x[r * PER_RANK : (r + 1) * PER_RANK]), y[r * PER_RANK : (r + 1) * PER_RANK]
+            ).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x.double()), y).backward()  # the mean over all ranks' samples
+            ref_opt.step()
+            assert_identical(model)
+            assert_close_to(model, ref, atol=1e-5)
+            steps += 1
+            if steps == 1 and WORLD.size == 1:
+                assert not lazy.tuning  # alone, nothing is fused: it settles at once
+        assert not lazy.tuning
+        settled = WORLD.allgather(lazy.threshold_bytes)
+        assert settled == [settled[0]] * WORLD.size
+        assert opt.state_dict()["gflow"]["lazy"]["tuned_threshold_bytes"] == settled[0]
+
+    on_all_ranks(check)

@@ -5,18 +5,22 @@ much of backward there is to hide communication behind; PyTorch's 25 MiB bucket 
 threshold are each wrong for many models (bench/RESULTS.md, "Fusion threshold").
 
 How: the candidates are CANDIDATES (256 KiB to 64 MiB, doubling). After the first step, those at or
-above the step's bytes all fuse it into one segment, so only the smallest of them is kept. Each
-candidate runs WARMUP_STEPS steps (segment buffers change size, pages are faulted in) and then
-MEASURED_STEPS steps, each timed from its first push to the end of its flush: everything the threshold
-changes (forward and the optimizer do not depend on it). The step after the last measurement adds one
-small allreduce behind its segments: the ranks' medians per candidate, averaged over the ranks, so that
-every rank settles on the same threshold; rank 0 logs the choice once on stderr. That allreduce is
-part of the step, so if it fails the whole step fails, on every rank, and the next step retries it.
+above the step's bytes all fuse it into one segment, so only the smallest of them is kept. Then
+ROUNDS: in each, every candidate still in runs WARMUP_STEPS steps (segment buffers change size, pages
+are faulted in) and then its measured steps, each timed from its first push to the end of its flush:
+everything the threshold changes (forward and the optimizer do not depend on it). The step after a
+round adds one small allreduce behind its segments: each rank's median per candidate (over every
+round so far), summed over the ranks, so that every rank reads the same numbers. The fastest few go
+on to the next round; after the last, every rank settles on the fastest, and rank 0 logs it once on
+stderr. A second round because one step here can be 30% off its neighbours: three steps of one
+candidate in a slow second can crown the wrong one, and timing the finalists again, later, gives each
+five samples from two moments (bench/RESULTS.md, "Fusion threshold that tunes itself").
 
-A step that fails is not timed and does not advance the schedule. A step fails on every rank or on
-none (collectives/lazy.py), so every rank stays at the same place in the schedule; LazyAllreduce also
-folds the threshold into every segment's checksum, so ranks that were told different things (one rank
-called retune(), another did not) fail at once with MismatchError.
+The allreduce is part of its step, so if it fails the whole step fails, on every rank, and the next
+step retries it. A step that fails is not timed and does not advance the schedule. A step fails on
+every rank or on none (collectives/lazy.py), so every rank stays at the same place in the schedule;
+LazyAllreduce also folds the threshold into every segment's checksum, so ranks that were told
+different things (one rank called retune(), another did not) fail at once with MismatchError.
 """
 
 import statistics
@@ -25,7 +29,8 @@ import numpy as np
 
 CANDIDATES = tuple(2**k for k in range(18, 27))  # 256 KiB ... 64 MiB
 WARMUP_STEPS = 1
-MEASURED_STEPS = 3
+# Per round: how many candidates go into it (None: all), and the measured steps of each.
+ROUNDS = ((None, 2), (3, 3))
 
 
 def size_text(nbytes: int) -> str:
@@ -39,10 +44,11 @@ class ThresholdTuner:
     """Where one LazyAllreduce is in its tuning schedule (see the module docstring)."""
 
     def __init__(self):
-        self.candidates = list(CANDIDATES)
+        self.trying = list(CANDIDATES)  # this round's candidates, in increasing order
+        self.round = 0
         self.index = 0  # the candidate being tried
-        self.steps_here = 0  # successful steps under it so far
-        self.samples: list = [[] for _ in self.candidates]  # measured seconds per candidate
+        self.steps_here = 0  # successful steps under it in this round
+        self.samples: dict = {c: [] for c in CANDIDATES}  # measured seconds, every round
         self.pruned = False
         self.settled: int | None = None
         self.results: dict | None = None  # threshold -> seconds agreed by the ranks, once settled
@@ -50,12 +56,20 @@ class ThresholdTuner:
 
     @property
     def threshold(self) -> int:
-        return self.settled if self.settled is not None else self.candidates[self.index]
+        return self.settled if self.settled is not None else self.trying[self.index]
+
+    @property
+    def _measured_steps(self) -> int:
+        return ROUNDS[self.round][1]
 
     @property
     def deciding(self) -> bool:
-        """Every candidate is measured: the current step carries the agreement."""
-        return self.settled is None and len(self.samples[-1]) >= MEASURED_STEPS
+        """This round is measured: the current step carries the agreement."""
+        return (
+            self.settled is None
+            and self.index == len(self.trying) - 1
+            and self.steps_here >= WARMUP_STEPS + self._measured_steps
+        )
 
     def step_done(self, seconds: float, step_bytes: int) -> str | None:
         """A step under self.threshold succeeded on every rank and took `seconds` here. Returns the
@@ -65,12 +79,10 @@ class ThresholdTuner:
         self.steps += 1
         if not self.pruned:
             self.pruned = True
-            keep = next(
-                (i for i, c in enumerate(self.candidates) if c >= step_bytes), len(self.candidates) - 1
-            )
-            self.candidates, self.samples = self.candidates[: keep + 1], self.samples[: keep + 1]
+            keep = next((i for i, c in enumerate(self.trying) if c >= step_bytes), len(self.trying) - 1)
+            self.trying = self.trying[: keep + 1]
             if keep == 0:  # every candidate fuses the step into one segment: nothing to compare
-                self.settled = self.candidates[0]
+                self.settled = self.trying[0]
                 return (
                     f"settled on {size_text(self.settled)} at once: a step's {step_bytes} bytes fit in "
                     "one segment of the smallest candidate"
@@ -79,25 +91,37 @@ class ThresholdTuner:
             return None
         self.steps_here += 1
         if self.steps_here > WARMUP_STEPS:
-            self.samples[self.index].append(seconds)
-        if len(self.samples[self.index]) >= MEASURED_STEPS and self.index + 1 < len(self.candidates):
+            self.samples[self.trying[self.index]].append(seconds)
+        if self.steps_here >= WARMUP_STEPS + self._measured_steps and self.index + 1 < len(self.trying):
             self.index += 1
             self.steps_here = 0
         return None
 
     def medians(self) -> np.ndarray:
-        """This rank's median step time per candidate, for the agreement."""
-        return np.array([statistics.median(s) for s in self.samples], dtype=np.float64)
+        """This rank's median step time per candidate of this round, for the agreement."""
+        return np.array([statistics.median(self.samples[c]) for c in self.trying], dtype=np.float64)
 
-    def settle(self, summed: np.ndarray, size: int) -> str:
-        """Take the candidate whose time, summed over the ranks, is least: the same on every rank.
-        Returns the line to log."""
+    def agreed(self, summed: np.ndarray, size: int) -> str | None:
+        """The ranks' medians of this round, summed: the same numbers on every rank. Starts the next
+        round with the fastest, or settles on the fastest (returning the line to log)."""
         self.steps += 1
         mean = summed / size
-        self.settled = self.candidates[int(np.argmin(mean))]
-        self.results = {c: float(t) for c, t in zip(self.candidates, mean, strict=True)}
-        times = ", ".join(f"{size_text(c)} {t * 1e3:.1f} ms" for c, t in self.results.items())
+        self.results = dict(self.results or {})
+        self.results.update((c, float(t)) for c, t in zip(self.trying, mean, strict=True))
+        order = sorted(range(len(self.trying)), key=lambda i: (mean[i], i))
+        if self.round + 1 < len(ROUNDS) and len(self.trying) > 1:
+            self.round += 1
+            going_on = ROUNDS[self.round][0]
+            self.trying = sorted(self.trying[i] for i in order[:going_on])
+            self.index = self.steps_here = 0
+            return None
+        self.settled = self.trying[order[0]]
+        finalists = set(self.trying)
+        times = ", ".join(
+            f"{size_text(c)}{'*' if c in finalists else ''} {t * 1e3:.1f} ms"
+            for c, t in sorted(self.results.items())
+        )
         return (
             f"settled on {size_text(self.settled)} after {self.steps} steps (median time from a step's "
-            f"first push to the end of its flush, mean over {size} ranks: {times})"
+            f"first push to the end of its flush, mean over {size} ranks; * timed again: {times})"
         )

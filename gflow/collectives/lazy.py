@@ -80,10 +80,10 @@ class LazyAllreduce:
     Args:
         threshold_bytes: fire a segment once this many bytes are pending (bytes on the wire: float16
             ones with compression="fp16", unless sparse). "auto": try thresholds from 256 KiB to
-            64 MiB during the first steps (about four steps each), timing each step, and keep the
-            fastest: the same on every rank, logged once by rank 0 (collectives/autotune.py). Steps
-            are correct while it tunes. Dense only: sparse segments keep residuals, so their sizes
-            must not change.
+            64 MiB during the first steps (three steps each, then four more for the three
+            fastest: about 40 steps), timing each step, and keep the fastest: the same on every
+            rank, logged once by rank 0 (collectives/autotune.py). Steps are correct while it tunes.
+            Dense only: sparse segments keep residuals, so their sizes must not change.
         op: "sum", "mean", "max" or "min" (or MPI.SUM/MAX/MIN), applied to every pushed tensor.
         compression: None or "fp16".
         comm: the communicator (default COMM_WORLD).
@@ -96,8 +96,9 @@ class LazyAllreduce:
         threshold_bytes: the threshold in use (with "auto": the candidate being tried, then the one
             settled on).
         tuning: with "auto", whether the threshold is still being tuned.
-        tuning_results: with "auto", once settled: {candidate: seconds per step, averaged over the
-            ranks} (None when it settled without comparing, or from a checkpoint).
+        tuning_results: with "auto": {candidate: its median seconds per step, averaged over the
+            ranks}, as agreed after each round (None before the first, when it settled without
+            comparing, or from a checkpoint).
     """
 
     def __init__(
@@ -496,7 +497,7 @@ class LazyAllreduce:
                 members[0][1].ops.fence()
         if tuning:
             if agreed is not None:
-                line = tuner.settle(agreed, ctx.size)
+                line = tuner.agreed(agreed, ctx.size)
             else:  # an overflowed step did not run as usual: it is not timed
                 line = None if overflow else tuner.step_done(time.perf_counter() - started, step_bytes)
             self.threshold_bytes = tuner.threshold
@@ -510,10 +511,11 @@ class LazyAllreduce:
 
     def _agree_on_threshold(self, ctx):
         """Queue, behind the step's segments, the allreduce of this rank's median step time per
-        candidate; returns the array the sums land in (valid once the step's handles are done)."""
+        candidate of this tuning round; returns the array the sums land in (valid once the step's
+        handles are done)."""
         medians = self._tuner.medians()
         summed = np.empty_like(medians)
-        candidates = zlib.crc32(np.array(self._tuner.candidates, np.int64).tobytes())
+        candidates = zlib.crc32(np.array([*self._tuner.trying, self._tuner.round], np.int64).tobytes())
         run = lambda: allreduce_on(  # noqa: E731
             ctx,
             medians,
@@ -629,7 +631,7 @@ class LazyAllreduce:
         if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
             raise ValueError(f"{who}: tuned_threshold_bytes must be an int >= 1 or None, got {tuned!r}")
         self._csc = loaded
-        if self._tuner is not None:  # tune again unless the state had settled
+        if self._tuner is not None and tuned != self._tuner.settled:  # tune again unless it had settled
             self._tuner = ThresholdTuner()
             self._tuner.settled = tuned
             self.threshold_bytes = self._tuner.threshold

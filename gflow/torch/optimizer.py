@@ -443,7 +443,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         sparse_as_dense: accepted; sparse gradients are always reduced as dense.
         process_set: only the global process set is supported.
         threshold_bytes: gflow's fusion segment size; by default 25 MiB (DDP's bucket size), 4 MiB with
-            Compression.fp16 (gflow.DataParallel's defaults, measured end to end).
+            Compression.fp16 (gflow.DataParallel's defaults, measured end to end); "auto" tunes it
+            during the first steps (gflow.LazyAllreduce).
         sparse: None, or coarse-grained sparse communication settings (a dict: density, chunk_elems,
             momentum, warmup_steps; see gflow.SparseAllreduce). Momentum: with torch.optim.SGD of
             momentum m > 0 the momentum moves into CSC (Deep Gradient Compression's momentum

@@ -1,0 +1,234 @@
+"""LazyAllreduce(threshold_bytes="auto"): tuning keeps every step correct, every rank settles on the
+same threshold, failed steps and retune() keep the ranks in step, checkpoints carry the choice."""
+
+import numpy as np
+import pytest
+from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
+
+import gflow
+from gflow.collectives import autotune
+
+SIZES = [1, 2, 3, 4]
+LAST = WORLD.size - 1
+# About 2.4 MB of float32: the candidates from 256 KiB to 4 MiB (5 of them).
+SHAPES = [(1000,), (300, 200), (50_000,), (7,), (400_000,), (1200, 100), (3, 5)]
+STEP_BYTES = 4 * sum(int(np.prod(s)) for s in SHAPES)
+CANDIDATES = [c for c in autotune.CANDIDATES if c < STEP_BYTES]
+CANDIDATES += [next(c for c in autotune.CANDIDATES if c >= STEP_BYTES)]
+(_, FIRST), (FINALISTS, SECOND) = autotune.ROUNDS
+FIRST_ROUND = len(CANDIDATES) * (autotune.WARMUP_STEPS + FIRST)  # then the step that agrees
+TUNING_STEPS = FIRST_ROUND + 1 + FINALISTS * (autotune.WARMUP_STEPS + SECOND) + 1
+
+
+def expect(exc_type, fn, match=None):
+    with pytest.raises(exc_type, match=match) as info:
+        fn()
+    return info.value
+
+
+def checked_step(lazy, grads, rng, label=""):
+    """Random gradients into `grads`, one push each, flush; every result against MPI float64."""
+    inputs = [random_array(rng, g.shape, g.dtype) for g in grads]
+    for g, x in zip(grads, inputs, strict=True):
+        g[...] = x
+    for g in grads:
+        lazy.push(g)
+    on_all_ranks(lazy.flush, label)
+    for g, x in zip(grads, inputs, strict=True):
+        on_all_ranks(lambda g=g, x=x: assert_close_to_reference(g, x, "sum"), label)
+
+
+def tune(lazy, grads, rng, limit=100) -> int:
+    """Checked steps until the threshold settles; how many it took."""
+    steps = 0
+    while lazy.tuning:
+        assert steps < limit, f"still tuning after {limit} steps"
+        checked_step(lazy, grads, rng, f"tuning step {steps}")
+        steps += 1
+    return steps
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("pool", [False, True])
+def test_auto_settles_on_the_same_threshold_everywhere_and_every_step_is_right(pool, capsys):
+    rng = rank_rng(80)
+    lazy = gflow.LazyAllreduce("auto", op="sum")
+    assert lazy.tuning and lazy.threshold_bytes == autotune.CANDIDATES[0]
+    if pool:
+        grads = lazy.gradient_buffers(SHAPES)
+        runs = []  # every segment must find its gradients side by side in the pool, at every threshold
+        original = lazy._pool_run
+        lazy._pool_run = lambda pushed: runs.append(original(pushed)) or runs[-1]
+    else:
+        grads = [random_array(rng, s, np.float32) for s in SHAPES]
+    thresholds = []
+    steps = 0
+    while lazy.tuning:
+        thresholds.append(lazy.threshold_bytes)
+        checked_step(lazy, grads, rng, f"tuning step {steps}")
+        steps += 1
+        assert steps <= 60
+    settled = lazy.threshold_bytes
+    agreed = WORLD.allgather((settled, lazy.tuning_results))
+    assert all(a == agreed[0] for a in agreed), agreed
+    if WORLD.size == 1:  # alone, nothing is fused: one step shows it, and it settles at once
+        assert steps == 1 and settled == autotune.CANDIDATES[0] and lazy.tuning_results is None
+    else:
+        # every candidate up to the first holding the whole step, each for its warm-up and measured
+        # steps, in order; the step that agrees; the same for the finalists; the step that agrees
+        assert steps == TUNING_STEPS
+        each = autotune.WARMUP_STEPS + FIRST
+        assert thresholds[: FIRST_ROUND + 1] == [c for c in CANDIDATES for _ in range(each)] + [
+            CANDIDATES[-1]
+        ]
+        second = thresholds[FIRST_ROUND + 1 :]
+        finalists = sorted(set(second))
+        each = autotune.WARMUP_STEPS + SECOND
+        assert len(finalists) == FINALISTS and set(finalists) <= set(CANDIDATES)
+        assert second == [c for c in finalists for _ in range(each)] + [finalists[-1]]
+        results = lazy.tuning_results
+        assert sorted(results) == CANDIDATES and all(t > 0 for t in results.values())
+        assert settled == min(finalists, key=results.get)
+    for k in range(3):  # settled: the threshold stays, the steps stay right
+        checked_step(lazy, grads, rng, f"settled step {k}")
+        assert lazy.threshold_bytes == settled and not lazy.tuning
+    if pool and WORLD.size > 1:
+        assert runs and all(r is not None for r in runs)
+    logged = capsys.readouterr().err
+    lines = [line for line in logged.splitlines() if "threshold_bytes='auto'" in line]
+    assert len(lines) == (1 if WORLD.rank == 0 else 0), logged
+    if WORLD.rank == 0:
+        assert "settled on" in lines[0]
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_failed_step_is_not_timed_and_the_ranks_stay_in_step():
+    # A bad push on the last rank, once in a measured step and once in the step that agrees: every
+    # rank's flush raises, the schedule does not move, and tuning goes on to the same end everywhere.
+    rng = rank_rng(81)
+    lazy = gflow.LazyAllreduce("auto", op="sum")
+    grads = [random_array(rng, s, np.float32) for s in SHAPES]
+    fail_at = {2, FIRST_ROUND, TUNING_STEPS - 1}  # (the others: the steps that agree)
+    steps = failures = 0
+    while lazy.tuning:
+        if steps in fail_at:
+            fail_at.discard(steps)
+            before = (lazy.threshold_bytes, lazy._tuner.index, lazy._tuner.steps_here)
+            kept = [g.copy() for g in grads]
+            for i, g in enumerate(grads):
+                lazy.push(g.astype(np.uint8) if (WORLD.rank == LAST and i == 3) else g)
+            error = gflow.MismatchError if WORLD.rank != LAST else TypeError
+            on_all_ranks(lambda error=error: expect(error, lazy.flush), f"failed step {steps}")
+            for g, k in zip(grads, kept, strict=True):
+                np.testing.assert_array_equal(g, k)
+            assert (lazy.threshold_bytes, lazy._tuner.index, lazy._tuner.steps_here) == before
+            failures += 1
+            continue
+        checked_step(lazy, grads, rng, f"step {steps}")
+        steps += 1
+        assert steps <= 60
+    assert failures == 3
+    assert steps == TUNING_STEPS
+    agreed = WORLD.allgather(lazy.threshold_bytes)
+    assert agreed == [agreed[0]] * WORLD.size
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_retune_tunes_again_and_one_rank_alone_fails_every_rank():
+    rng = rank_rng(82)
+    lazy = gflow.LazyAllreduce("auto", op="sum")
+    grads = [random_array(rng, s, np.float32) for s in SHAPES]
+    first = tune(lazy, grads, rng)
+    lazy.push(grads[0])
+    expect(RuntimeError, lazy.retune, "in flight")  # between steps only
+    on_all_ranks(lazy.flush)
+    lazy.retune()
+    assert lazy.tuning and lazy.threshold_bytes == autotune.CANDIDATES[0] and lazy.tuning_results is None
+    assert tune(lazy, grads, rng) == first == (TUNING_STEPS if WORLD.size > 1 else 1)
+    if WORLD.size > 1:
+        # The last rank alone retunes: its threshold (and so every segment) differs from the others',
+        # and every rank's next step fails; all retuning together puts them back in step.
+        if WORLD.rank == LAST:
+            lazy.retune()
+        inputs = [g.copy() for g in grads]
+        for g in grads:
+            lazy.push(g)
+        on_all_ranks(lambda: expect(gflow.MismatchError, lazy.flush, "push-order checksum"), "mismatch")
+        for g, x in zip(grads, inputs, strict=True):
+            np.testing.assert_array_equal(g, x)
+        lazy.retune()
+        assert tune(lazy, grads, rng) == first
+    fixed = gflow.LazyAllreduce(4096)
+    expect(ValueError, fixed.retune, "fixed at 4096 bytes")
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("other", [autotune.CANDIDATES[0], 4 * 2**20])
+def test_auto_on_one_rank_and_a_fixed_threshold_on_another_fail_at_once(other):
+    # Even a fixed threshold equal to the first candidate: the ranks were told different things.
+    rng = rank_rng(83)
+    lazy = gflow.LazyAllreduce("auto" if WORLD.rank == 0 else other, op="sum")
+    grads = [random_array(rng, s, np.float32) for s in SHAPES]
+    for g in grads:
+        lazy.push(g)
+    on_all_ranks(lambda: expect(gflow.MismatchError, lazy.flush, "push-order checksum"), "mismatch")
+
+
+@pytest.mark.parallel([1, 3])
+def test_a_checkpoint_carries_the_settled_threshold():
+    rng = rank_rng(84)
+    lazy = gflow.LazyAllreduce("auto", op="sum")
+    grads = [random_array(rng, s, np.float32) for s in SHAPES]
+    checked_step(lazy, grads, rng)
+    midway = lazy.state_dict()
+    assert midway["threshold_bytes"] == "auto"
+    if WORLD.size > 1:
+        assert midway["tuned_threshold_bytes"] is None
+    tune(lazy, grads, rng)
+    state = lazy.state_dict()
+    assert state["tuned_threshold_bytes"] == lazy.threshold_bytes
+    restarted = gflow.LazyAllreduce("auto", op="sum")
+    restarted.load_state_dict(state)
+    assert not restarted.tuning and restarted.threshold_bytes == lazy.threshold_bytes
+    checked_step(restarted, grads, rng, "after loading")
+    again = gflow.LazyAllreduce("auto", op="sum")
+    again.load_state_dict(midway)
+    if WORLD.size > 1:  # saved while tuning: it tunes again (alone, one step settled it)
+        assert again.tuning and again.threshold_bytes == autotune.CANDIDATES[0]
+    expect(ValueError, lambda: gflow.LazyAllreduce(4096, op="sum").load_state_dict(state), "threshold_bytes")
+    for bad in (0, -5, "8", 2.5, True):
+        broken = dict(state, tuned_threshold_bytes=bad)
+        expect(ValueError, lambda broken=broken: again.load_state_dict(broken), "tuned_threshold_bytes")
+    assert again.tuning == (WORLD.size > 1)  # a refused state changed nothing
+
+
+def test_bad_thresholds_are_named():
+    expect(ValueError, lambda: gflow.LazyAllreduce("fast"), "threshold_bytes: expected an int or 'auto'")
+    expect(TypeError, lambda: gflow.LazyAllreduce(2.5), "threshold_bytes: expected an int or 'auto'")
+    expect(TypeError, lambda: gflow.LazyAllreduce(None), "threshold_bytes")
+    expect(ValueError, lambda: gflow.LazyAllreduce(0), "threshold_bytes must be >= 1")
+    expect(ValueError, lambda: gflow.LazyAllreduce("auto", sparse={"density": 0.5}), "dense fusion")
+    expect(
+        ValueError, lambda: gflow.DataParallel([np.zeros(3, np.float32)], threshold_bytes="Auto"), "'auto'"
+    )
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_data_parallel_tunes_its_threshold():
+    rng = rank_rng(85)
+    params = {f"w{i}": np.zeros(s, np.float32) for i, s in enumerate(SHAPES)}
+    dp = gflow.DataParallel(params, op="sum", threshold_bytes="auto")
+    buffers = dp.gradient_buffers()
+    steps = 0
+    while dp._lazy.tuning:
+        inputs = {k: random_array(rng, b.shape, b.dtype) for k, b in buffers.items()}
+        for key in reversed(list(params)):
+            buffers[key][...] = inputs[key]
+            dp.push(key)
+        on_all_ranks(dp.synchronize, f"step {steps}")
+        for key, b in buffers.items():
+            on_all_ranks(lambda b=b, x=inputs[key]: assert_close_to_reference(b, x, "sum"), f"step {steps}")
+        steps += 1
+        assert steps <= 60
+    agreed = WORLD.allgather(dp._lazy.threshold_bytes)
+    assert agreed == [agreed[0]] * WORLD.size
