@@ -42,6 +42,11 @@ def sweep_thresholds(total_bytes: int) -> list[int]:
     return grid[: last + 1]
 
 
+def spread(samples) -> float:
+    """How much one step differs from the next: interquartile range / median, median over contenders."""
+    return float(np.median([np.subtract(*np.percentile(ts, [75, 25])) / np.median(ts) for ts in samples]))
+
+
 def worker(args) -> None:
     from mpi4py import MPI
 
@@ -109,6 +114,8 @@ def worker(args) -> None:
             "best_fixed": best, "best_fixed_seconds": medians[best],
             "auto_over_best": medians["auto"] / medians[best],
             "settled_fixed_seconds": medians.get(settled),
+            "spread": spread(times.values()),
+            "samples": {str(name): ts for name, ts in times.items()}, "tuning_samples": tuning,
         }  # fmt: skip
         path = os.path.join(args.out, f"autotune_{args.model}_p{p}_{args.network}.json")
         _common.write_json(path, result)
@@ -117,7 +124,8 @@ def worker(args) -> None:
         print(
             f"    auto ({size_text(settled)}) {medians['auto'] * 1e3:9.1f} ms: "
             f"{result['auto_over_best']:.3f}x the best fixed ({size_text(best)}); "
-            f"tuning took {len(tuning)} steps, {tuning_seconds:.1f} s",
+            f"tuning took {len(tuning)} steps, {tuning_seconds:.1f} s; step-to-step spread (interquartile "
+            f"range / median, median over the contenders) {result['spread']:.1%}",
             flush=True,
         )
 
@@ -128,14 +136,15 @@ def report(out_dir: str, paths: list[str]) -> None:
     results = [json.load(open(path)) for path in paths]
     lines = [
         "| model | p | network | settled | auto step (ms) | best fixed | its step (ms) | auto / best | "
-        "tuning steps (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "tuning steps (s) | spread |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['model']} | {r['p']} | {r['network']} | {size_text(r['settled'])} | "
             f"{r['auto'] * 1e3:.1f} | {size_text(r['best_fixed'])} | {r['best_fixed_seconds'] * 1e3:.1f} | "
-            f"{r['auto_over_best']:.3f} | {r['tuning_steps']} ({r['tuning_seconds']:.1f}) |"
+            f"{r['auto_over_best']:.3f} | {r['tuning_steps']} ({r['tuning_seconds']:.1f}) | "
+            f"{r.get('spread', float('nan')):.1%} |"
         )
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "autotune.md"), "w") as f:

@@ -144,7 +144,10 @@ def describe(sig) -> str:
     elif collective == "allgather" and int(sig[5]):
         text += f", trailing-shape fingerprint {int(sig[5])}"
     elif collective == "lazy":
-        text += f", push-order checksum {int(sig[5])}"
+        text += (
+            f", push-order checksum {int(sig[5])} (of the tensors pushed so far, the fusion threshold and, "
+            "with threshold_bytes='auto', where it is in its tuning: compare those across ranks)"
+        )
     elif collective == "sparse":
         text += f", gradient size and settings fingerprint {int(sig[5])}"
     elif collective == "allreduce" and int(sig[5]):

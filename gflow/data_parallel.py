@@ -474,13 +474,13 @@ class DataParallel:
                 f"{'has none' if scaler_state is None else 'has one'}"
             )
         lazy_state = st.get(state, "lazy", who)
-        before = self._lazy.state_dict()
+        before = self._lazy._snapshot()
         self._lazy.load_state_dict(lazy_state)
         if self._scaler is not None:
             try:
                 self._scaler.load_state_dict(scaler_state)
             except Exception:
-                self._lazy.load_state_dict(before)
+                self._lazy._restore(before)
                 raise
         self.step_count = step_count
 

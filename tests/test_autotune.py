@@ -232,3 +232,70 @@ def test_data_parallel_tunes_its_threshold():
         assert steps <= 60
     agreed = WORLD.allgather(dp._lazy.threshold_bytes)
     assert agreed == [agreed[0]] * WORLD.size
+
+
+@pytest.mark.parallel([2, 3])
+def test_ranks_elsewhere_in_the_schedule_on_the_same_threshold_fail_at_once():
+    # Review: the last rank loads a state settled on the very threshold the others are trying, just
+    # before the step that agrees; its flush returned while theirs waited for the agreement forever.
+    # Now where each rank is in the schedule is part of every segment's checksum.
+    rng = rank_rng(86)
+    lazy = gflow.LazyAllreduce("auto", op="sum")
+    grads = [random_array(rng, s, np.float32) for s in SHAPES]
+    while not lazy._tuner.deciding:
+        checked_step(lazy, grads, rng)
+    if WORLD.rank == LAST:
+        lazy.load_state_dict(dict(lazy.state_dict(), tuned_threshold_bytes=lazy.threshold_bytes))
+        assert not lazy.tuning
+    for g in grads:
+        lazy.push(g)
+    on_all_ranks(lambda: expect(gflow.MismatchError, lazy.flush, "where it is in its tuning"), "mismatch")
+    # Settled everywhere on the first candidate, then one rank retunes: the same threshold again.
+    state = dict(lazy.state_dict(), tuned_threshold_bytes=autotune.CANDIDATES[0])
+    lazy.load_state_dict(state)
+    checked_step(lazy, grads, rng, "settled on the first candidate")
+    if WORLD.rank == LAST:
+        lazy.retune()
+    for g in grads:
+        lazy.push(g)
+    on_all_ranks(lambda: expect(gflow.MismatchError, lazy.flush), "retuned on one rank")
+
+
+@pytest.mark.parallel([1, 2])
+def test_a_larger_step_after_settling_at_once_tunes_afresh():
+    # Review: a first step of a few bytes (frozen layers) settled on 256 KiB for good.
+    rng = rank_rng(87)
+    lazy = gflow.LazyAllreduce("auto", op="sum")
+    checked_step(lazy, [random_array(rng, (7,), np.float32)], rng, "a small first step")
+    assert not lazy.tuning and lazy.threshold_bytes == autotune.CANDIDATES[0]
+    grads = [random_array(rng, s, np.float32) for s in SHAPES]
+    checked_step(lazy, grads, rng, "the first larger step")  # it counts as the first warm-up step
+    if WORLD.size > 1:
+        assert lazy.tuning
+        assert 1 + tune(lazy, grads, rng) == TUNING_STEPS
+    else:  # alone nothing is fused: every step is 0 bytes on the wire
+        assert not lazy.tuning
+    checked_step(lazy, grads, rng, "settled")
+    big = gflow.LazyAllreduce(2**64, op="sum")  # review: a threshold past int64 broke every push
+    checked_step(big, grads, rng, "a threshold of 2**64")
+
+
+@pytest.mark.parallel([2])
+def test_data_parallel_undoes_a_failed_load_tuning_progress_included():
+    # Review: a load whose loss-scaler part was bad rolled back through state_dict(), which restarted
+    # the tuning (and on this rank only, when the bad part is on one rank's checkpoint).
+    rng = rank_rng(88)
+    params = {f"w{i}": np.zeros(s, np.float32) for i, s in enumerate(SHAPES)}
+    dp = gflow.DataParallel(params, op="sum", threshold_bytes="auto", loss_scaler=gflow.LossScaler())
+    buffers = dp.gradient_buffers()
+    for _ in range(4):
+        for key in reversed(list(params)):
+            buffers[key][...] = random_array(rng, buffers[key].shape, np.float32)
+            dp.push(key)
+        on_all_ranks(dp.synchronize)
+    tuner, position = dp._lazy._tuner, dp._lazy._tuner.position()
+    state = dp.state_dict()
+    state["lazy"] = dict(state["lazy"], tuned_threshold_bytes=2**20)
+    state["loss_scaler"] = dict(state["loss_scaler"], scale=-1.0)
+    expect(ValueError, lambda: dp.load_state_dict(state))
+    assert dp._lazy._tuner is tuner and tuner.position() == position and dp._lazy.tuning

@@ -522,5 +522,23 @@ def test_threshold_auto_tunes_while_training_stays_exact():
         settled = WORLD.allgather(lazy.threshold_bytes)
         assert settled == [settled[0]] * WORLD.size
         assert opt.state_dict()["gflow"]["lazy"]["tuned_threshold_bytes"] == settled[0]
+        # Horovod's restore: root loads the checkpoint, broadcast_optimizer_state gives the rest its
+        # state, the settled threshold included (review: the others tuned afresh, and every step failed).
+        checkpoint = opt.state_dict()
+        model = copy.deepcopy(model)  # (the old optimizer's hooks stay on the old one)
+        fresh = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+            threshold_bytes="auto",
+        )  # fmt: skip
+        if r == 0:
+            fresh.load_state_dict(checkpoint)
+        hvd.broadcast_optimizer_state(fresh, root_rank=0)
+        assert not fresh._dp._lazy.tuning and fresh._dp._lazy.threshold_bytes == settled[0]
+        fresh.zero_grad()
+        F.cross_entropy(
+            model(x[r * PER_RANK : (r + 1) * PER_RANK]), y[r * PER_RANK : (r + 1) * PER_RANK]
+        ).backward()
+        fresh.step()
+        assert_identical(model)
 
     on_all_ranks(check)

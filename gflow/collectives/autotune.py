@@ -50,6 +50,7 @@ class ThresholdTuner:
         self.steps_here = 0  # successful steps under it in this round
         self.samples: dict = {c: [] for c in CANDIDATES}  # measured seconds, every round
         self.pruned = False
+        self.at_once = False  # settled on the first step: every candidate held it whole
         self.settled: int | None = None
         self.results: dict | None = None  # threshold -> seconds agreed by the ranks, once settled
         self.steps = 0  # successful steps since tuning began
@@ -71,9 +72,23 @@ class ThresholdTuner:
             and self.steps_here >= WARMUP_STEPS + self._measured_steps
         )
 
+    @property
+    def active(self) -> bool:
+        """Whether steps are still reported: while tuning, and after settling at once (a larger
+        step later, e.g. once frozen layers are unfrozen, starts the tuning afresh)."""
+        return self.settled is None or self.at_once
+
+    def position(self) -> tuple:
+        """Where in the schedule this tuner is (the ranks' must match: LazyAllreduce checks it)."""
+        if self.settled is not None:
+            return (self.settled, -1, -1, -1, self.at_once)
+        return (self.round, self.index, self.steps_here, self.deciding, self.pruned)
+
     def step_done(self, seconds: float, step_bytes: int) -> str | None:
         """A step under self.threshold succeeded on every rank and took `seconds` here. Returns the
         line to log if that settled the threshold (one candidate left: no agreement needed)."""
+        if self.at_once and step_bytes > self.settled:
+            self.__init__()  # this step, under the smallest candidate, is its first warm-up step
         if self.settled is not None:
             return None
         self.steps += 1
@@ -82,7 +97,7 @@ class ThresholdTuner:
             keep = next((i for i, c in enumerate(self.trying) if c >= step_bytes), len(self.trying) - 1)
             self.trying = self.trying[: keep + 1]
             if keep == 0:  # every candidate fuses the step into one segment: nothing to compare
-                self.settled = self.trying[0]
+                self.settled, self.at_once = self.trying[0], True
                 return (
                     f"settled on {size_text(self.settled)} at once: a step's {step_bytes} bytes fit in "
                     "one segment of the smallest candidate"

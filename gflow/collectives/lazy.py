@@ -241,9 +241,11 @@ class LazyAllreduce:
     def _begin_step(self) -> None:
         """The step's first push: its checksum starts from the threshold (ranks that fuse differently
         must disagree at the first segment), and tuning times the step from here."""
-        self._checksum = zlib.crc32(struct.pack("<q?", self.threshold_bytes, self._tuner is not None))
-        if self._tuner is not None and self._tuner.settled is None:
+        where = (self.threshold_bytes, self._tuner is not None)
+        if self._tuner is not None:
+            where += self._tuner.position()  # ranks elsewhere in the schedule would part ways later
             self._step_started = time.perf_counter()
+        self._checksum = zlib.crc32(struct.pack(f"<{len(where)}q", *(min(int(v), 2**63 - 1) for v in where)))
 
     def _alone(self) -> bool:
         if self._solo is None:
@@ -461,7 +463,7 @@ class LazyAllreduce:
             final = lambda: ctx.check_usable() or allreduce_with_agreement(ctx, ends, capacity)  # noqa: E731
             self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx), [], None))
         tuner = self._tuner
-        tuning = tuner is not None and tuner.settled is None and self._pushes and self._error is None
+        tuning = tuner is not None and tuner.active and self._pushes and self._error is None
         agreed = None  # the ranks' step times per candidate, summed (the step that settles the threshold)
         if tuning and tuner.deciding:
             agreed = self._agree_on_threshold(ctx)
@@ -548,6 +550,22 @@ class LazyAllreduce:
         self._tuner = ThresholdTuner()
         self.threshold_bytes = self._tuner.threshold
 
+    def _snapshot(self):
+        """What load_state_dict() changes, for a caller that must undo a load (DataParallel's)."""
+        return self._tuner, self.threshold_bytes, self._csc
+
+    def _restore(self, snapshot) -> None:
+        self._tuner, self.threshold_bytes, self._csc = snapshot
+
+    def _adopt_tuning(self, settled: int | None) -> None:
+        """Take another rank's tuning outcome (broadcast_optimizer_state): its settled threshold,
+        or, if it had none, tuning from the start. Every rank calls it, between steps."""
+        if self._tuner is None or (settled is not None and settled == self._tuner.settled):
+            return
+        self._tuner = ThresholdTuner()
+        self._tuner.settled = settled
+        self.threshold_bytes = self._tuner.threshold
+
     @property
     def tuning(self) -> bool:
         return self._tuner is not None and self._tuner.settled is None
@@ -631,7 +649,4 @@ class LazyAllreduce:
         if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
             raise ValueError(f"{who}: tuned_threshold_bytes must be an int >= 1 or None, got {tuned!r}")
         self._csc = loaded
-        if self._tuner is not None and tuned != self._tuner.settled:  # tune again unless it had settled
-            self._tuner = ThresholdTuner()
-            self._tuner.settled = tuned
-            self.threshold_bytes = self._tuner.threshold
+        self._adopt_tuning(tuned)  # tune again unless the state had settled

@@ -280,13 +280,14 @@ class _DistributedOptimizer:
         kit_state = _as_arrays(state_dict.pop("gflow", None))
         before = None
         if kit_state is not None:
-            before = self._dp.state_dict()
+            before = self._dp.state_dict(), self._dp._lazy._snapshot()
             self._dp.load_state_dict(kit_state)
         try:
             super().load_state_dict(state_dict)
         except Exception:
             if before is not None:
-                self._dp.load_state_dict(before)
+                self._dp.load_state_dict(before[0])
+                self._dp._lazy._restore(before[1])  # as it was, tuning progress included
             raise
         self._gflow_reset_step()
         self._synchronized = False
