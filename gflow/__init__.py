@@ -13,8 +13,10 @@ from .compression import LossScaler
 from .data_parallel import DataParallel, broadcast_parameters
 from .engine import Handle
 from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError
+from .failures import install as _install_excepthook
 from .timeline import start_timeline, stop_timeline
 
+_install_excepthook()
 if _os.environ.get("GFLOW_TIMELINE"):
     start_timeline(_os.environ["GFLOW_TIMELINE"])
 

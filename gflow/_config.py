@@ -5,6 +5,7 @@ agreement runs, and ranks that disagree on them cannot talk to each other.
 """
 
 import os
+import warnings
 from dataclasses import dataclass
 
 
@@ -17,6 +18,20 @@ def _env_flag(name: str, default: bool) -> bool:
     if value.lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
+def _env_switch(name: str, default: bool) -> bool:
+    """A switch whose bad value must not stop the program (it guards the failure path): warn, keep
+    the default."""
+    try:
+        return _env_flag(name, default)
+    except ValueError:
+        warnings.warn(
+            f"{name} must be 0 or 1, got {os.environ[name]!r}: keeping the default ({int(default)})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return default
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -91,6 +106,9 @@ class Config:
             ranks have not entered it yet, on stderr (GFLOW_STALL_WARNING_S; 0: never; gflow/stall.py).
         stall_abort_s: ... and after this long ends the job with MPI_Abort (GFLOW_STALL_ABORT_S;
             default 0: never).
+        abort_on_exception: an exception that nothing catches ends the whole job with MPI_Abort,
+            naming this rank, instead of leaving the other ranks waiting for it
+            (GFLOW_ABORT_ON_EXCEPTION, default on; gflow/failures.py).
     """
 
     validate: bool = True
@@ -103,6 +121,7 @@ class Config:
     shared_memory_max_bytes: int = DEFAULT_SHARED_MEMORY_MAX_BYTES
     stall_warning_s: float = 60.0
     stall_abort_s: float = 0.0
+    abort_on_exception: bool = True
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -121,6 +140,7 @@ class Config:
             ),
             stall_warning_s=_env_seconds("GFLOW_STALL_WARNING_S", 60.0),
             stall_abort_s=_env_seconds("GFLOW_STALL_ABORT_S", 0.0),
+            abort_on_exception=_env_switch("GFLOW_ABORT_ON_EXCEPTION", True),
         )
 
 

@@ -19,6 +19,8 @@ from .errors import GflowError
 TAG_AGREE = 11
 TAG_RING_RS = 12
 TAG_RING_AG = 13
+# How long the caller's thread polls without pausing before it waits politely (see _caller_waitall).
+SPIN_S = 200e-6
 
 
 def rd_schedule(rank: int, size: int):
@@ -48,12 +50,31 @@ def rd_schedule(rank: int, size: int):
     return fold, rounds
 
 
+def _caller_waitall(requests) -> None:
+    """The caller's thread: poll without pausing for SPIN_S, as MPI's own Waitall does (the latency
+    path), then as the engine does (a rank that waits longer is waiting for a late peer, and must not
+    take the core from it). Either way it comes back to Python between polls, so that a peer that
+    has left the job is noticed (stall.check_waiting) and signal handlers (Ctrl-C) run."""
+    test, departures = MPI.Request.Testall, stall.departures
+    if test(requests):
+        return
+    give_up = time.perf_counter() + SPIN_S
+    while not test(requests):
+        if departures:
+            stall.check_waiting()
+        if time.perf_counter() > give_up:
+            _polite_waitall(requests)
+            return
+
+
 def _polite_waitall(requests) -> None:
     """Waitall that sleeps between polls. MPI progresses only while polled, but a busy-polling
     background thread would take the core from the computation it is meant to overlap with; socket
     and shared-memory buffers hold far more than what moves in one sleep, so bandwidth is kept."""
-    test, pause = MPI.Request.Testall, config.background_poll_us * 1e-6
+    test, pause, departures = MPI.Request.Testall, config.background_poll_us * 1e-6, stall.departures
     while not test(requests):
+        if departures:
+            stall.check_waiting()
         time.sleep(pause)
 
 
@@ -96,6 +117,7 @@ class CommContext:
         # node and cross-node communicators: their collectives are counted on the caller's context).
         self.monitor_comm, self._monitor_pending = (None, None) if own else comm.Idup()
         self.entered = 0  # collectives begun on this context (stall.py)
+        self.departed = {}  # rank -> collectives it completed here before its process exited
         self.last_sig = None
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -109,7 +131,7 @@ class CommContext:
         self.failed = None  # set on a background context by its first failed collective
         # How this context waits for its messages: the caller's thread blocks in MPI (lowest latency);
         # the engine thread polls and sleeps in between, so the caller's computation keeps the core.
-        self.waitall = watched(_polite_waitall if background else MPI.Request.Waitall)
+        self.waitall = watched(_polite_waitall if background else _caller_waitall)
 
     def check_usable(self) -> None:
         """Refuse to communicate on a background context after one of its collectives failed.
@@ -122,9 +144,6 @@ class CommContext:
 
     def sendrecv(self, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:
         """Sendrecv, waiting the way this context waits (see waitall)."""
-        if not self.is_background:
-            self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
-            return
         comm = self.comm
         self.waitall([comm.Irecv(recvbuf, source, recvtag), comm.Isend(sendbuf, dest, sendtag)])
 
@@ -199,6 +218,7 @@ def _free_all() -> None:
     from . import engine
 
     engine.shutdown()  # its collectives use these duplicates
+    stall.goodbye()  # peers waiting for this rank in a collective it will never make raise at once
     for ctx in list(_by_handle.values()):
         ctx.free()
     _by_handle.clear()

@@ -88,17 +88,19 @@ class Engine:
             if item is self._STOP:
                 return
             fn, handle, ctx = item
+            mark = stall.mark()
+            mark.job = handle.description
             try:
-                mark = stall.mark()
-                mark.job = handle.description
                 with timeline.span(handle.description):
                     result = fn()
-                mark.job = None
-                handle._finish(result=result)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 if ctx is not None and ctx.failed is None and isinstance(exc, GflowError):
                     ctx.failed = f"{handle.description}: {exc}"
+                mark.job = None
                 handle._finish(error=exc)
+            else:
+                mark.job = None
+                handle._finish(result=result)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Let queued work finish, then stop the thread (bounded: it is a daemon either way)."""

@@ -12,6 +12,12 @@ duplicate of its own, how many collectives it has entered; a rank whose count is
 rank's has not reached that collective. A rank asleep, computing or blocked elsewhere answers within a
 poll (50 ms) as long as the Python interpreter runs; one that does not answer within 2 s is named as
 not answering. Each rank applies its own settings (they change no result, so ranks may differ).
+
+The same monitor learns which ranks have left (gflow/failures.py): a rank whose interpreter exits
+says goodbye on every watched duplicate, with the number of collectives it completed there. A peer
+that is in, or later enters, a collective past that number can never finish it, and raises
+GflowError naming the rank that left (check_departed), instead of waiting forever. A rank that is
+merely slow says nothing of the kind: that is a stall, reported as above.
 """
 
 import sys
@@ -23,10 +29,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ._config import config
+from .errors import GflowError
 
 POLL_S = 0.05
 ANSWER_S = 2.0
-TAG_QUESTION, TAG_ANSWER = 1, 2
+TAG_QUESTION, TAG_ANSWER, TAG_GOODBYE = 1, 2, 3
 
 _local = threading.local()
 _marks: list = []  # every thread's _Mark
@@ -35,6 +42,8 @@ _lock = threading.RLock()  # held while the monitor talks on a context's duplica
 _monitor = None
 _questions = 0
 _warned_off = False
+# Non-empty once any peer on any watched context has said goodbye: the waits' one cheap test.
+departures: list = []
 
 
 class _Mark:
@@ -62,7 +71,10 @@ def mark() -> _Mark:
 
 
 def entered(ctx, sig) -> None:
-    """ctx's next collective begins on this thread (its agreement): count it."""
+    """ctx's next collective begins on this thread (its agreement): count it. Raises GflowError,
+    before any message moves, if a rank that left can never enter it."""
+    if ctx.departed:
+        _raise_departed(ctx, ctx.entered + 1, sig)
     ctx.entered += 1
     ctx.last_sig = sig
     try:
@@ -118,6 +130,11 @@ def _answer(ctx) -> None:
     if comm is None:
         return
     status = MPI.Status()
+    while comm.Iprobe(MPI.ANY_SOURCE, TAG_GOODBYE, status):
+        completed = np.empty(1, np.int64)
+        comm.Recv(completed, status.Get_source(), TAG_GOODBYE)
+        ctx.departed[status.Get_source()] = int(completed[0])
+        departures.append((ctx, status.Get_source()))
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_QUESTION, status):
         question = np.empty(1, np.int64)
         comm.Recv(question, status.Get_source(), TAG_QUESTION)
@@ -128,6 +145,51 @@ def _answer(ctx) -> None:
             status.Get_source(),
             TAG_ANSWER,
         )
+
+
+def check_waiting() -> None:
+    """A thread waiting on its peers, once some rank has left: raise GflowError if a rank that left
+    can never take part in the collective this thread waits in (its number on the context)."""
+    ctx = _local.mark.ctx
+    if ctx is not None and ctx.departed:
+        _raise_departed(ctx, ctx.entered, ctx.last_sig)
+
+
+def _raise_departed(ctx, number: int, sig) -> None:
+    gone = sorted(r for r, completed in ctx.departed.items() if completed < number)
+    if not gone:  # it finished this collective before it left: its messages are on their way
+        return
+    world = _world_ranks(ctx)
+    verb = "has" if len(gone) == 1 else "have"
+    after = ", ".join(f"rank {r} after #{ctx.departed[r]}" for r in gone)
+    what = _brief(sig) if sig is not None else "a collective"
+    raise GflowError(
+        f"{_ranks(gone)}{world(gone)} {verb} left the job (its process exited: {after}), so collective "
+        f"#{number} on this communicator of {ctx.size} ranks ({what}) can never finish on gflow rank "
+        f"{ctx.rank}{world(None)}"
+    )
+
+
+def goodbye() -> None:
+    """This process is leaving: tell every peer of every watched context how many collectives it
+    completed there. A collective still running on another thread (the engine, stopped at its
+    time limit) is not completed. Bounded: a peer that has gone already is not waited for."""
+    if MPI.Is_finalized():
+        return
+    me = getattr(_local, "mark", None)
+    busy = [m.ctx for m in list(_marks) if m is not me and (m.job is not None or m.since is not None)]
+    sends, payloads = [], []
+    with _lock:
+        for ctx in _watched:
+            if ctx.monitor_comm is None or ctx.size == 1:
+                continue
+            completed = np.array([ctx.entered - any(b is ctx for b in busy)], np.int64)
+            payloads.append(completed)
+            peers = (r for r in range(ctx.size) if r != ctx.rank)
+            sends += [ctx.monitor_comm.Isend(completed, r, TAG_GOODBYE) for r in peers]
+    deadline = time.monotonic() + 1.0
+    while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _inspect(m: _Mark) -> None:
@@ -146,11 +208,9 @@ def _inspect(m: _Mark) -> None:
     m.warned_at = waited
     text = report(ctx, m, waited)
     if due_abort:
-        print(f"{text}; ending the job (GFLOW_STALL_ABORT_S={abort:g})", file=sys.stderr, flush=True)
-        from . import timeline
+        from .failures import end_job
 
-        timeline.stop_timeline()  # the trace of a stalled job is the one most worth keeping
-        MPI.COMM_WORLD.Abort(1)
+        end_job(f"{text}; ending the job (GFLOW_STALL_ABORT_S={abort:g})")
     print(text, file=sys.stderr, flush=True)
 
 
@@ -194,7 +254,8 @@ def _report(ctx, m: _Mark, waited: float) -> str:
     MPI.Request.Waitall(sends)  # (tiny messages: sent eagerly, done at once)
     late = sorted(r for r, (count, _) in answers.items() if count < mine)
     waiting = sorted(r for r, (count, seconds) in answers.items() if count >= mine and seconds >= 0)
-    silent = sorted(r for r in peers if r not in answers)
+    gone = sorted(r for r in peers if r in ctx.departed and r not in answers)
+    silent = sorted(r for r in peers if r not in answers and r not in ctx.departed)
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
     world = _world_ranks(ctx)
     me_named = f"gflow rank {ctx.rank}{world(None)}"
@@ -206,12 +267,15 @@ def _report(ctx, m: _Mark, waited: float) -> str:
         parts.append(f"{_ranks(late)}{world(late)} {verb} not entered it yet ({counts})")
     if waiting:
         parts.append(f"{_ranks(waiting)}{world(waiting)} {'is' if len(waiting) == 1 else 'are'} in it too")
+    if gone:
+        after = ", ".join(f"rank {r} after #{ctx.departed[r]}" for r in gone)
+        parts.append(f"{_ranks(gone)}{world(gone)} left the job ({after})")
     if silent:
         parts.append(
             f"{_ranks(silent)}{world(silent)} did not answer within {ANSWER_S:g} s (gone, stuck holding "
             "the GIL, or not yet on this communicator)"
         )
-    if not (late or silent):
+    if not (late or silent or gone):
         parts.append("every rank has entered it: a peer is slow inside it, or the network is")
     return "; ".join(parts)
 

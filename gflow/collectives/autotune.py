@@ -52,7 +52,7 @@ class ThresholdTuner:
         self.pruned = False
         self.at_once = False  # settled on the first step: every candidate held it whole
         self.settled: int | None = None
-        self.results: dict | None = None  # threshold -> seconds agreed by the ranks, once settled
+        self.results: dict | None = None  # threshold -> seconds agreed by the ranks, after each round
         self.steps = 0  # successful steps since tuning began
 
     @property

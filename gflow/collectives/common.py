@@ -101,4 +101,4 @@ def broadcast_flat(
         ops.fence()
         step = ring.piece_elems(dtype)
         for lo in range(0, buf.size, step):
-            ctx.comm.Bcast([ops.buffer(buf[lo : lo + step]), MPI.BYTE], root)
+            ctx.waitall([ctx.comm.Ibcast([ops.buffer(buf[lo : lo + step]), MPI.BYTE], root)])

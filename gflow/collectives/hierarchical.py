@@ -29,7 +29,7 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 
-from .. import timeline
+from .. import stall, timeline
 from .._config import config
 from .._context import CommContext, watched
 from . import ring
@@ -245,7 +245,10 @@ def _warn_no_room(needed: int, room: int) -> None:
 
 
 def _yield_until_done(requests) -> None:
+    departures = stall.departures
     while not MPI.Request.Testall(requests):
+        if departures:
+            stall.check_waiting()
         os.sched_yield()
 
 

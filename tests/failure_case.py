@@ -1,0 +1,84 @@
+"""A job one of whose ranks fails: run by test_failures.py under mpiexec (not collected by pytest).
+
+argv: the mode (see below), then the failing rank. Every rank first does one good blocking and one
+good async allreduce, so that the communicators exist. The failing rank prints "failing at <time>"
+just before it fails, so the test can time how long the others take to end."""
+
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import gflow
+
+mode, failing = sys.argv[1], int(sys.argv[2])
+world = MPI.COMM_WORLD
+me = world.rank
+x = np.random.default_rng(me).standard_normal(1 << 20).astype(np.float32)  # 4 MB
+gflow.allreduce(x)
+gflow.allreduce_async(x).wait()
+sizes = [1 << 16] * 8  # a lazy step of 8 gradients, 2 MB in all, fired in segments of 512 KiB
+lazy = gflow.LazyAllreduce(threshold_bytes=1 << 19)
+grads = [
+    np.random.default_rng(me + 10 * i).standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)
+]
+for g in grads:
+    lazy.push(g)
+lazy.flush()
+
+
+def fail(how):
+    print(f"rank {me} failing at {time.time():.3f}", flush=True)
+    if how == "raise":
+        raise ValueError(f"a bad batch on rank {me}")
+    sys.exit(0)
+
+
+how = "raise" if mode.startswith("raise") else "exit"
+if mode == "ok":  # no failure: the ranks end at different times, and nobody is told anyone left
+    for _ in range(3):
+        gflow.allreduce(x)
+    lazy.push(grads[0])
+    lazy.flush()
+    time.sleep(0.5 * me)
+elif mode in ("raise", "exit"):  # before a collective: the others enter a 4 MB allreduce
+    if me == failing:
+        time.sleep(0.5)  # the others are waiting in it
+        fail(how)
+    gflow.allreduce(x)
+elif mode == "exit-early":  # the others enter a collective after the rank has left
+    if me == failing:
+        fail(how)
+    time.sleep(1.0)
+    gflow.allreduce(x)
+elif mode in ("raise-async", "exit-async"):  # with an async allreduce in flight on this rank: an
+    # exception ends the job; an exit lets the engine finish it first (the others are on their way)
+    if me != failing:
+        time.sleep(1.0)
+    handle = gflow.allreduce_async(x)
+    if me == failing:
+        time.sleep(0.3)  # the engine is waiting for the others
+        fail(how)
+    handle.wait()
+elif mode in ("raise-lazy", "exit-lazy"):  # in the middle of a lazy step: half of it pushed
+    for i, g in enumerate(grads):
+        if me == failing and i == len(grads) // 2:
+            fail(how)
+        lazy.push(g)
+    lazy.flush()
+elif mode == "exit-in-flush":  # leaving from inside flush(): what it pushed is still reduced
+    if me == failing:
+        signal.signal(signal.SIGALRM, lambda *_: fail("exit"))
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+    else:
+        time.sleep(1.5)  # the failing rank is inside flush, waiting for these
+    for g in grads:
+        lazy.push(g)
+    lazy.flush()
+    print(f"rank {me} finished the step", flush=True)
+    gflow.allreduce(x)  # the rank that left is not here
+else:
+    raise SystemExit(f"unknown mode {mode!r}")
+print(f"rank {me} finished", flush=True)

@@ -1,0 +1,114 @@
+"""When a rank fails (gflow/failures.py, stall.goodbye): an uncaught exception on one rank ends the
+whole job within seconds, naming the rank; a rank that leaves makes the others raise GflowError
+naming it. Each case is a real job under mpiexec (tests/failure_case.py), bounded in time."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAILING = 1  # the rank that fails, in every world size
+ENDS_WITHIN_S = 5.0  # the issue's target: the job ends this soon after the failure
+
+
+def run_job(mode: str, size: int, **env):
+    """Run failure_case.py; return (exit status, output, seconds from the failure to the job's end)."""
+    environment = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **env)
+    case = os.path.join(HERE, "failure_case.py")
+    args = ["mpiexec", "-n", str(size), sys.executable, case, mode, str(FAILING)]
+    try:
+        done = subprocess.run(args, env=environment, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{mode} at p={size}: the job hung (still running after 60 s): {exc.stdout} {exc.stderr}")
+    ended = time.time()
+    output = done.stdout + done.stderr
+    failed_at = re.search(r"rank \d+ failing at ([0-9.]+)", output)
+    after = ended - float(failed_at.group(1)) if failed_at else None
+    return done.returncode, output, after
+
+
+SIZES = [2, 3, 4]
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("mode", ["raise", "raise-async", "raise-lazy"])
+def test_an_uncaught_exception_ends_the_job_naming_the_rank(mode, size):
+    status, output, after = run_job(mode, size)
+    assert status != 0, output
+    named = f"gflow rank {FAILING}: uncaught ValueError: a bad batch on rank {FAILING}; ending the job with"
+    assert f"{named} MPI_Abort" in output, output
+    assert "Traceback" in output, output  # Python's own report comes first
+    assert after is not None and after < ENDS_WITHIN_S, (after, output)
+    assert "finished" not in output, output
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("mode", ["exit", "exit-early", "exit-lazy", "exit-in-flush"])
+def test_a_rank_that_leaves_is_named_by_the_others(mode, size):
+    status, output, after = run_job(mode, size)
+    assert status != 0, output  # the others' GflowError is uncaught: it ends the job
+    others = [r for r in range(size) if r != FAILING]
+    pattern = rf"gflow rank (\d+): uncaught GflowError: rank {FAILING} has left the job \(its process exited"
+    named_by = {int(r) for r in re.findall(pattern, output)}
+    assert named_by and named_by <= set(others), output
+    assert after is not None and after < ENDS_WITHIN_S, (after, output)
+    if mode == "exit-in-flush":  # what it pushed before leaving is reduced: the others' step succeeds
+        assert all(f"rank {r} finished the step" in output for r in others), output
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_an_exit_with_an_async_allreduce_in_flight_finishes_it_first(size):
+    status, output, _ = run_job("exit-async", size)
+    assert status == 0, output
+    assert all(f"rank {r} finished" in output for r in range(size) if r != FAILING), output
+    assert "left the job" not in output, output
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_ranks_that_end_at_different_times_are_not_taken_for_failures(size):
+    status, output, _ = run_job("ok", size)
+    assert status == 0, output
+    assert all(f"rank {r} finished" in output for r in range(size)), output
+    assert "left the job" not in output and "MPI_Abort" not in output, output
+
+
+def test_with_the_switch_off_the_rank_exits_and_the_others_name_it():
+    status, output, after = run_job("raise", 3, GFLOW_ABORT_ON_EXCEPTION="0")
+    assert status != 0, output
+    assert "ValueError: a bad batch on rank 1" in output and "uncaught ValueError" not in output, output
+    assert "uncaught GflowError: rank 1 has left the job" not in output  # no abort at all ...
+    assert re.search(r"GflowError: rank 1 has left the job", output), output  # ... but the others raise
+    assert after is not None and after < ENDS_WITHIN_S, (after, output)
+
+
+def test_an_unknown_switch_value_warns_and_keeps_the_default():
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import gflow; print(gflow.config.abort_on_exception)"],
+        env=dict(os.environ, GFLOW_ABORT_ON_EXCEPTION="maybe"), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "GFLOW_ABORT_ON_EXCEPTION" in done.stderr and "'maybe'" in done.stderr, done.stderr
+    assert done.stdout.strip() == "True", done.stdout
+
+
+def test_a_caught_exception_is_not_fatal():
+    script = (
+        "import numpy as np, gflow\n"
+        "from mpi4py import MPI\n"
+        "x = np.ones(1000, np.float32)\n"
+        "try:\n"
+        "    gflow.allreduce(x[: 1000 - MPI.COMM_WORLD.rank])\n"
+        "except gflow.MismatchError as exc:\n"
+        "    print('handled', type(exc).__name__, flush=True)\n"
+        "print('sum', gflow.allreduce(x)[0], flush=True)\n"
+    )
+    done = subprocess.run(
+        ["mpiexec", "-n", "3", sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("handled MismatchError") == 3 and done.stdout.count("sum 3.0") == 3, done.stdout
