@@ -39,7 +39,9 @@ def run(tree: str, procs: int, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--baseline", required=True, help="a checkout of the version to compare with")
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     parser.add_argument("-b", default="4K")
@@ -61,10 +63,9 @@ def main() -> None:
             name: {size: float(np.median([t[size] for t in runs])) for size in runs[0]}
             for name, runs in times.items()
         }
-        results[procs]["spread"] = {  # how much the baseline's runs differ among themselves
-            size: float(np.ptp([t[size] for t in times["baseline"]]) / np.median([t[size] for t in times["baseline"]]))
-            for size in times["baseline"][0]
-        }
+        base = {size: [t[size] for t in times["baseline"]] for size in times["baseline"][0]}
+        # how much the baseline's runs differ among themselves: (max - min) / median
+        results[procs]["spread"] = {size: float(np.ptp(ts) / np.median(ts)) for size, ts in base.items()}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "versions.json"), "w") as f:
         json.dump({"machine": _common.machine(), "args": vars(args), "results": results}, f, indent=1)

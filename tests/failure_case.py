@@ -53,6 +53,13 @@ elif mode == "exit-early":  # the others enter a collective after the rank has l
         fail(how)
     time.sleep(1.0)
     gflow.allreduce(x)
+elif mode == "exit-before-async":  # the others' first async call on a communicator, without it
+    sub = world.Split(0, me)
+    gflow.allreduce(x, comm=sub)
+    if me == failing:
+        fail(how)
+    time.sleep(0.5)
+    gflow.allreduce_async(x, comm=sub).wait()
 elif mode in ("raise-async", "exit-async"):  # with an async allreduce in flight on this rank: an
     # exception ends the job; an exit lets the engine finish it first (the others are on their way)
     if me != failing:
