@@ -90,6 +90,11 @@ def watched(wait):
                 return wait(requests)
             with timeline.span("wait"):
                 return wait(requests)
+        except GflowError:  # failed on every rank alike (or a peer left): nothing left unfinished here
+            raise
+        except BaseException:  # a signal handler's SystemExit, Ctrl-C, ...: this rank leaves the
+            stall.abandoned(mark)  # collective unfinished, and must not tell its peers it finished it
+            raise
         finally:
             mark.since = None
 
@@ -103,13 +108,14 @@ def _wait_for_duplicates(requests, parent) -> None:
     made before the first collective on them is counted.)"""
     pause, noticed = config.background_poll_us * 1e-6, None
     while not MPI.Request.Testall(requests):
-        if parent.departed:
+        if parent.gone:
             noticed = noticed or time.monotonic()
             if time.monotonic() - noticed > 1.0:
-                gone = ", ".join(map(str, sorted(parent.departed)))
+                gone = sorted(parent.gone)
                 raise GflowError(
-                    f"rank {gone} has left the job (its process exited) before making gflow's background "
-                    f"communicator with this rank ({parent.rank}): no async collective can start"
+                    f"{stall.ranks_text(gone)} {'has' if len(gone) == 1 else 'have'} left the job (its "
+                    f"process exited) without making gflow's background communicator with rank "
+                    f"{parent.rank}: no async collective can start"
                 )
         time.sleep(pause)
 
@@ -130,6 +136,10 @@ class CommContext:
         self.monitor_comm, self._monitor_pending = (None, None) if own else comm.Idup()
         self.entered = 0  # collectives begun on this context (stall.py)
         self.departed = {}  # rank -> collectives it completed here before its process exited
+        self.abandoned = None  # the collective this rank left unfinished (stall.abandoned)
+        # Ranks that left, shared by a user communicator's context and its background contexts: a
+        # fresh background context (after a failed one) must know them before its peers can say so.
+        self.gone = set()
         self.parent = None  # for a background context: the context it duplicates (see .comm)
         self.last_sig = None
         self.rank = comm.Get_rank()
@@ -181,6 +191,7 @@ class CommContext:
         if self._background is None:
             self._background = CommContext(self._user_comm, background=True)
             self._background.parent = self
+            self._background.gone = self.gone
         return self._background
 
     def scratch(self, name: str, count: int, dtype, ops):
@@ -235,6 +246,8 @@ def _free_all() -> None:
 
     engine.shutdown()  # its collectives use these duplicates
     stall.goodbye()  # peers waiting for this rank in a collective it will never make raise at once
+    if stall.busy_elsewhere():  # a thread of the program's is inside a collective: freeing its
+        return  # communicators under it would crash it; MPI_Finalize takes them as they are
     for ctx in list(_by_handle.values()):
         ctx.free()
     _by_handle.clear()

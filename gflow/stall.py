@@ -134,6 +134,7 @@ def _answer(ctx) -> None:
         completed = np.empty(1, np.int64)
         comm.Recv(completed, status.Get_source(), TAG_GOODBYE)
         ctx.departed[status.Get_source()] = int(completed[0])
+        ctx.gone.add(status.Get_source())
         departures.append((ctx, status.Get_source()))
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_QUESTION, status):
         question = np.empty(1, np.int64)
@@ -160,14 +161,28 @@ def _raise_departed(ctx, number: int, sig) -> None:
     if not gone:  # it finished this collective before it left: its messages are on their way
         return
     world = _world_ranks(ctx)
-    verb = "has" if len(gone) == 1 else "have"
+    verb, whose = ("has", "its process") if len(gone) == 1 else ("have", "their processes")
     after = ", ".join(f"rank {r} after #{ctx.departed[r]}" for r in gone)
     what = _brief(sig) if sig is not None else "a collective"
     raise GflowError(
-        f"{_ranks(gone)}{world(gone)} {verb} left the job (its process exited: {after}), so collective "
+        f"{ranks_text(gone)}{world(gone)} {verb} left the job ({whose} exited: {after}), so collective "
         f"#{number} on this communicator of {ctx.size} ranks ({what}) can never finish on gflow rank "
         f"{ctx.rank}{world(None)}"
     )
+
+
+def abandoned(m: _Mark) -> None:
+    """This thread's wait was interrupted by an exception of the program's (a signal handler's
+    SystemExit, KeyboardInterrupt): it leaves its collective unfinished, so goodbye must not count
+    it as completed."""
+    if m.ctx is not None:
+        m.ctx.abandoned = m.ctx.entered
+
+
+def busy_elsewhere() -> bool:
+    """Whether a thread other than this one is inside a wait or an engine job."""
+    me = getattr(_local, "mark", None)
+    return any(m is not me and (m.job is not None or m.since is not None) for m in list(_marks))
 
 
 def goodbye() -> None:
@@ -183,7 +198,10 @@ def goodbye() -> None:
         for ctx in _watched:
             if ctx.monitor_comm is None or ctx.size == 1:
                 continue
-            completed = np.array([ctx.entered - any(b is ctx for b in busy)], np.int64)
+            completed = ctx.entered - any(b is ctx for b in busy)
+            if ctx.abandoned is not None:
+                completed = min(completed, ctx.abandoned - 1)
+            completed = np.array([completed], np.int64)
             payloads.append(completed)
             peers = (r for r in range(ctx.size) if r != ctx.rank)
             sends += [ctx.monitor_comm.Isend(completed, r, TAG_GOODBYE) for r in peers]
@@ -264,15 +282,17 @@ def _report(ctx, m: _Mark, waited: float) -> str:
     if late:
         counts = ", ".join(f"rank {r} at #{answers[r][0]}" for r in late)
         verb = "has" if len(late) == 1 else "have"
-        parts.append(f"{_ranks(late)}{world(late)} {verb} not entered it yet ({counts})")
+        parts.append(f"{ranks_text(late)}{world(late)} {verb} not entered it yet ({counts})")
     if waiting:
-        parts.append(f"{_ranks(waiting)}{world(waiting)} {'is' if len(waiting) == 1 else 'are'} in it too")
+        parts.append(
+            f"{ranks_text(waiting)}{world(waiting)} {'is' if len(waiting) == 1 else 'are'} in it too"
+        )
     if gone:
         after = ", ".join(f"rank {r} after #{ctx.departed[r]}" for r in gone)
-        parts.append(f"{_ranks(gone)}{world(gone)} left the job ({after})")
+        parts.append(f"{ranks_text(gone)}{world(gone)} left the job ({after})")
     if silent:
         parts.append(
-            f"{_ranks(silent)}{world(silent)} did not answer within {ANSWER_S:g} s (gone, stuck holding "
+            f"{ranks_text(silent)}{world(silent)} did not answer within {ANSWER_S:g} s (gone, stuck holding "
             "the GIL, or not yet on this communicator)"
         )
     if not (late or silent or gone):
@@ -309,7 +329,7 @@ def _brief(sig) -> str:
     return text + (f", op={CODE_OP.get(int(sig[4]), '?')}" if int(sig[4]) else "")
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
     """'rank 3' or 'ranks 1, 3' (the first 16, then how many more)."""
     shown = ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
     return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"

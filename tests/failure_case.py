@@ -53,6 +53,31 @@ elif mode == "exit-early":  # the others enter a collective after the rank has l
         fail(how)
     time.sleep(1.0)
     gflow.allreduce(x)
+elif mode == "exit-inside":  # leaving from inside a blocking allreduce (a signal handler's exit)
+    if me == failing:
+        signal.signal(signal.SIGALRM, lambda *_: fail("exit"))
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+    else:
+        time.sleep(2.0)  # the failing rank waits for these inside the allreduce
+    gflow.allreduce(x)
+elif mode in ("retry-async", "retry-lazy"):  # the others catch the error, retry, and must fail again
+    if me == failing:
+        fail("exit")
+    for attempt in range(3):
+        start = time.monotonic()
+        try:
+            if mode == "retry-async":
+                gflow.allreduce_async(x).wait()
+            else:
+                for g in grads:
+                    lazy.push(g)
+                lazy.flush()
+        except gflow.GflowError as exc:
+            print(
+                f"rank {me} attempt {attempt} failed after {time.monotonic() - start:.1f} s: {exc}",
+                flush=True,
+            )
+    raise SystemExit(3)
 elif mode == "exit-before-async":  # the others' first async call on a communicator, without it
     sub = world.Split(0, me)
     gflow.allreduce(x, comm=sub)

@@ -47,7 +47,9 @@ def test_an_uncaught_exception_ends_the_job_naming_the_rank(mode, size):
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("mode", ["exit", "exit-early", "exit-before-async", "exit-lazy", "exit-in-flush"])
+@pytest.mark.parametrize(
+    "mode", ["exit", "exit-early", "exit-inside", "exit-before-async", "exit-lazy", "exit-in-flush"]
+)
 def test_a_rank_that_leaves_is_named_by_the_others(mode, size):
     status, output, after = run_job(mode, size)
     assert status != 0, output  # the others' GflowError is uncaught: it ends the job
@@ -58,6 +60,18 @@ def test_a_rank_that_leaves_is_named_by_the_others(mode, size):
     assert after is not None and after < ENDS_WITHIN_S, (after, output)
     if mode == "exit-in-flush":  # what it pushed before leaving is reduced: the others' step succeeds
         assert all(f"rank {r} finished the step" in output for r in others), output
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("mode", ["retry-async", "retry-lazy"])
+def test_a_retry_after_a_rank_left_fails_again(mode, size):
+    status, output, _ = run_job(mode, size)
+    assert status == 3, output  # every attempt failed (not hung), then the case exits with status 3
+    for r in range(size):
+        if r != FAILING:
+            for attempt in range(3):
+                match = re.search(rf"rank {r} attempt {attempt} failed after ([0-9.]+) s: .*rank 1", output)
+                assert match and float(match.group(1)) < ENDS_WITHIN_S, (r, attempt, output)
 
 
 @pytest.mark.parametrize("size", SIZES)

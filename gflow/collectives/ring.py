@@ -13,8 +13,8 @@ Allgather, steps i = 0 .. p-2: rank r sends chunk (r-i) mod p and receives chunk
 into place. After p-1 steps every rank holds every chunk: copies of the reduced ones, bitwise equal.
 
 Message sizes: no message exceeds MAX_MESSAGE_BYTES. Reduce-scatter moves segments of
-config.ring_segment_bytes; an allgather step whose chunks fit in MAX_MESSAGE_BYTES is one Sendrecv, and
-longer chunks go in pieces of at most that size, all posted at once (nonblocking) and waited for
+config.ring_segment_bytes; an allgather step whose chunks fit in MAX_MESSAGE_BYTES is one message each way,
+and longer chunks go in pieces of at most that size, all posted at once (nonblocking) and waited for
 together; messages between one pair on one tag do not overtake each other, so piece j lands in piece j.
 
 Traffic: each phase sends (p-1)/p * N elements per rank, so the allreduce sends 2(p-1)/p * N, the
