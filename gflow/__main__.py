@@ -24,13 +24,12 @@ def demo(sizes_bytes: list[int], repeats: int) -> int:
     from mpi4py import MPI
 
     import gflow
+    from gflow._context import mpi_library
 
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
     if rank == 0:
-        print(
-            f"gflow {gflow.__version__} on {size} ranks, {MPI.Get_library_version().splitlines()[0].strip()}"
-        )
+        print(f"gflow {gflow.__version__} on {size} ranks, {mpi_library()}")
         print(f"{'size':>9} {'gflow (ms)':>11} {'MPI (ms)':>10} {'speedup':>8}  result")
     failures = 0
     for nbytes in sizes_bytes:
@@ -70,20 +69,15 @@ def info() -> int:
     from mpi4py import MPI
 
     import gflow
+    from gflow._context import mpi_library, thread_level_name
 
-    levels = {
-        MPI.THREAD_SINGLE: "single",
-        MPI.THREAD_FUNNELED: "funneled",
-        MPI.THREAD_SERIALIZED: "serialized",
-        MPI.THREAD_MULTIPLE: "multiple",
-    }
     lines = {
         "gflow": gflow.__version__,
         "python": sys.version.split()[0],
         "mpi4py": __import__("mpi4py").__version__,
-        "MPI library": MPI.Get_library_version().splitlines()[0].strip(),
+        "MPI library": mpi_library(),
         "MPI standard": "{}.{}".format(*MPI.Get_version()),
-        "thread level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
+        "thread level": thread_level_name(MPI.Query_thread()),
         "world size": MPI.COMM_WORLD.size,
         "topology": _topology(),
         "numpy": np.__version__,

@@ -22,6 +22,18 @@ TAG_RING_RS = 12
 TAG_RING_AG = 13
 
 
+def mpi_library() -> str:
+    """The MPI library mpi4py runs on, in a line ("MPICH Version: 5.0.2", "Open MPI v4.1.4, ...")."""
+    return MPI.Get_library_version().splitlines()[0].strip()
+
+
+def thread_level_name(level: int) -> str:
+    names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED"}
+    names[MPI.THREAD_SERIALIZED] = "SERIALIZED"
+    names[MPI.THREAD_MULTIPLE] = "MULTIPLE"
+    return "MPI_THREAD_" + names.get(level, str(level))
+
+
 def rd_schedule(rank: int, size: int):
     """Recursive-doubling roles for `rank`, with the usual fold for sizes that are not powers of two.
 

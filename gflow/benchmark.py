@@ -120,6 +120,7 @@ def run(args, out=sys.stdout) -> int:
 
     import gflow
 
+    from ._context import mpi_library
     from .collectives.topology import discover
 
     comm = MPI.COMM_WORLD
@@ -135,7 +136,7 @@ def run(args, out=sys.stdout) -> int:
             print(line, file=out, flush=True)
 
     say(f"# gflow {gflow.__version__} bench: allreduce on {p} rank(s), {topology}")
-    say(f"# {MPI.Get_library_version().splitlines()[0].strip()}")
+    say(f"# {mpi_library()}")
     say(
         f"# dtype {dtype.name}, op {args.op}, algorithm {args.algorithm}, compression {args.compression}, "
         f"{args.warmup} warm-up + {args.iters} timed calls per size, median of the slowest rank"
@@ -193,7 +194,7 @@ def run(args, out=sys.stdout) -> int:
         settings = {
             k: getattr(args, k) for k in ("dtype", "op", "algorithm", "compression", "warmup", "iters")
         }
-        report = {"ranks": p, "topology": topology, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        report = {"ranks": p, "topology": topology, "mpi": mpi_library(),
                   "settings": settings, "rows": rows}  # fmt: skip
         if args.json:
             with open(args.json, "w") as f:

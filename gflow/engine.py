@@ -71,9 +71,13 @@ class Engine:
         with self._lock:
             if self._thread is None:
                 if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                    from ._context import mpi_library, thread_level_name
+
                     raise GflowError(
-                        "gflow's background thread needs MPI initialised with MPI_THREAD_MULTIPLE "
-                        "(mpi4py's default: leave mpi4py.rc.thread_level at 'multiple')"
+                        f"gflow's background thread (async calls, LazyAllreduce) needs MPI initialised "
+                        f"with MPI_THREAD_MULTIPLE; {mpi_library()} gave "
+                        f"{thread_level_name(MPI.Query_thread())}: leave mpi4py.rc.thread_level at "
+                        "'multiple' (its default), or use an MPI library built with thread support"
                     )
                 self._thread = threading.Thread(target=self._run, name="gflow-engine", daemon=True)
                 self._thread.start()

@@ -89,9 +89,12 @@ def watch(ctx) -> None:
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:  # the monitor would call MPI beside the caller
         if not _warned_off and (config.stall_warning_s > 0 or config.stall_abort_s > 0):
             _warned_off = True
+            from ._context import mpi_library, thread_level_name
+
             warnings.warn(
-                "gflow: the stall inspector is off: it needs MPI initialised with MPI_THREAD_MULTIPLE "
-                "(mpi4py's default)",
+                "gflow: the stall inspector and the check for ranks that left are off: they need MPI "
+                f"initialised with MPI_THREAD_MULTIPLE (mpi4py's default); {mpi_library()} gave "
+                f"{thread_level_name(MPI.Query_thread())}",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -10,6 +10,7 @@ parent's pytest-timeout is the backstop. The multi-rank tests of one file and wo
 `mpiexec` (tests/batching.py).
 """
 
+import ctypes
 import faulthandler
 import os
 import sys
@@ -24,14 +25,38 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 if os.environ.get("GFLOW_TEST_GPU") != "1":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-import pytest
-from batching import (  # noqa: F401  (hooks: pytest finds them by name in this module)
+# Start MPI now, in the parent, and hand every launcher the tests start (batches, mpi-pytest's
+# `mpiexec`, the job-level tests) the environment as it was before: Open MPI's singleton start-up puts
+# OMPI_MCA_* and PMIX_* variables into this process's C environment, and an `mpiexec` that inherits them
+# exits at once with status 1 and no output (Open MPI before 5.0.7). os.environ never sees them (it is
+# a copy made when Python started), so they are found in the C environment itself.
+_environment_before_mpi = dict(os.environ)
+from mpi4py import MPI  # noqa: E402, F401 - initialises MPI
+
+
+def _c_environment_names() -> list[str]:
+    environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    names, i = [], 0
+    while environ[i] is not None:
+        names.append(environ[i].split(b"=", 1)[0].decode(errors="surrogateescape"))
+        i += 1
+    return names
+
+
+if "_PYTEST_MPI_CHILD_PROCESS" not in os.environ:
+    for _name in _c_environment_names():
+        if _name not in _environment_before_mpi:
+            os.unsetenv(_name)
+    os.environ.update(_environment_before_mpi)  # (putenv for each: values MPI changed go back too)
+
+import pytest  # noqa: E402
+from batching import (  # noqa: E402, F401  (hooks: pytest finds them by name in this module)
     pytest_configure,
     pytest_pyfunc_call,
     pytest_runtest_logreport,
     pytest_runtest_protocol,
 )
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # mpi-pytest calls plain `mpiexec`: make it the one installed beside this Python (the MPICH wheel's).
 _bindir = os.path.dirname(sys.executable)

@@ -2,7 +2,16 @@
 
 import numpy as np
 import pytest
-from helpers import MPI_OP, WORLD, assert_same_on_all_ranks, on_all_ranks, random_array, rank_rng
+from helpers import (
+    MPI_OP,
+    WORLD,
+    assert_same_on_all_ranks,
+    mpi_allreduce,
+    mpi_bcast,
+    on_all_ranks,
+    random_array,
+    rank_rng,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,8 +37,7 @@ def test_reduce_scatter_is_this_ranks_shard_of_the_allreduce(n, dtype, op, seed)
         before = x.copy()
         shard = gflow.reduce_scatter(x, op)
         np.testing.assert_array_equal(x, before)
-        full = np.empty_like(x)
-        WORLD.Allreduce(x, full, MPI_OP[op])
+        full = mpi_allreduce(x, MPI_OP[op])
         if op == "mean":
             full = full / full.dtype.type(WORLD.size)
         expected = np.array_split(full, WORLD.size)[WORLD.rank]
@@ -93,6 +101,6 @@ def check_broadcast(x):
         y = gflow.broadcast(x, root=root)
         np.testing.assert_array_equal(x, before)
         expected = x.copy()
-        WORLD.Bcast(expected, root=root)
+        mpi_bcast(expected, root)
         np.testing.assert_array_equal(y, expected)
         assert_same_on_all_ranks(y)

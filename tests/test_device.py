@@ -10,7 +10,16 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import MPI_OP, WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
+from helpers import (
+    MPI_OP,
+    WORLD,
+    assert_close_to_reference,
+    mpi_allreduce,
+    mpi_bcast,
+    on_all_ranks,
+    random_array,
+    rank_rng,
+)
 from numba import cuda
 
 import gflow
@@ -71,8 +80,7 @@ def check_all_collectives(kind, x, op):
     np.testing.assert_array_equal(out.copy_to_host(), to_host(y))
 
     shard = to_host(gflow.reduce_scatter(d, op))
-    full = np.empty_like(x)
-    WORLD.Allreduce(x, full, MPI_OP[op])
+    full = mpi_allreduce(x, MPI_OP[op])
     if op == "mean":
         full = full / full.dtype.type(WORLD.size)
     np.testing.assert_allclose(shard, np.array_split(full, WORLD.size)[WORLD.rank], rtol=1e-5, atol=1e-5)
@@ -83,7 +91,7 @@ def check_all_collectives(kind, x, op):
 
     root = WORLD.size - 1
     expected = x.copy()
-    WORLD.Bcast(expected, root=root)
+    mpi_bcast(expected, root)
     np.testing.assert_array_equal(to_host(gflow.broadcast(d, root=root)), expected)
 
 
@@ -110,6 +118,27 @@ def test_staging_warns_once_naming_the_variable(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second warning would raise here
         np.testing.assert_array_equal(to_host(gflow.allreduce(d)), WORLD.size)
+
+
+@pytest.mark.parallel([1, 2])
+def test_cuda_aware_forced_on_an_mpi_that_says_no_is_refused_before_any_data_moves(monkeypatch):
+    from gflow._context import mpi_library
+
+    monkeypatch.setenv("GFLOW_CUDA_AWARE_MPI", "1")
+    monkeypatch.setattr(transport, "_decided", None)
+    monkeypatch.setattr(transport, "arrays_simulated", lambda: False)  # a real GPU: MPI cannot read it
+    monkeypatch.setattr(transport, "_library_cuda_support", lambda: False)
+    d = cuda.to_device(np.ones(10, np.float32))
+
+    def check():
+        with pytest.raises(ValueError, match="GFLOW_CUDA_AWARE_MPI=1") as caught:
+            gflow.allreduce(d)
+        assert mpi_library() in str(caught.value) and "not CUDA-aware" in str(caught.value)
+
+    on_all_ranks(check)
+    monkeypatch.setattr(transport, "_library_cuda_support", lambda: None)  # a library that cannot tell
+    monkeypatch.setattr(transport, "_decided", None)
+    assert transport.cuda_aware()  # ... is taken at the user's word
 
 
 def test_bad_device_arguments():

@@ -148,3 +148,29 @@ def test_bad_input_on_one_rank_fails_every_rank(n):
             )
 
     on_all_ranks(check)
+
+
+def test_an_mpi_without_thread_multiple_is_named_before_any_data_moves():
+    """mpi4py started below MPI_THREAD_MULTIPLE (as an MPI built without thread support does): the
+    background engine refuses at once, naming the library and the level; blocking calls still work."""
+    import subprocess
+    import sys
+
+    script = (
+        "import mpi4py\n"
+        "mpi4py.rc.thread_level = 'serialized'\n"
+        "import warnings, numpy as np, gflow\n"
+        "warnings.simplefilter('ignore')\n"
+        "print('blocking', gflow.allreduce(np.ones(4))[0])\n"
+        "try:\n"
+        "    gflow.allreduce_async(np.ones(4))\n"
+        "except gflow.GflowError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    from gflow._context import mpi_library
+
+    assert "blocking 1.0" in done.stdout, done.stdout
+    assert "refused:" in done.stdout and "MPI_THREAD_MULTIPLE" in done.stdout, done.stdout
+    assert "MPI_THREAD_SERIALIZED" in done.stdout and mpi_library() in done.stdout, done.stdout

@@ -2,6 +2,7 @@
 batches of multi-rank tests (tests/batching.py) must give each test the verdict of all its ranks."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,7 +29,10 @@ def test_a_deadlock_fails_within_the_deadline():
     status, output = run_pytest(case, timeout=90, env=env)
     elapsed = time.monotonic() - start
     assert status != 0, output
-    assert "Timeout" in output or "most recent call first" in output, output  # the watchdog's stack dump
+    # The watchdog's own stack dump (faulthandler's "Timeout (0:00:05)!"), not just any failure: a
+    # launcher that fails to start, or a subprocess's TimeoutExpired, must not pass for it.
+    assert re.search(r"^Timeout \(0:00:05(\.\d+)?\)!$", output, re.MULTILINE), output
+    assert "most recent call first" in output and "test_one_rank_never_calls" in output, output
     assert elapsed < 45, f"took {elapsed:.0f} s to fail"
 
 

@@ -8,7 +8,16 @@ so the tests also see that no message is over the limit and that every byte went
 
 import numpy as np
 import pytest
-from helpers import MPI_OP, WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
+from helpers import (
+    MPI_OP,
+    WORLD,
+    assert_close_to_reference,
+    mpi_allreduce,
+    mpi_bcast,
+    on_all_ranks,
+    random_array,
+    rank_rng,
+)
 from numba import cuda
 
 import gflow
@@ -131,8 +140,7 @@ def test_reduce_scatter_with_a_tiny_limit_matches_mpi(monkeypatch):
 
                     def check(x=x, op=op):
                         shard = gflow.reduce_scatter(x, op)
-                        full = np.empty_like(x)
-                        WORLD.Allreduce(x, full, MPI_OP[op])
+                        full = mpi_allreduce(x, MPI_OP[op])
                         expected = np.array_split(full, WORLD.size)[WORLD.rank]
                         assert shard.dtype == x.dtype and shard.shape == expected.shape
                         if x.dtype.kind == "f" and op == "sum":
@@ -172,7 +180,7 @@ def test_broadcast_in_pieces_matches_mpi(monkeypatch, messages):
 
                     def check(x=x, arg=arg, root=root, limit=limit):
                         expected = x.copy()
-                        WORLD.Bcast(expected, root=root)
+                        mpi_bcast(expected, root)
                         messages.clear()
                         y = gflow.broadcast(arg, root=root)
                         assert y.shape == expected.shape and y.dtype == expected.dtype
@@ -222,7 +230,7 @@ def test_device_allgather_and_broadcast_in_pieces(monkeypatch, messages, transpo
 
                 root = WORLD.size - 1
                 expected = x.copy()
-                WORLD.Bcast(expected, root=root)
+                mpi_bcast(expected, root)
                 arg = x if WORLD.rank == root else np.full(x.shape, POISON, dtype=x.dtype)
                 messages.clear()
                 np.testing.assert_array_equal(

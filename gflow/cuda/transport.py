@@ -39,8 +39,8 @@ def _mpi_library_handles() -> list:
     return handles
 
 
-def _library_reports_cuda() -> bool:
-    """Ask the loaded MPI library, where it has a way to tell; False when it has none."""
+def _library_cuda_support() -> bool | None:
+    """Ask the loaded MPI library whether it is CUDA-aware; None when it has no way to tell."""
     for library in _mpi_library_handles():
         query = getattr(library, "MPIX_Query_cuda_support", None)  # Open MPI (and MPICH >= 4)
         if query is not None:
@@ -52,18 +52,43 @@ def _library_reports_cuda() -> bool:
             query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
             if query(0, ctypes.byref(supported)) == 0:  # 0 = MPIX_GPU_SUPPORT_CUDA
                 return bool(supported.value)
-    return False
+    return None
+
+
+def _library_reports_cuda() -> bool:
+    """Whether the loaded MPI library says it is CUDA-aware (False when it cannot tell)."""
+    return bool(_library_cuda_support())
 
 
 def cuda_aware() -> bool:
-    """True when device buffers may go to MPI as they are (decided once per process)."""
+    """True when device buffers may go to MPI as they are (decided once per process).
+
+    Raises:
+        ValueError: GFLOW_CUDA_AWARE_MPI is not 0 or 1, or it is 1 and the MPI library says it is
+            not CUDA-aware (it would read device pointers as host memory and crash or corrupt).
+    """
     global _decided
     if _decided is None:
         value = os.environ.get(_ENV, "")
         if value not in ("", "0", "1"):
             raise ValueError(f"{_ENV} must be 0 or 1, got {value!r}")
+        if value == "1" and not arrays_simulated() and _library_cuda_support() is False:
+            from .._context import mpi_library
+
+            raise ValueError(
+                f"{_ENV}=1 asks gflow to hand device buffers to MPI, but {mpi_library()} says it is not "
+                "CUDA-aware (MPIX_Query_cuda_support / MPIX_GPU_query_support): build or load a "
+                f"CUDA-aware MPI, or unset {_ENV} to stage device buffers through host memory"
+            )
         _decided = value == "1" if value else _library_reports_cuda()
     return _decided
+
+
+def arrays_simulated() -> bool:
+    """Numba's CUDA simulator: its "device memory" is host memory, which any MPI can read."""
+    from . import arrays
+
+    return arrays.SIMULATED
 
 
 def note_staging() -> None:
