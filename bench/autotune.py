@@ -136,15 +136,17 @@ def report(out_dir: str, paths: list[str]) -> None:
     results = [json.load(open(path)) for path in paths]
     lines = [
         "| model | p | network | settled | auto step (ms) | best fixed | its step (ms) | auto / best | "
-        "tuning steps (s) | spread |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "settled fixed / best | tuning steps (s) | spread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        settled_fixed = r.get("settled_fixed_seconds")  # the sweep's step at the settled threshold
+        settled_ratio = f"{settled_fixed / r['best_fixed_seconds']:.3f}" if settled_fixed else "n/a"
         lines.append(
             f"| {r['model']} | {r['p']} | {r['network']} | {size_text(r['settled'])} | "
             f"{r['auto'] * 1e3:.1f} | {size_text(r['best_fixed'])} | {r['best_fixed_seconds'] * 1e3:.1f} | "
-            f"{r['auto_over_best']:.3f} | {r['tuning_steps']} ({r['tuning_seconds']:.1f}) | "
-            f"{r.get('spread', float('nan')):.1%} |"
+            f"{r['auto_over_best']:.3f} | {settled_ratio} | {r['tuning_steps']} "
+            f"({r['tuning_seconds']:.1f}) | {r.get('spread', float('nan')):.1%} |"
         )
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "autotune.md"), "w") as f:
