@@ -28,7 +28,7 @@ CHILD_FLAG = "_PYTEST_MPI_CHILD_PROCESS"  # mpi-pytest's: children run their tes
 REPORT_DIR = "GFLOW_TEST_REPORT_DIR"
 IN_MPI_CHILD = CHILD_FLAG in os.environ
 ENABLED = os.environ.get("GFLOW_TEST_BATCH", "1") != "0"
-OUTPUT_TAIL = 6000  # characters of a dead batch's output shown with the test it died in
+OUTPUT_TAIL = 20000  # characters of a dead batch's output shown with the test it died in
 
 _verdicts = {}  # node id -> (outcome, text), filled by a batch in the parent
 

@@ -25,29 +25,31 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 if os.environ.get("GFLOW_TEST_GPU") != "1":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-# Start MPI now, in the parent, and hand every launcher the tests start (batches, mpi-pytest's
-# `mpiexec`, the job-level tests) the environment as it was before: Open MPI's singleton start-up puts
-# OMPI_MCA_* and PMIX_* variables into this process's C environment, and an `mpiexec` that inherits them
-# exits at once with status 1 and no output (Open MPI before 5.0.7). os.environ never sees them (it is
-# a copy made when Python started), so they are found in the C environment itself.
-_environment_before_mpi = dict(os.environ)
-from mpi4py import MPI  # noqa: E402, F401 - initialises MPI
+# Hand every launcher the tests start (batches, mpi-pytest's own `mpiexec`, the job-level tests) the
+# environment without what MPI's start-up added: Open MPI's singleton (MPI started outside `mpiexec`, as
+# in this parent; mpi-pytest's plugin has already imported mpi4py) puts OMPI_MCA_* and PMIX_* variables
+# into the process's C environment, and an `mpiexec` that inherits them exits at once with status 1 and
+# no output (Open MPI before 5.0.7). os.environ is the copy Python made at start-up and never sees
+# them, so the names in the C environment that os.environ lacks are exactly what MPI added.
+from mpi4py import MPI  # noqa: E402 - MPI is up from here on
 
 
-def _c_environment_names() -> list[str]:
+def _c_environment_names() -> list[bytes]:
     environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
     names, i = [], 0
     while environ[i] is not None:
-        names.append(environ[i].split(b"=", 1)[0].decode(errors="surrogateescape"))
+        names.append(environ[i].split(b"=", 1)[0])
         i += 1
     return names
 
 
-if "_PYTEST_MPI_CHILD_PROCESS" not in os.environ:
-    for _name in _c_environment_names():
-        if _name not in _environment_before_mpi:
-            os.unsetenv(_name)
-    os.environ.update(_environment_before_mpi)  # (putenv for each: values MPI changed go back too)
+if "_PYTEST_MPI_CHILD_PROCESS" not in os.environ and "Open MPI" in MPI.Get_library_version():
+    try:
+        _added = set(_c_environment_names()) - set(os.environb)
+    except (ValueError, OSError):  # a libc without a visible `environ`: leave the environment alone
+        _added = set()
+    for _name in _added:
+        os.unsetenv(_name)
 
 import pytest  # noqa: E402
 from batching import (  # noqa: E402, F401  (hooks: pytest finds them by name in this module)
@@ -95,9 +97,9 @@ def _direct_transport_usable() -> bool:
     when the MPI library is CUDA-aware (or the user says so)."""
     from gflow.cuda import arrays, transport
 
-    return (
-        arrays.SIMULATED or os.environ.get("GFLOW_CUDA_AWARE_MPI") == "1" or transport._library_reports_cuda()
-    )
+    forced = os.environ.get("GFLOW_CUDA_AWARE_MPI")
+    said = transport._library_cuda_support()
+    return arrays.SIMULATED or forced == "force" or said is True or (forced == "1" and said is None)
 
 
 @pytest.fixture(

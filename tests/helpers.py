@@ -75,6 +75,7 @@ def mpi_allreduce(x: np.ndarray, op=MPI.SUM, comm=None) -> np.ndarray:
 
 def mpi_bcast(buf: np.ndarray, root: int, comm=None) -> None:
     """MPI's own Bcast of the contiguous buf, in place, as bytes (any dtype, any MPI library)."""
+    assert buf.flags.c_contiguous, "mpi_bcast: buf must be C-contiguous (a reshape would copy it)"
     (WORLD if comm is None else comm).Bcast([buf.reshape(-1).view(np.uint8), MPI.BYTE], root=root)
 
 

@@ -136,6 +136,10 @@ def test_cuda_aware_forced_on_an_mpi_that_says_no_is_refused_before_any_data_mov
         assert mpi_library() in str(caught.value) and "not CUDA-aware" in str(caught.value)
 
     on_all_ranks(check)
+    monkeypatch.setenv("GFLOW_CUDA_AWARE_MPI", "force")  # the user knows better than the library
+    monkeypatch.setattr(transport, "_decided", None)
+    assert transport.cuda_aware()
+    monkeypatch.setenv("GFLOW_CUDA_AWARE_MPI", "1")
     monkeypatch.setattr(transport, "_library_cuda_support", lambda: None)  # a library that cannot tell
     monkeypatch.setattr(transport, "_decided", None)
     assert transport.cuda_aware()  # ... is taken at the user's word

@@ -17,7 +17,8 @@ from gflow import timeline
 
 def cli(*args):
     """`python -m gflow ...` as a program of its own (not a rank of this job: no PMI_* from mpiexec)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_"))}
+    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "ORTE_", "OPAL_")  # MPICH's and Open MPI's
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
     return subprocess.run(
         [sys.executable, "-m", "gflow", *args], capture_output=True, text=True, timeout=120, env=env
     )

@@ -1,6 +1,7 @@
 """How device buffers reach MPI: directly (CUDA-aware MPI) or staged through pinned host memory.
 
-Direct when GFLOW_CUDA_AWARE_MPI=1, or when it is unset and the MPI library says it supports CUDA
+Direct when GFLOW_CUDA_AWARE_MPI=1 (refused if the library says it is not CUDA-aware), =force (taken
+as it is: some CUDA-aware builds say no), or when it is unset and the MPI library says it supports CUDA
 (Open MPI's MPIX_Query_cuda_support, MPICH's MPIX_GPU_query_support). GFLOW_CUDA_AWARE_MPI=0 forces
 staging. When staging was chosen without the variable being set, the first staged call warns once,
 naming it. Either way the result is the same; staging costs a device-host copy each way.
@@ -70,17 +71,19 @@ def cuda_aware() -> bool:
     global _decided
     if _decided is None:
         value = os.environ.get(_ENV, "")
-        if value not in ("", "0", "1"):
-            raise ValueError(f"{_ENV} must be 0 or 1, got {value!r}")
+        if value not in ("", "0", "1", "force"):
+            raise ValueError(f"{_ENV} must be 0, 1 or force, got {value!r}")
         if value == "1" and not arrays_simulated() and _library_cuda_support() is False:
             from .._context import mpi_library
 
             raise ValueError(
                 f"{_ENV}=1 asks gflow to hand device buffers to MPI, but {mpi_library()} says it is not "
-                "CUDA-aware (MPIX_Query_cuda_support / MPIX_GPU_query_support): build or load a "
-                f"CUDA-aware MPI, or unset {_ENV} to stage device buffers through host memory"
+                "CUDA-aware (MPIX_Query_cuda_support / MPIX_GPU_query_support): load a CUDA-aware MPI, "
+                f"unset {_ENV} to stage device buffers through host memory, or set {_ENV}=force if the "
+                "library is CUDA-aware but says otherwise (Open MPI 5 before CUDA starts, Open MPI over "
+                "a CUDA-enabled UCX)"
             )
-        _decided = value == "1" if value else _library_reports_cuda()
+        _decided = value in ("1", "force") if value else _library_reports_cuda()
     return _decided
 
 

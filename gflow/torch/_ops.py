@@ -25,11 +25,11 @@ Where this differs from Horovod, and why:
 
 import itertools
 import math
+import time
 import zlib
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 import gflow
 
@@ -799,15 +799,16 @@ def join(device=-1) -> int:
     Horovod lets ranks that joined serve the others' allreduces with zeros, so ranks may run
     different numbers of steps. gflow cannot: every rank must make the same collective calls. Here
     join() works when every rank calls it (a barrier that reports the last rank to arrive, by each
-    rank's MPI.Wtime at the call: exact on one node, as good as the clocks' agreement across nodes
-    unless MPI_WTIME_IS_GLOBAL). It runs on gflow's background channel, after the async operations
-    already started: a rank still running DistributedOptimizer steps or async allreduces while the
-    others wait in join() makes every rank raise MismatchError (a HorovodInternalError) rather than
-    hang. (A blocking allreduce/allgather/broadcast facing peers in join() still waits, as in MPI.)
+    rank's wall clock at the call: exact on one node, as good as the clocks' agreement across nodes;
+    not MPI.Wtime, whose zero Open MPI sets per process). It runs on gflow's background channel,
+    after the async operations already started: a rank still running DistributedOptimizer steps or
+    async allreduces while the others wait in join() makes every rank raise MismatchError (a
+    HorovodInternalError) rather than hang. (A blocking allreduce/allgather/broadcast facing peers
+    in join() still waits, as in MPI.)
     `device` is accepted and ignored.
     """
     arrival = torch.full((_basics.size(),), -np.inf, dtype=torch.float64)
-    arrival[_basics.rank()] = MPI.Wtime()
+    arrival[_basics.rank()] = time.time()
     try:
         latest = gflow.allreduce_async(arrival, "max", comm=_comm()).wait()
     except gflow.GflowError as exc:
