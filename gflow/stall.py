@@ -16,7 +16,7 @@ not answering. Each rank applies its own settings (they change no result, so ran
 The same monitor learns which ranks have left (gflow/failures.py): a rank whose interpreter exits
 says goodbye on every watched duplicate, with the number of collectives it completed there. A peer
 that is in, or later enters, a collective past that number can never finish it, and raises
-GflowError naming the rank that left (check_departed), instead of waiting forever. A rank that is
+GflowError naming the rank that left (check_waiting), instead of waiting forever. A rank that is
 merely slow says nothing of the kind: that is a stall, reported as above.
 """
 
@@ -182,10 +182,15 @@ def abandoned(m: _Mark) -> None:
         m.ctx.abandoned = m.ctx.entered
 
 
+def _busy_elsewhere() -> list:
+    """The marks of the threads other than this one that are inside a wait or an engine job."""
+    me = getattr(_local, "mark", None)
+    return [m for m in list(_marks) if m is not me and (m.job is not None or m.since is not None)]
+
+
 def busy_elsewhere() -> bool:
     """Whether a thread other than this one is inside a wait or an engine job."""
-    me = getattr(_local, "mark", None)
-    return any(m is not me and (m.job is not None or m.since is not None) for m in list(_marks))
+    return bool(_busy_elsewhere())
 
 
 def goodbye() -> None:
@@ -194,8 +199,7 @@ def goodbye() -> None:
     time limit) is not completed. Bounded: a peer that has gone already is not waited for."""
     if MPI.Is_finalized():
         return
-    me = getattr(_local, "mark", None)
-    busy = [m.ctx for m in list(_marks) if m is not me and (m.job is not None or m.since is not None)]
+    busy = [m.ctx for m in _busy_elsewhere()]
     sends, payloads = [], []
     with _lock:
         for ctx in _watched:
