@@ -28,9 +28,13 @@ def mpi_library() -> str:
 
 
 def thread_level_name(level: int) -> str:
-    names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED"}
-    names[MPI.THREAD_SERIALIZED] = "SERIALIZED"
-    names[MPI.THREAD_MULTIPLE] = "MULTIPLE"
+    """'MPI_THREAD_MULTIPLE' for MPI.THREAD_MULTIPLE, and so on."""
+    names = {
+        MPI.THREAD_SINGLE: "SINGLE",
+        MPI.THREAD_FUNNELED: "FUNNELED",
+        MPI.THREAD_SERIALIZED: "SERIALIZED",
+        MPI.THREAD_MULTIPLE: "MULTIPLE",
+    }
     return "MPI_THREAD_" + names.get(level, str(level))
 
 
@@ -164,8 +168,9 @@ class CommContext:
         self.hierarchy = None  # collectives/hierarchical.py's communicators and window
         self.is_background = background
         self.failed = None  # set on a background context by its first failed collective
-        # How this context waits for its messages: the caller's thread blocks in MPI (lowest latency);
-        # the engine thread polls and sleeps in between, so the caller's computation keeps the core.
+        # How this context waits for its messages: the caller's thread polls, yielding between polls
+        # (lowest latency); the engine thread polls and sleeps in between, so the caller's computation
+        # keeps the core. Both notice a peer that has left (stall.check_waiting).
         self.waitall = watched(_polite_waitall if background else _caller_waitall)
 
     def check_usable(self) -> None:

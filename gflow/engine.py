@@ -94,17 +94,16 @@ class Engine:
             fn, handle, ctx = item
             mark = stall.mark()
             mark.job = handle.description
+            result = error = None
             try:
                 with timeline.span(handle.description):
                     result = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 if ctx is not None and ctx.failed is None and isinstance(exc, GflowError):
                     ctx.failed = f"{handle.description}: {exc}"
-                mark.job = None
-                handle._finish(error=exc)
-            else:
-                mark.job = None
-                handle._finish(result=result)
+                error = exc
+            mark.job = None  # before the caller wakes: a finished job is not a busy thread at exit
+            handle._finish(result=result, error=error)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Let queued work finish, then stop the thread (bounded: it is a daemon either way)."""

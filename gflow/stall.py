@@ -165,13 +165,18 @@ def _raise_departed(ctx, number: int, sig) -> None:
         return
     world = _world_ranks(ctx)
     verb, whose = ("has", "its process") if len(gone) == 1 else ("have", "their processes")
-    after = ", ".join(f"rank {r} after #{ctx.departed[r]}" for r in gone)
+    after = _completed_before_leaving(ctx, gone)
     what = _brief(sig) if sig is not None else "a collective"
     raise GflowError(
         f"{ranks_text(gone)}{world(gone)} {verb} left the job ({whose} exited: {after}), so collective "
         f"#{number} on this communicator of {ctx.size} ranks ({what}) can never finish on gflow rank "
         f"{ctx.rank}{world(None)}"
     )
+
+
+def _completed_before_leaving(ctx, ranks) -> str:
+    """'rank 1 after #5, rank 3 after #5': the last collective each rank that left completed on ctx."""
+    return ", ".join(f"rank {r} after #{ctx.departed[r]}" for r in ranks)
 
 
 def abandoned(m: _Mark) -> None:
@@ -182,15 +187,10 @@ def abandoned(m: _Mark) -> None:
         m.ctx.abandoned = m.ctx.entered
 
 
-def _busy_elsewhere() -> list:
+def busy_elsewhere() -> list:
     """The marks of the threads other than this one that are inside a wait or an engine job."""
     me = getattr(_local, "mark", None)
     return [m for m in list(_marks) if m is not me and (m.job is not None or m.since is not None)]
-
-
-def busy_elsewhere() -> bool:
-    """Whether a thread other than this one is inside a wait or an engine job."""
-    return bool(_busy_elsewhere())
 
 
 def goodbye() -> None:
@@ -199,7 +199,7 @@ def goodbye() -> None:
     time limit) is not completed. Bounded: a peer that has gone already is not waited for."""
     if MPI.Is_finalized():
         return
-    busy = [m.ctx for m in _busy_elsewhere()]
+    busy = [m.ctx for m in busy_elsewhere()]
     sends, payloads = [], []
     with _lock:
         for ctx in _watched:
@@ -295,7 +295,7 @@ def _report(ctx, m: _Mark, waited: float) -> str:
             f"{ranks_text(waiting)}{world(waiting)} {'is' if len(waiting) == 1 else 'are'} in it too"
         )
     if gone:
-        after = ", ".join(f"rank {r} after #{ctx.departed[r]}" for r in gone)
+        after = _completed_before_leaving(ctx, gone)
         parts.append(f"{ranks_text(gone)}{world(gone)} left the job ({after})")
     if silent:
         parts.append(

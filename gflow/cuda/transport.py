@@ -56,11 +56,6 @@ def _library_cuda_support() -> bool | None:
     return None
 
 
-def _library_reports_cuda() -> bool:
-    """Whether the loaded MPI library says it is CUDA-aware (False when it cannot tell)."""
-    return bool(_library_cuda_support())
-
-
 def cuda_aware() -> bool:
     """True when device buffers may go to MPI as they are (decided once per process).
 
@@ -83,7 +78,7 @@ def cuda_aware() -> bool:
                 "library is CUDA-aware but says otherwise (Open MPI 5 before CUDA starts, Open MPI over "
                 "a CUDA-enabled UCX)"
             )
-        _decided = value in ("1", "force") if value else _library_reports_cuda()
+        _decided = value in ("1", "force") if value else bool(_library_cuda_support())
     return _decided
 
 
