@@ -11,14 +11,13 @@ import warnings
 import numpy as np
 import pytest
 from helpers import (
-    MPI_OP,
     WORLD,
     assert_close_to_reference,
-    mpi_allreduce,
     mpi_bcast,
     on_all_ranks,
     random_array,
     rank_rng,
+    reference_mpi,
 )
 from numba import cuda
 
@@ -80,9 +79,7 @@ def check_all_collectives(kind, x, op):
     np.testing.assert_array_equal(out.copy_to_host(), to_host(y))
 
     shard = to_host(gflow.reduce_scatter(d, op))
-    full = mpi_allreduce(x, MPI_OP[op])
-    if op == "mean":
-        full = full / full.dtype.type(WORLD.size)
+    full = reference_mpi(x, op)
     np.testing.assert_allclose(shard, np.array_split(full, WORLD.size)[WORLD.rank], rtol=1e-5, atol=1e-5)
 
     mine = x[: max(x.size - WORLD.rank, 0)]
