@@ -60,6 +60,11 @@ def _env_int(name: str, default: int) -> int:
 # Measured with bench/allreduce.py on the 2-core development machine (bench/RESULTS.md): recursive
 # doubling with the agreement header riding along beats the ring up to about this size at p = 2..4.
 DEFAULT_SMALL_MESSAGE_BYTES = 128 * 1024
+# Every rank's latency-path receives have room for this much payload, whatever small_message_bytes
+# each rank holds, so that ranks with different settings get MismatchError and no message is ever
+# truncated: Open MPI 4.1's shared-memory transport overruns the receive buffer of a truncated
+# rendezvous message (bench/RESULTS.md, "Open MPI"). Above a few MiB the ring wins anyway.
+MAX_SMALL_MESSAGE_BYTES = 4 * 2**20
 # The ring's reduce-scatter moves each chunk in segments of this size, so that what a rank has just
 # received is still in cache when it is reduced (bench/RESULTS.md).
 DEFAULT_RING_SEGMENT_BYTES = 256 * 1024
@@ -123,6 +128,11 @@ class Config:
     stall_abort_s: float = 0.0
     abort_on_exception: bool = True
 
+    def __setattr__(self, name, value):
+        if name == "small_message_bytes":
+            value = _small_message_bytes(value)
+        super().__setattr__(name, value)
+
     @classmethod
     def from_env(cls) -> "Config":
         return cls(
@@ -142,6 +152,17 @@ class Config:
             stall_abort_s=_env_seconds("GFLOW_STALL_ABORT_S", 0.0),
             abort_on_exception=_env_switch("GFLOW_ABORT_ON_EXCEPTION", True),
         )
+
+
+def _small_message_bytes(value) -> int:
+    """Checked when set, on the rank that sets it: a larger value cannot fit its peers' receives."""
+    number = None if isinstance(value, bool) else getattr(value, "__index__", lambda: None)()
+    if number is None or not 0 <= number <= MAX_SMALL_MESSAGE_BYTES:
+        raise ValueError(
+            f"small_message_bytes (GFLOW_SMALL_MESSAGE_BYTES) must be an integer number of bytes from 0 "
+            f"to {MAX_SMALL_MESSAGE_BYTES} (4 MiB, what every rank's receives have room for), got {value!r}"
+        )
+    return number
 
 
 config = Config.from_env()

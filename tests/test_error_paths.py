@@ -2,6 +2,10 @@
 reproducing the reviewer's case. Every rank raises (none hangs), nothing pushed is lost or counted twice,
 and the next correct call gives the right answer."""
 
+import os
+import re
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -11,6 +15,7 @@ from mpi4py import MPI
 from numba import cuda
 
 import gflow
+from gflow._config import DEFAULT_SMALL_MESSAGE_BYTES, MAX_SMALL_MESSAGE_BYTES
 
 LAST = WORLD.size - 1
 
@@ -520,14 +525,38 @@ def test_an_out_that_overlaps_x_in_part_is_refused():
 
 
 @pytest.mark.parallel([2, 3])
-def test_ranks_with_another_small_message_bytes_fail_together(monkeypatch):
+@pytest.mark.parametrize("setting", [2**21, MAX_SMALL_MESSAGE_BYTES])
+def test_ranks_with_another_small_message_bytes_fail_together(monkeypatch, setting):
     # Review of issue 9, found along the way: the last rank's larger small_message_bytes sent it down
     # the latency path with a longer message than its peers' receives; the truncation came back as
     # ERR_IN_STATUS, which the agreement took for an MPI failure (GflowError on one rank, MismatchError
-    # on the other) and left a persistent request active, so the next call died in MPI_Startall.
-    x = random_array(rank_rng(77), 300_000, np.float32)
+    # on the other) and left a persistent request active, so the next call died in MPI_Startall. On
+    # Open MPI (issue 12) the truncated receive overran its buffer and the job hung or crashed: now
+    # every receive has room for the largest setting, and the headers say the ranks disagree.
+    x = random_array(rank_rng(77), setting // 4, np.float32)  # the largest payload `setting` allows
     if WORLD.rank == LAST:
-        monkeypatch.setattr(gflow.config, "small_message_bytes", 2**21)
+        monkeypatch.setattr(gflow.config, "small_message_bytes", setting)
     on_all_ranks(lambda: expect(gflow.MismatchError, lambda: gflow.allreduce(x), "disagree"))
     monkeypatch.undo()
     on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))
+
+
+@pytest.mark.parametrize("value", [MAX_SMALL_MESSAGE_BYTES + 1, -1, 1.5, True, "4096", None])
+def test_small_message_bytes_larger_than_any_receive_is_refused_when_set(monkeypatch, value):
+    # Refused on the rank that sets it, before any message: its peers' receives could not hold it.
+    with pytest.raises(
+        ValueError, match=r"small_message_bytes .* from 0 to 4194304 .*got " + re.escape(repr(value))
+    ):
+        monkeypatch.setattr(gflow.config, "small_message_bytes", value)
+    assert gflow.config.small_message_bytes == DEFAULT_SMALL_MESSAGE_BYTES
+
+
+def test_small_message_bytes_from_the_environment_is_checked_too():
+    done = subprocess.run(
+        [sys.executable, "-c", "import gflow"],
+        env=dict(os.environ, GFLOW_SMALL_MESSAGE_BYTES="8388608"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "GFLOW_SMALL_MESSAGE_BYTES" in done.stderr and "8388608" in done.stderr

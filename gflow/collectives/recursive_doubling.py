@@ -5,7 +5,8 @@ signature (gflow/_validate.py) or, once a disagreement has been seen, the record
 disagree. Merging two headers is a reduction like the payload's, so after the rounds every rank holds
 the same verdict: all agree, or "rank a called X, rank b called Y"; then every rank raises, or none
 does. Nobody hangs on a mismatch: all ranks run the same schedule whatever they were called with, and
-every receive has room for the largest message a peer may send (header + small_message_bytes).
+every receive has room for the largest message any peer may send, whatever its settings (header +
+MAX_SMALL_MESSAGE_BYTES), so no message is ever truncated.
 
 Used two ways:
 - with the data as payload, for messages up to small_message_bytes: the check rides along for free;
@@ -22,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import host, stall
+from .._config import MAX_SMALL_MESSAGE_BYTES
 from .._context import TAG_AGREE, CommContext
 from .._validate import SIG_LEN, describe
 from ..errors import GflowError, MismatchError
@@ -47,7 +49,9 @@ class _Plan:
 
     def __init__(self, ctx: CommContext, sig: tuple, capacity: int, dtype, count: int):
         send = ctx.scratch("rd_send", HEADER_BYTES + capacity, np.uint8, host)
-        recv = ctx.scratch("rd_recv", HEADER_BYTES + capacity, np.uint8, host)
+        # Sized for any peer's capacity, not this rank's: a peer with a larger small_message_bytes
+        # must be told it disagrees, and a truncated receive is not safe on every MPI.
+        recv = ctx.scratch("rd_recv", HEADER_BYTES + MAX_SMALL_MESSAGE_BYTES, np.uint8, host)
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[0], header[1], header[_SIG_A], header[_RANK_A] = _MAGIC, _OK, sig, ctx.rank
         self.header = header.tobytes()
@@ -104,7 +108,7 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     """Check that every rank passed the same `sig`; allreduce the flat host array `src` into `dst`.
 
     With src None only the signatures travel. op is "sum", "max" or "min". `capacity` is the largest
-    payload in bytes any rank may send (config.small_message_bytes): receives are sized for it.
+    payload in bytes this rank may send (config.small_message_bytes, at most MAX_SMALL_MESSAGE_BYTES).
     dst may be src. Raises MismatchError on every rank when any two ranks' signatures differ.
     """
     if src is not None and src.nbytes > capacity:
@@ -134,14 +138,14 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
 
 def _complete(requests, peer: int, send_mv, waitall) -> bool:
     """Run one step's persistent requests. False (and a recorded mismatch) when the peer's message
-    did not fit: it came from a rank with other settings."""
+    did not fit: receives have room for any settings, so it came from another version of gflow."""
     try:
         MPI.Prequest.Startall(requests)
         waitall(requests)
     except MPI.Exception as exc:
         # A truncated receive comes back as ERR_TRUNCATE, or, from a wait on several requests, as
         # ERR_IN_STATUS (the error is in the receive's status): on gflow's private communicator, the
-        # only sender is a gflow rank, and its message can only be too long for other settings.
+        # only sender is a gflow rank, and its message can only be too long for another protocol.
         if exc.Get_error_class() not in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
             raise GflowError(f"MPI failed during the agreement exchange with rank {peer}: {exc}") from exc
         for request in requests:  # let the send half finish: the next call starts these again
