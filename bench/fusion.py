@@ -13,7 +13,7 @@ layer's gradient appears and is communicated:
     per-tensor + overlap  allreduce_async each as it appears, wait for all at the end
     lazy                  after backward, push every gradient into LazyAllreduce and flush
     lazy + overlap        push each gradient as it appears (segments go out while compute goes on)
-    lazy + fp16 + overlap the same with compression="fp16"
+    lazy + fp16 + overlap the same with compression="fp16" (and "bf16")
 (The lazy contenders' gradients live in the fusion pool, LazyAllreduce.gradient_buffers, as DDP's
 gradient_as_bucket_view: pushing costs no copy; flush() copies the results back, except in "lazy,
 reduced in place" (reduce_in_place=True). With fp16 the pool is float16, so pushing casts.)
@@ -109,6 +109,7 @@ def worker(args) -> None:
         g[...] = v
         g_ip[...] = v
     lazy16 = gflow.LazyAllreduce(threshold_bytes=args.threshold, op="mean", compression="fp16")
+    lazy_bf16 = gflow.LazyAllreduce(threshold_bytes=args.threshold, op="mean", compression="bf16")
 
     def backward(on_grad, into=grads):
         for i, g in enumerate(into):
@@ -143,9 +144,15 @@ def worker(args) -> None:
         "lazy, reduced in place": lambda: lazy_after(lazy_ip, pooled_ip),
         "lazy + overlap": lazy_overlap,
         "lazy + fp16 + overlap": lambda: lazy_overlap(lazy16, grads),
+        "lazy + bf16 + overlap": lambda: lazy_overlap(lazy_bf16, grads),
         "single buffer": single,
         "single buffer, fp16": lambda: single("fp16"),
+        "single buffer, bf16": lambda: single("bf16"),
     }
+    if args.only:
+        unknown = set(args.only) - set(runs)
+        assert not unknown, f"--only: no contender {sorted(unknown)}; there are {sorted(runs)}"
+        runs = {name: fn for name, fn in runs.items() if name in args.only or name == "per-tensor"}
     if args.ratio > 0:
         runs["compute only"] = lambda: backward(lambda g: None)
     else:  # without compute, overlap changes nothing: keep the run short
@@ -174,8 +181,10 @@ def worker(args) -> None:
         "lazy": sum(wire_bytes(s, p, small) for s in segments),
         "lazy, reduced in place": sum(wire_bytes(s, p, small) for s in segments),
         "lazy + fp16": sum(wire_bytes(s // 2, p, small) for s in segments),
+        "lazy + bf16": sum(wire_bytes(s // 2, p, small) for s in segments),
         "single buffer": wire_bytes(int(nbytes.sum()), p, small),
         "single buffer, fp16": wire_bytes(int(nbytes.sum()) // 2, p, small),
+        "single buffer, bf16": wire_bytes(int(nbytes.sum()) // 2, p, small),
         "compute only": 0.0,
     }
     for fn in runs.values():
@@ -268,6 +277,7 @@ def main() -> None:
     )
     parser.add_argument("--threshold", type=int, default=None, help="LazyAllreduce threshold_bytes")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--only", nargs="+", help="only these contenders (and per-tensor, the baseline)")
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--report", action="store_true", help="only rebuild the table and plot from --out")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -303,6 +313,8 @@ def main() -> None:
                         "--out",
                         args.out,
                     ]
+                    if args.only:
+                        worker_args += ["--only", *args.only]
                     if args.timeline:
                         root, ext = os.path.splitext(args.timeline)
                         worker_args += [

@@ -213,7 +213,8 @@ class CommContext:
 
     def scratch(self, name: str, count: int, dtype, ops):
         """A reusable buffer of count elements of dtype, one per (name, kind of memory): `ops` (or
-        gflow.cuda.arrays.pinned) allocates it. The storage grows, never shrinks."""
+        gflow.cuda.arrays.pinned) allocates it, and says what dtype holds `dtype` there (bfloat16 is
+        uint16 bits on the device). The storage grows, never shrinks."""
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
         key = (name, ops.kind)
@@ -221,7 +222,7 @@ class CommContext:
         if buf is None or buf.size < nbytes:
             buf = ops.empty(max(nbytes, 64), np.uint8)
             self._scratch[key] = buf
-        return buf[:nbytes].view(dtype)
+        return buf[:nbytes].view(ops.storage(dtype))
 
     def reset_background(self, failed: "CommContext") -> None:
         """Drop the background context `failed` if it is still the current one and did fail, so the

@@ -1,10 +1,13 @@
-"""float16 on the host, fast: Numba CPU loops converting by bit manipulation, fused with the arithmetic.
+"""float16 and bfloat16 on the host, fast: Numba CPU loops converting by bit manipulation, fused with
+the arithmetic.
 
-NumPy computes float16 one element at a time (about 13 ns per addition here, 20x its float32 add),
-which would eat the whole saving of sending half the bytes. These loops convert float16 <-> float32
-with integer operations (round to nearest even, as NumPy and the GPU do), fuse conversion with the
-reduction or the scaling, and are compiled once (cache=True) on first use. gflow/host.py calls them
-whenever either side is float16; results are bit-identical to NumPy's float16 arithmetic.
+NumPy computes float16 one element at a time (about 13 ns per addition here, 20x its float32 add), and
+ml_dtypes' bfloat16 ufuncs likewise, which would eat the whole saving of sending half the bytes. These
+loops convert float16/bfloat16 <-> float32 with integer operations (round to nearest even, as NumPy,
+ml_dtypes and the GPU do), fuse conversion with the reduction or the scaling, and are compiled once
+(cache=True) on first use. gflow/host.py calls them whenever either side is float16 or bfloat16;
+results are bit-identical to NumPy's float16 and ml_dtypes' bfloat16 arithmetic (one float32 operation,
+then one rounding), and to the CUDA twins in gflow/cuda/kernels.py.
 """
 
 import threading
@@ -62,6 +65,22 @@ def _from_half(h):
     return _bits_f32(special if e == np.uint32(31) else (sub if e == np.uint32(0) else normal))
 
 
+@njit(inline="always")
+def _to_bf16(f):
+    """float32 -> bfloat16 bits (the top half), round to nearest even; overflow gives inf; a NaN
+    becomes the quiet NaN of its sign (0x7FC0 or 0xFFC0, as ml_dtypes), never an inf."""
+    u = _f32_bits(f)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
+    nan = ((u >> 16) & np.uint32(0x8000)) | np.uint32(0x7FC0)
+    return np.uint16(nan if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+
+
+@njit(inline="always")
+def _from_bf16(h):
+    """bfloat16 bits -> float32: exact (bfloat16 is float32's top half)."""
+    return _bits_f32(np.uint32(h) << 16)
+
+
 _BLOCK = 1 << 16
 _scratch = threading.local()  # the engine thread and the caller's may reduce at the same time
 _UFUNC = (np.add, np.maximum, np.minimum)
@@ -79,11 +98,33 @@ def _encode(dst, src):
         dst[i] = _to_half(src[i])
 
 
+@njit(cache=True, nogil=True)
+def _decode_bf16(dst, src):
+    for i in range(dst.size):
+        dst[i] = _from_bf16(src[i])
+
+
+@njit(cache=True, nogil=True)
+def _encode_bf16(dst, src):
+    for i in range(dst.size):
+        dst[i] = _to_bf16(src[i])
+
+
 def reduce_half(out, low, high, op: int) -> None:
     """out = low op high on float16 bit patterns (uint16 views); op 0 sum, 1 max, 2 min (NaN wins,
-    as in NumPy). out may be low or high (the ring reduces in place): LLVM vectorises a loop only
-    over arrays it can tell apart, so blocks are decoded into float32 scratch, reduced by NumPy in
-    float32 (exactly what NumPy's float16 arithmetic does, one element at a time), and encoded back."""
+    as in NumPy). out may be low or high (the ring reduces in place)."""
+    _reduce_blocks(out, low, high, op, _decode, _encode)
+
+
+def reduce_bf16(out, low, high, op: int) -> None:
+    """reduce_half for bfloat16 bit patterns (uint16 views): float32 arithmetic, one rounding."""
+    _reduce_blocks(out, low, high, op, _decode_bf16, _encode_bf16)
+
+
+def _reduce_blocks(out, low, high, op: int, decode, encode) -> None:
+    """LLVM vectorises a loop only over arrays it can tell apart, and out may alias an operand, so
+    blocks are decoded into float32 scratch, reduced by NumPy in float32 (exactly what the 16-bit
+    types' own arithmetic does, one element at a time), and encoded back."""
     a = getattr(_scratch, "a", None)
     if a is None:
         a = _scratch.a = np.empty(_BLOCK, np.float32)
@@ -93,10 +134,10 @@ def reduce_half(out, low, high, op: int) -> None:
     for start in range(0, out.size, _BLOCK):
         stop = min(start + _BLOCK, out.size)
         x, y = a[: stop - start], b[: stop - start]
-        _decode(x, low[start:stop])
-        _decode(y, high[start:stop])
+        decode(x, low[start:stop])
+        decode(y, high[start:stop])
         ufunc(x, y, out=x)
-        _encode(out[start:stop], x)
+        encode(out[start:stop], x)
 
 
 @njit(cache=True, nogil=True)
@@ -122,3 +163,34 @@ def decode_half(dst, src, scale):
             bad = True
         dst[i] = v
     return bad
+
+
+@njit(cache=True, nogil=True)
+def encode_bf16(dst, src, scale):
+    """dst (bfloat16 bits) = src * scale, computed in float32; True if any result is inf or NaN."""
+    bad = False
+    for i in range(dst.size):
+        h = _to_bf16(np.float32(src[i]) * scale)
+        if (h & 0x7F80) == 0x7F80:
+            bad = True
+        dst[i] = h
+    return bad
+
+
+@njit(cache=True, nogil=True)
+def decode_bf16(dst, src, scale):
+    """dst = float(src bits) * scale; True if any result is inf or NaN."""
+    bad = False
+    for i in range(dst.size):
+        v = _from_bf16(src[i]) * scale
+        if not abs(v) < np.inf:
+            bad = True
+        dst[i] = v
+    return bad
+
+
+@njit(cache=True, nogil=True)
+def divide_bf16(x, divisor):
+    """x (bfloat16 bits) = x / divisor in place, in float32 with one rounding (op='mean')."""
+    for i in range(x.size):
+        x[i] = _to_bf16(_from_bf16(x[i]) / divisor)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ._array import HOST
+from ._validate import BFLOAT16
 
 _NUMPY_OF = {
     torch.float16: np.dtype(np.float16),
@@ -19,6 +20,7 @@ _NUMPY_OF = {
     torch.float64: np.dtype(np.float64),
     torch.int32: np.dtype(np.int32),
     torch.int64: np.dtype(np.int64),
+    torch.bfloat16: BFLOAT16,
 }
 _TORCH_OF = {dtype: t for t, dtype in _NUMPY_OF.items()}
 
@@ -48,7 +50,16 @@ class TorchCPU:
 
     @staticmethod
     def _np(x):
+        """A NumPy view of x's storage; bfloat16 through its bits (torch has no NumPy bfloat16)."""
+        if x.dtype == torch.bfloat16:
+            return x.detach().view(torch.int16).numpy().view(BFLOAT16)
         return x.detach().numpy()
+
+    @staticmethod
+    def _tensor(flat):
+        if flat.dtype == BFLOAT16:
+            return torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(flat)
 
     def check(self, x, name: str):
         return _check_tensor(x, name)
@@ -78,10 +89,10 @@ class TorchCPU:
         return torch.empty(tuple(shape), dtype=_TORCH_OF[np.dtype(dtype)])
 
     def adopt(self, x, flat, shape, dtype):
-        return torch.from_numpy(flat.reshape(shape))
+        return self._tensor(flat.reshape(shape))
 
     def shaped(self, flat, shape):
-        return torch.from_numpy(flat.reshape(shape))
+        return self._tensor(flat.reshape(shape))
 
     def prepare_out(self, x, out, dtype, count: int, name: str = "out"):
         if out is None:
@@ -98,6 +109,18 @@ class TorchCPU:
 
     def done(self, result):
         return result
+
+
+def _cuda_view(x):
+    """What the device path reads x through: the detached tensor, or for bfloat16 (which torch's
+    __cuda_array_interface__ refuses) its int16 bits."""
+    x = x.detach()
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+def _as_bits(view, x):
+    """bfloat16 travels and is reduced on the device as uint16 bits (gflow/cuda/ops.py)."""
+    return view.view(np.uint16) if x.dtype == torch.bfloat16 else view
 
 
 class TorchCUDA:
@@ -131,13 +154,13 @@ class TorchCUDA:
         return x.numel()
 
     def read(self, x, name: str = "x", spare=None):
-        return self._device.read(x.detach(), name)
+        return _as_bits(self._device.read(_cuda_view(x), name), x)
 
     def write_view(self, x, name: str = "x"):
-        return self._device.write_view(x.detach(), name)
+        return _as_bits(self._device.write_view(_cuda_view(x), name), x)
 
     def inout_view(self, x, name: str = "x"):
-        return self._device.inout_view(x.detach(), name)
+        return _as_bits(self._device.inout_view(_cuda_view(x), name), x)
 
     def write_back(self, x, flat) -> None:
         """read() was a view of x (CUDA tensors must be contiguous): nothing to write back."""
@@ -160,14 +183,17 @@ class TorchCUDA:
         if out is None:
             return self.new(x, x.shape, dtype)
         _check_out_tensor(x, out, name)
-        self._device.prepare_out(x.detach(), out.detach(), dtype, count, name)
+        if _NUMPY_OF.get(out.dtype) != np.dtype(dtype):
+            raise TypeError(f"{name}: expected dtype {dtype}, got {out.dtype}")
+        view_dtype = np.dtype(np.int16) if x.dtype == torch.bfloat16 else dtype
+        self._device.prepare_out(_cuda_view(x), _cuda_view(out), view_dtype, count, name)
         return out
 
     def transport(self):
         return self._device.transport()
 
     def in_background(self, fn, *arrays):
-        return self._device.in_background(fn, *(a.detach() for a in arrays))
+        return self._device.in_background(fn, *(_cuda_view(a) for a in arrays))
 
     def done(self, result):
         return self._device.done(result)

@@ -9,13 +9,16 @@ all raise MismatchError instead of hanging or returning garbage.
 import struct
 import zlib
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
 from ._config import config
 
+# bfloat16 is ml_dtypes' (what JAX uses; NumPy has none): its str is '<V2', like any 2-byte void.
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # Codes are part of the wire format: append, never renumber.
-DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64)
+DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64, BFLOAT16)
 DTYPE_CODE = {np.dtype(t): i + 1 for i, t in enumerate(DTYPES)}
 CODE_DTYPE = {code: dt for dt, code in DTYPE_CODE.items()}
 
@@ -72,18 +75,23 @@ def check_op(op, dtype: np.dtype) -> str:
         name = op
     else:
         raise ValueError(f"op: expected one of {OPS} or MPI.SUM/MAX/MIN, got {op!r}")
-    if name == "mean" and dtype.kind != "f":
+    if name == "mean" and not is_floating(dtype):
         raise TypeError(
             f"op='mean' needs a floating dtype, got {dtype}: use op='sum' and divide as your integers need"
         )
     return name
 
 
+def is_floating(dtype: np.dtype) -> bool:
+    """float16/32/64 or bfloat16 (whose NumPy kind is 'V')."""
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
 _SUPPORTED_STR = {np.dtype(t).str for t in DTYPES}  # '<f4' etc.: hashing strings is cheap
 
 
 def check_dtype(dtype) -> np.dtype:
-    if dtype.str not in _SUPPORTED_STR:
+    if dtype.str not in _SUPPORTED_STR or (dtype.kind == "V" and dtype != BFLOAT16):
         supported = ", ".join(np.dtype(t).name for t in DTYPES)
         raise TypeError(f"unsupported dtype {dtype}: expected one of {supported}")
     return dtype

@@ -74,14 +74,16 @@ def _wrong_elements(comm, x, y, op: str, dtype, compression) -> int:
     if np.dtype(dtype).kind in "iu" and not compression:
         wrong = int(np.count_nonzero(y != exact.astype(dtype)))
     else:
-        eps = np.finfo(np.float16 if compression else dtype).eps
+        from .compression import wire_dtype
+
+        eps = np.finfo(wire_dtype(compression) if compression else dtype).eps
         magnitude = np.empty_like(wide)
         comm.Allreduce(np.abs(wide), magnitude, op=MPI.SUM)  # what the rounding errors scale with
         if op == "mean":
             magnitude /= p
         elif op in ("max", "min"):
             magnitude = np.abs(exact)
-        half = compression or np.dtype(dtype) == np.float16
+        half = compression == "fp16" or np.dtype(dtype) == np.float16
         floor = p * 2.0**-24 if half else 0.0  # float16's subnormal spacing: tiny values lose digits
         error = np.abs(y.astype(np.float64) - exact)
         wrong = int(np.count_nonzero(~(error <= 2 * (p + 1) * eps * magnitude + floor)))  # NaN: wrong
@@ -242,12 +244,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("-w", "--warmup", type=int, default=3, help="untimed calls per size first")
     parser.add_argument("--op", default="sum", choices=["sum", "mean", "max", "min"])
     parser.add_argument(
-        "--dtype", default="float32", choices=["float16", "float32", "float64", "int32", "int64"]
+        "--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64", "int32", "int64"]
     )
     parser.add_argument(
         "--algorithm", default="auto", choices=["auto", "ring", "hierarchical", "recursive_doubling"]
     )
-    parser.add_argument("--compression", default="none", choices=["none", "fp16"])
+    parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     parser.add_argument("-c", "--check", action="store_true", help="compare every size with MPI's Allreduce")
     parser.add_argument("--json", help="write the rows to this JSON file")
     parser.add_argument("--plot", help="write busbw against size to this PNG")

@@ -26,6 +26,7 @@ import numpy as np
 from . import _state as st
 from ._array import check_array, check_writable
 from ._context import context
+from ._validate import is_floating
 from .collectives.api import broadcast, reject
 from .collectives.lazy import LazyAllreduce
 from .compression import LossScaler
@@ -176,7 +177,7 @@ class DataParallel:
         shapes, dtypes = [], []
         for key, a in zip(keys, arrays, strict=True):
             dtype = check_array(a, f"DataParallel: parameter {key!r}")[1]
-            if dtype.kind != "f":
+            if not is_floating(dtype):
                 raise TypeError(f"DataParallel: parameter {key!r} must be floating, got {dtype}")
             shapes.append(_shape_of(a))
             dtypes.append(dtype)

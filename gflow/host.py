@@ -6,18 +6,26 @@ one set per array, so the collectives are written once and never ask what kind o
 
 import numpy as np
 
+from ._validate import BFLOAT16
+
 kind = "host"
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 def buffer(a: np.ndarray) -> np.ndarray:
-    """What MPI is handed for a: the array itself."""
-    return a
+    """What MPI is handed for a: the array itself; bfloat16 as its bits (NumPy cannot export a
+    buffer of ml_dtypes' type, and gflow's traffic is bytes anyway)."""
+    return a.view(_U16) if a.dtype == BFLOAT16 else a
 
 
 def fence() -> None:
     """Wait for this module's pending work before MPI reads its output: nothing is pending on the host."""
+
+
+def storage(dtype) -> np.dtype:
+    """The dtype host memory of `dtype` is held in: itself."""
+    return np.dtype(dtype)
 
 
 def empty(n: int, dtype) -> np.ndarray:
@@ -38,12 +46,17 @@ def reduce(out: np.ndarray, low: np.ndarray, high: np.ndarray, op: str) -> None:
 
     Callers pass the operand from the lower rank(s) first, so every rank that combines the same two
     partial results gets the same bits even where op is not bitwise commutative (NaN payloads, +-0).
-    float16 goes through gflow/_half.py: NumPy's own float16 arithmetic is 20x slower than float32.
+    float16 and bfloat16 go through gflow/_half.py: NumPy's own float16 arithmetic (and ml_dtypes'
+    bfloat16) is 20x slower than float32.
     """
     if out.dtype.char == "e":
         from ._half import reduce_half
 
         reduce_half(out.view(_U16), low.view(_U16), high.view(_U16), _HALF_OP[op])
+    elif out.dtype == BFLOAT16:
+        from ._half import reduce_bf16
+
+        reduce_bf16(out.view(_U16), low.view(_U16), high.view(_U16), _HALF_OP[op])
     else:
         _UFUNC[op](low, high, out=out)
 
@@ -58,8 +71,8 @@ def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
 
     A sum of float32/64 or int32/64 from _FUSED_MIN_BYTES up is one fused pass (each part read
     once, out written once), where pairwise reductions would make len(parts) - 1 passes: the
-    shared-memory node phase reduces a node's slots with it. Other ops and float16 go pairwise,
-    with the same association."""
+    shared-memory node phase reduces a node's slots with it. Other ops, float16 and bfloat16 go
+    pairwise, with the same association."""
     if len(parts) == 1:
         if out is not parts[0]:
             np.copyto(out, parts[0])
@@ -68,6 +81,7 @@ def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
         op == "sum"
         and out.nbytes >= _FUSED_MIN_BYTES
         and out.dtype.char != "e"
+        and out.dtype != BFLOAT16
         and all(part.flags.writeable for part in parts)
     ):
         # (Numba types a read-only array apart from a writable one, and indexes only uniform tuples.)
@@ -82,6 +96,11 @@ def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
 
 def divide(x: np.ndarray, divisor: int) -> None:
     """x /= divisor in place (op='mean', floating dtypes only)."""
+    if x.dtype == BFLOAT16:
+        from ._half import divide_bf16
+
+        divide_bf16(x.view(_U16), np.float32(divisor))
+        return
     np.divide(x, x.dtype.type(divisor), out=x)
 
 
@@ -96,6 +115,14 @@ def cast_scaled(dst: np.ndarray, src: np.ndarray, scale: float) -> bool:
         from ._half import decode_half
 
         return bool(decode_half(dst, src.view(_U16), np.float32(scale)))
+    if dst.dtype == BFLOAT16 and src.dtype.char in "fd":
+        from ._half import encode_bf16
+
+        return bool(encode_bf16(dst.view(_U16), src, np.float32(scale)))
+    if src.dtype == BFLOAT16 and dst.dtype.char in "fd":
+        from ._half import decode_bf16
+
+        return bool(decode_bf16(dst, src.view(_U16), np.float32(scale)))
     scaled = np.multiply(src, np.float32(scale), dtype=np.result_type(src.dtype, np.float32))
     limit = np.finfo(dst.dtype).max
     overflow = not bool(np.all(np.abs(scaled) <= limit))

@@ -13,11 +13,11 @@ import zlib
 import numpy as np
 
 from .. import engine, timeline
-from .._array import check_array
+from .._array import check_array, kind_of
 from .._config import config
 from .._context import CommContext, context
 from .._validate import check_op, check_root, rejected_signature, signature
-from ..compression import WIRE_DTYPE, check_compression, decode, encode
+from ..compression import check_compression, decode, encode, overflow_message, wire_dtype
 from ..errors import CompressionOverflowError, MismatchError
 from .common import allgather_flat, allreduce_flat, broadcast_flat, reduce_scatter_flat
 from .recursive_doubling import allreduce_with_agreement
@@ -64,8 +64,9 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
 
     Args:
         x: a NumPy array, or a device array (CuPy, Numba, anything with __cuda_array_interface__;
-            C-contiguous), any shape (reduced as flat), of float16/32/64 or int32/64. Not modified
-            unless `out` is x.
+            C-contiguous), or a torch tensor, any shape (reduced as flat), of float16/32/64,
+            bfloat16 (ml_dtypes.bfloat16 in NumPy, torch.bfloat16) or int32/64. Not modified unless
+            `out` is x.
         op: "sum", "mean" (floating dtypes only), "max", "min", or MPI.SUM/MAX/MIN.
         comm: an mpi4py intracommunicator; gflow talks on its own cached duplicate. Default COMM_WORLD.
         out: where to write the result (same kind, dtype and size as x, C-contiguous); may be x.
@@ -74,8 +75,8 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
             ring), "ring", "hierarchical" (node phase, cross-node ring per shard, node phase; see
             collectives/hierarchical.py), or "recursive_doubling" (only up to
             config.small_message_bytes).
-        compression: None, or "fp16" to send float16 on the wire (floating dtypes; the result
-            comes back in x's dtype). See gflow/compression.py.
+        compression: None, "fp16" to send float16 on the wire, or "bf16" to send bfloat16
+            (floating dtypes; the result comes back in x's dtype). See gflow/compression.py.
 
     Returns:
         An array of x's shape and dtype holding the reduction, bitwise identical on every rank.
@@ -84,8 +85,8 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
         TypeError, ValueError: bad arguments on this rank, before any data moves.
         MismatchError: ranks passed different shapes, lengths, dtypes, ops or algorithms; raised on
             every rank.
-        CompressionOverflowError: with compression="fp16", the float16 reduction overflowed or met
-            NaN/inf (on every rank; the result holds the non-finite values).
+        CompressionOverflowError: with compression, the 2-byte reduction overflowed or met NaN/inf
+            (on every rank; the result holds the non-finite values).
     """
     return allreduce_on(context(comm), x, op, out, algorithm, compression)
 
@@ -138,13 +139,18 @@ def allreduce_async(
     return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
 
 
-def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True):
-    """allreduce's local checks: (kind, dtype, op name, algorithm, compression, result array)."""
-    kind, dtype = check_array(x)
+def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True, holds=None):
+    """allreduce's local checks: (kind, dtype, op name, algorithm, compression, result array).
+    `holds`: for gflow's own flat buffers (the compressed wire, LazyAllreduce's segments), the dtype
+    they hold, which on the device may differ from the array's own (bfloat16 as uint16 bits)."""
+    if holds is None:
+        kind, dtype = check_array(x)
+    else:
+        kind, dtype = kind_of(x), holds
     name = check_op(op, dtype)
     codec = check_compression(compression, dtype) if compression is not None else None
     count = kind.size(x)
-    nbytes = count * (WIRE_DTYPE.itemsize if codec else dtype.itemsize)
+    nbytes = count * (2 if codec else dtype.itemsize)
     chosen = _choose(algorithm, nbytes, kind.transport().ring_only)
     result = kind.prepare_out(x, out, dtype, count) if (need_out or out is not None) else None
     return kind, dtype, name, chosen, codec, result
@@ -173,14 +179,19 @@ def _annotated(call, about):
         raise MismatchError(f"{exc}. This rank passed {about}") from exc
 
 
-def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=_USER_CALL, about=None):
+def allreduce_on(
+    ctx: CommContext, x, op, out, algorithm, compression, tag=_USER_CALL, about=None, holds=None
+):
     """allreduce on a given context (the caller's, or the engine's for allreduce_async). `tag` is the
     (collective, extra) pair the ranks agree on: LazyAllreduce puts its push-order fingerprint there,
     gflow.torch a fingerprint of the tensors' shapes, op and factors; a user's call (the default) a
-    fingerprint of x's shape. `about`, when given, names this rank's call in a MismatchError."""
+    fingerprint of x's shape. `about`, when given, names this rank's call in a MismatchError.
+    `holds`: see check_allreduce (gflow's own buffers only)."""
     ctx.check_usable()
     try:
-        kind, dtype, name, chosen, codec, result = check_allreduce(x, op, out, algorithm, compression)
+        kind, dtype, name, chosen, codec, result = check_allreduce(
+            x, op, out, algorithm, compression, holds=holds
+        )
     except Exception:
         reject(ctx, "allreduce")
         raise
@@ -203,7 +214,7 @@ def allreduce_on(ctx: CommContext, x, op, out, algorithm, compression, tag=_USER
 
 def _allreduce_checked(ctx: CommContext, kind, x, dtype, name, chosen, codec, result, algorithm, tag):
     if codec:
-        return _allreduce_fp16(ctx, kind, x, result, name, algorithm, tag)
+        return _allreduce_compressed(ctx, kind, x, result, name, algorithm, tag, codec)
     transport = kind.transport()
     dst_view = kind.write_view(result, "out")
     src = transport.send(ctx, kind.read(x, "x", spare=dst_view))
@@ -214,20 +225,18 @@ def _allreduce_checked(ctx: CommContext, kind, x, dtype, name, chosen, codec, re
     return kind.done(result)
 
 
-def _allreduce_fp16(ctx: CommContext, kind, x, result, name: str, algorithm: str, tag):
-    """Encode to float16 (dividing first for a mean), allreduce the float16 buffer in place, decode.
-    The float16 buffer is of x's memory, so its own allreduce takes x's transport."""
+def _allreduce_compressed(ctx: CommContext, kind, x, result, name: str, algorithm: str, tag, codec: str):
+    """Encode to the 2-byte wire type (dividing first for a mean), allreduce that buffer in place,
+    decode. The wire buffer is of x's memory, so its own allreduce takes x's transport."""
     ops = kind.ops
     src, dst = kind.read(x), kind.write_view(result, "out")
-    wire = ctx.scratch("fp16_wire", src.size, WIRE_DTYPE, ops)
+    wire = ctx.scratch(f"{codec}_wire", src.size, wire_dtype(codec), ops)
     encode(ops, wire, src, name, ctx.size)
-    allreduce_on(ctx, wire, "sum" if name == "mean" else name, wire, algorithm, None, tag)
+    allreduce_on(
+        ctx, wire, "sum" if name == "mean" else name, wire, algorithm, None, tag, holds=wire_dtype(codec)
+    )
     if decode(ops, dst, wire):
-        raise CompressionOverflowError(
-            "allreduce with compression='fp16': the float16 result holds inf or NaN (a value or a sum "
-            "beyond +-65504, or a NaN/inf input on some rank); scale the values down (gflow.LossScaler) "
-            "or use compression=None"
-        )
+        raise CompressionOverflowError(overflow_message("allreduce", codec))
     return result
 
 

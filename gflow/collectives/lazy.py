@@ -39,7 +39,7 @@ from .._array import HOST, check_array, check_writable
 from .._config import config
 from .._context import context
 from .._validate import DTYPE_CODE, check_dtype, check_op, signature
-from ..compression import WIRE_DTYPE, check_compression, decode, encode
+from ..compression import check_compression, decode, encode, overflow_message, wire_dtype
 from ..errors import CompressionOverflowError
 from . import hierarchical
 from .api import allreduce_on, rejected_in_background
@@ -85,7 +85,8 @@ class LazyAllreduce:
             rank, logged once by rank 0 (collectives/autotune.py). Steps are correct while it tunes.
             Dense only: sparse segments keep residuals, so their sizes must not change.
         op: "sum", "mean", "max" or "min" (or MPI.SUM/MAX/MIN), applied to every pushed tensor.
-        compression: None or "fp16".
+        compression: None, "fp16" or "bf16" (float32/float64 gradients travel as float16 or
+            bfloat16; see gflow/compression.py).
         comm: the communicator (default COMM_WORLD).
         sparse: None, or SparseAllreduce settings (density, chunk_elems, momentum, warmup_steps) to
             send each fused segment by coarse-grained sparse communication: fusion + fp16 + CSC +
@@ -231,7 +232,7 @@ class LazyAllreduce:
         self._members.append((flat, kind))
         self._member_arrays.append(grad)
         self._member_scales.append(scale)
-        on_wire = WIRE_DTYPE.itemsize if (self.compression and not self.sparse) else dtype.itemsize
+        on_wire = 2 if (self.compression and not self.sparse) else dtype.itemsize
         self._pending_bytes += flat.size * on_wire
         self._step_bytes += flat.size * on_wire
         self._checksum = zlib.crc32(pushed, self._checksum)
@@ -264,7 +265,7 @@ class LazyAllreduce:
         kind = members[0][1]
         ops = kind.ops
         cast = self.compression and not self.sparse  # CSC keeps residuals in full precision
-        dtype = WIRE_DTYPE if cast else np.dtype(members[0][0].dtype)
+        dtype = wire_dtype(self.compression) if cast else np.dtype(members[0][0].dtype)
         total = sum(m.size for m, _ in members)
         index = len(self._fired)
         csc = self._csc.get(index) if self.sparse else None
@@ -317,7 +318,7 @@ class LazyAllreduce:
         else:
             wire_op = "sum" if (self.compression and name == "mean") else name
             tag = ("lazy", self._checksum)
-            run = lambda: allreduce_on(ctx, source, wire_op, buffer, "auto", None, tag)  # noqa: E731
+            run = lambda: allreduce_on(ctx, source, wire_op, buffer, "auto", None, tag, holds=dtype)  # noqa: E731
         run = kind.in_background(run)
         handle = engine.submit(f"lazy allreduce segment {index}", run, keep=(source, buffer), ctx=ctx)
         if self._filling_since is not None:  # one span per segment: from its first push to its fire
@@ -348,7 +349,7 @@ class LazyAllreduce:
         the pool is reduced in place instead, saving that copy (one pass over the gradients; 30% of
         a ResNet-50 step at p = 4 here, bench/RESULTS.md), at a price: after a failed step the
         arrays may hold reduced values, so recompute the gradients before retrying. Not with dense
-        compression="fp16" (the pool would hold float16, so pushing casts anyway); sparse segments
+        compression (the pool would hold the 2-byte type, so pushing casts anyway); sparse segments
         keep full precision, so they may.
 
         Collective: every rank calls it, with the same shapes and dtype (a rank whose arguments fail
@@ -371,7 +372,8 @@ class LazyAllreduce:
         try:
             if self.compression and not self.sparse:
                 raise ValueError(
-                    "gradient_buffers: the pool is float16 with compression='fp16'; push ordinary arrays"
+                    f"gradient_buffers: the pool would be 2-byte with compression={self.compression!r}; push "
+                    "ordinary arrays"
                 )
             if reduce_in_place and self.sparse:
                 raise ValueError(
@@ -506,10 +508,7 @@ class LazyAllreduce:
             if line and ctx.rank == 0:
                 print(f"gflow: LazyAllreduce(threshold_bytes='auto'): {line}", file=sys.stderr, flush=True)
         if overflow:
-            raise CompressionOverflowError(
-                "LazyAllreduce with compression='fp16': a reduced value is inf or NaN; scale the gradients "
-                "down (gflow.LossScaler) or use compression=None"
-            )
+            raise CompressionOverflowError(overflow_message("LazyAllreduce", self.compression))
 
     def _agree_on_threshold(self, ctx):
         """Queue, behind the step's segments, the allreduce of this rank's median step time per

@@ -119,7 +119,7 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     send_mv[:HEADER_BYTES] = plan.header
     if acc is not None:
         if src.flags.c_contiguous:
-            plan.acc_bytes[:] = memoryview(src).cast("B")  # cheaper than np.copyto for small arrays
+            plan.acc_bytes[:] = memoryview(host.buffer(src)).cast("B")  # cheaper than np.copyto
         else:
             np.copyto(acc, src)
     last = len(plan.steps) - 1

@@ -9,22 +9,21 @@ scattered into the returned update (zeros elsewhere), and cleared from v and u (
 masking). Nothing is lost: with momentum 0, the updates applied so far plus every rank's residual add
 up to every gradient pushed (divided by the world size for "mean").
 
-With compression="fp16" the packed chunks travel as float16, scaled by a power of two chosen from the
-allreduced norms (which every rank already holds, so no message is added): a chunk's norm bounds every
-value and every partial sum in it, so the float16 payload cannot overflow, and small gradients are
-scaled up into float16's range instead of vanishing. What each rank's float16 rounding did not send
-stays in its residual; only the float16 rounding of the sums themselves is not kept anywhere. Norms
-travel as float32, clipped for finite chunks too large for float32 sums and NaN for chunks holding
-NaN or inf, so a huge gradient is still sent (a step whose norms are beyond any float32 scale, about
-2**115, sends its chunks uncompressed: every rank sees the same norms, so every rank agrees) and a
-non-finite one fails the step on every rank.
-
-A step is atomic: the new residual is written beside the old one and becomes the state only when the
-step has succeeded on every rank (commit()), so a step that raises (ranks disagree, a NaN or inf
-somewhere) leaves every rank's residual, velocity and step count exactly as before it.
-
-With warmup_steps = W the density starts at 1 (dense) and falls geometrically to the target:
-density_t = density ** (t / W) for t < W.
+With compression="bf16" the packed chunks travel as bfloat16 (float32's range: no scaling needed),
+what each rank's rounding did not send staying in its residual as below. With compression="fp16" they
+travel as float16, scaled by a power of two chosen from the allreduced norms (which
+every rank already holds, so no message is added): a chunk's norm bounds every value and every partial
+sum in it, so the float16 payload cannot overflow, and small gradients are scaled up into float16's
+range instead of vanishing. What each rank's float16 rounding did not send stays in its residual; only
+the float16 rounding of the sums themselves is not kept anywhere. Norms travel as float32, clipped for
+finite chunks too large for float32 sums and NaN for chunks holding NaN or inf, so a huge gradient is
+still sent (a step whose norms are beyond any float32 scale, about 2**115, sends its chunks
+uncompressed: every rank sees the same norms, so every rank agrees) and a non-finite one fails the step
+on every rank. A step is atomic: the new residual is written beside the old one and becomes the state
+only when the step has succeeded on every rank (commit()), so a step that raises (ranks disagree, a NaN
+or inf somewhere) leaves every rank's residual, velocity and step count exactly as before it. With
+warmup_steps = W the density starts at 1 (dense) and falls geometrically to the target: density_t =
+density ** (t / W) for t < W.
 """
 
 import math
@@ -38,7 +37,7 @@ from .. import timeline
 from .._array import check_array
 from .._context import CommContext, context
 from .._validate import DTYPE_CODE, check_op
-from ..compression import WIRE_DTYPE, check_compression
+from ..compression import check_compression, overflow_message, wire_dtype
 from ..errors import CompressionOverflowError, MismatchError, NonFiniteError
 from .api import allreduce_on, reject
 
@@ -77,7 +76,7 @@ class SparseAllreduce:
         momentum: momentum correction factor m in [0, 1); 0 plain residual accumulation.
         warmup_steps: steps over which the density falls from 1 to `density`.
         op: "mean" or "sum" over ranks (or MPI.SUM).
-        compression: None or "fp16" for the packed payload.
+        compression: None, "fp16" or "bf16" for the packed payload.
         comm: the communicator (default COMM_WORLD).
 
     Calling it with a gradient returns the update to apply (same shape and kind of array).
@@ -155,7 +154,7 @@ class SparseAllreduce:
     def _fingerprint(self, n: int, dtype, density: float, extra: int) -> int:
         """What the ranks must agree on besides the payload sizes: the gradient's size and dtype, the
         settings, the density of this step, and the caller's `extra`."""
-        flags = (self.op == "mean") + 2 * (self.compression == "fp16")
+        flags = (self.op == "mean") + 2 * (self.compression == "fp16") + 4 * (self.compression == "bf16")
         fields = (self.density, self.momentum, density, self.chunk_elems, self.warmup_steps, flags, n,
                   DTYPE_CODE[np.dtype(dtype)], extra)  # fmt: skip
         return zlib.crc32(struct.pack("<dddqqqqqq", *fields))
@@ -216,10 +215,10 @@ class SparseAllreduce:
                 device_ids = ops.index_array(ids)
                 ops.pack(packed, v_new, device_ids, chunk)
             times["pack"] = time.perf_counter() - t
-            scale = self._fp16_scale(norms[ids], ctx.size) if self.compression else None
+            scale = self._wire_scale(norms[ids], ctx.size) if self.compression else None
             if scale is not None:
-                self._allreduce_fp16(ctx, ops, packed, v_new, device_ids, scale, tag)
-            else:  # uncompressed, or values beyond float16's reach even scaled (every rank agrees)
+                self._allreduce_compressed(ctx, ops, packed, v_new, device_ids, scale, tag)
+            else:  # uncompressed, or values beyond the wire's reach even scaled (every rank agrees)
                 op = self.op
                 if self.compression and op == "mean":  # huge values: divide first, as fp16 would
                     ops.cast_scaled(packed, packed, 1.0 / ctx.size)
@@ -241,7 +240,7 @@ class SparseAllreduce:
             ops.fence()
         times["scatter-add + clear"] = time.perf_counter() - t
 
-        payload = packed_len * (WIRE_DTYPE.itemsize if scale is not None else np.dtype(dtype).itemsize)
+        payload = packed_len * (2 if scale is not None else np.dtype(dtype).itemsize)
         stats = {
             "step": self.step_count, "density": density, "chunks": nchunks, "chunks_sent": k,
             "payload_bytes": payload, "norm_bytes": 4 * nchunks, "dense_bytes": n * np.dtype(dtype).itemsize,
@@ -250,14 +249,17 @@ class SparseAllreduce:
         self._staged = ((u_new, v_new), ops, shape, stats)
         return result
 
-    def _fp16_scale(self, selected_norms, size: int):
-        """The power of two that brings the largest bound of the selected chunks (its allreduced L1
-        norm, over the world size for a mean) just under _WIRE_BOUND, so no float16 sum can overflow
-        and small gradients keep float16's precision; None where no float32 scale can (norms beyond
-        about 2**115, or clipped on some rank): that step's payload then goes uncompressed."""
+    def _wire_scale(self, selected_norms, size: int):
+        """fp16: the power of two that brings the largest bound of the selected chunks (its
+        allreduced L1 norm, over the world size for a mean) just under _WIRE_BOUND, so no float16
+        sum can overflow and small gradients keep float16's precision. bf16 has float32's range:
+        1. None where no float32 scale can (norms beyond about 2**115, or clipped on some rank):
+        that step's payload then goes uncompressed."""
         bound = float(selected_norms.max()) if selected_norms.size else 0.0
         if bound >= _norm_limit(size):  # a rank's norm may have been clipped: the bound is unknown
             return None
+        if self.compression == "bf16":
+            return 1.0
         if self.op == "mean":
             bound /= size
         scale = 1.0
@@ -269,22 +271,22 @@ class SparseAllreduce:
             scale *= 2.0
         return scale
 
-    def _allreduce_fp16(self, ctx: CommContext, ops, packed, v_new, ids, scale: float, tag) -> None:
-        """Allreduce `packed` as float16, scaled by `scale` (see _fp16_scale), and leave the reduced
-        values in it. What this rank's rounding to float16 left out stays in v_new."""
+    def _allreduce_compressed(self, ctx: CommContext, ops, packed, v_new, ids, scale: float, tag) -> None:
+        """Allreduce `packed` as float16 or bfloat16, scaled by `scale` (see _wire_scale), and leave
+        the reduced values in it. What this rank's rounding to the wire type left out stays in v_new."""
         size = ctx.size
         per_rank = scale / size if self.op == "mean" else scale  # the mean divides before the cast
-        wire = ops.empty(packed.size, WIRE_DTYPE)
+        wire = ops.empty(packed.size, wire_dtype(self.compression))
         ops.cast_scaled(wire, packed, per_rank)
         unsent = ops.empty(packed.size, packed.dtype)
         ops.cast_scaled(unsent, wire, -1.0 / per_rank)  # minus what was sent, in the residual's units
         ops.scatter_add(v_new, unsent, ids, self.chunk_elems)  # v_new = v_new - sent: the rounding stays
         ops.fence()
-        allreduce_on(ctx, wire, "sum", wire, "auto", None, tag)
+        allreduce_on(ctx, wire, "sum", wire, "auto", None, tag, holds=wire_dtype(self.compression))
         if ops.cast_scaled(packed, wire, 1.0 / scale):
             raise CompressionOverflowError(
-                "SparseAllreduce with compression='fp16': the float16 sum holds inf or NaN; this step was "
-                "not applied and every rank's residual is as before it"
+                overflow_message("SparseAllreduce", self.compression)
+                + "; this step was not applied and every rank's residual is as before it"
             )
 
     def commit(self) -> None:

@@ -15,6 +15,7 @@ wrap NumPy arrays, and a bare __cuda_array_interface__ object's pointer is read 
 import os
 import sys
 
+import ml_dtypes
 import numpy as np
 from numba import cuda
 
@@ -63,6 +64,8 @@ def flat_view(x, name: str = "x"):
             f"{name}: device arrays must be C-contiguous; got one with shape {shape} and other strides"
         )
     view = device_view(x)
+    if view.dtype == np.dtype(ml_dtypes.bfloat16):  # (only the simulator's arrays can be bfloat16)
+        view = view.view(np.uint16)  # the kernels take bfloat16 as its bits (gflow/cuda/ops.py)
     if len(shape) == 1:
         return view
     if 0 in shape and not SIMULATED:  # Numba cannot reshape an empty 2-D array ("requires copying")
@@ -85,7 +88,7 @@ def prepare_out(x, out, dtype, count: int, name: str = "out"):
     if not is_device(out):
         raise TypeError(f"{name} must be a device array like x, got {type(out).__name__}")
     shape, out_dtype, contiguous = describe(out, name)
-    if out_dtype != dtype:
+    if out_dtype != dtype and not (out_dtype == np.uint16 and dtype == np.dtype(ml_dtypes.bfloat16)):
         raise TypeError(f"{name}: expected dtype {dtype}, got {out_dtype}")
     if int(np.prod(shape, dtype=np.int64)) != count:
         raise ValueError(f"{name}: expected {count} elements, got {int(np.prod(shape, dtype=np.int64))}")
@@ -178,8 +181,16 @@ def mpi_buffer(view):
     return view._ary if SIMULATED else view
 
 
+def _bits(host):
+    """A host bfloat16 array as the uint16 bits its device twin holds (gflow/cuda/ops.py)."""
+    from .._validate import BFLOAT16
+
+    return host.view(np.uint16) if host.dtype == BFLOAT16 else host
+
+
 def to_host(host, view) -> None:
     """Copy a contiguous device view into a host array of the same size."""
+    host = _bits(host)
     if view.size:
         if SIMULATED:
             np.copyto(host, view._ary.reshape(-1))
@@ -189,6 +200,7 @@ def to_host(host, view) -> None:
 
 def from_host(view, host) -> None:
     """Copy a host array into a contiguous device view of the same size."""
+    host = _bits(host)
     if view.size:
         if SIMULATED:
             np.copyto(view._ary.reshape(-1), host)
@@ -200,6 +212,10 @@ class pinned:  # noqa: N801 - used like the ops modules: pinned.kind, pinned.emp
     """Allocator of page-locked host memory for staging (plain memory under the simulator)."""
 
     kind = "pinned"
+
+    @staticmethod
+    def storage(dtype):
+        return np.dtype(dtype)
 
     @staticmethod
     def empty(n: int, dtype):
@@ -220,7 +236,11 @@ class Staged:
         self.ops = host
 
     def buffer_for(self, ctx, name: str, view):
-        return ctx.scratch(name, view.size, view.dtype, pinned)
+        from .._validate import BFLOAT16
+
+        # uint16 device memory is bfloat16's bits: on the host, where it is reduced, it is bfloat16
+        dtype = BFLOAT16 if view.dtype == np.uint16 else view.dtype
+        return ctx.scratch(name, view.size, dtype, pinned)
 
     def load(self, buffer, view) -> None:
         to_host(buffer, view)

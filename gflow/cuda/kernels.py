@@ -5,7 +5,12 @@ and gflow/host.py holds their NumPy twins (same names, same meaning); tests run 
 NUMBA_ENABLE_CUDASIM=1 against the twins.
 """
 
-from numba import cuda, float32
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
+
+from .arrays import SIMULATED
 
 # Threads per block for the chunk-norm reduction (a power of two: the tree reduction halves it).
 NORM_THREADS = 128
@@ -151,4 +156,92 @@ def fill(x, value):
     i, stride = cuda.grid(1), cuda.gridsize(1)
     while i < x.size:
         x[i] = value
+        i += stride
+
+
+# --- bfloat16, as bits (uint16 device arrays: Numba has no bfloat16 array type) ---------------------
+# The twins of gflow/_half.py's bfloat16 loops: float32 arithmetic, one rounding to nearest even; NaN
+# becomes the quiet NaN of its sign. Bit casts are libdevice's on the GPU; the simulator runs these
+# device functions as Python, where NumPy's scalar views do the same.
+if SIMULATED:
+
+    @cuda.jit(device=True)
+    def _f32_bits(f):
+        return np.float32(f).view(np.uint32)
+
+    @cuda.jit(device=True)
+    def _bits_f32(u):
+        return np.uint32(u).view(np.float32)
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _f32_bits(f):
+        return uint32(libdevice.float_as_int(f))
+
+    @cuda.jit(device=True)
+    def _bits_f32(u):
+        return libdevice.int_as_float(int32(u))
+
+
+@cuda.jit(device=True)
+def _to_bf16(f):
+    u = _f32_bits(f)
+    if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+        return uint16(((u >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
+    return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
+
+
+@cuda.jit(device=True)
+def _from_bf16(h):
+    return _bits_f32(uint32(h) << uint32(16))
+
+
+@cuda.jit
+def reduce_bf16(out, a, b, op):
+    """out = a op b on bfloat16 bits; op 0 sum, 1 max, 2 min (NaN wins, as in np.maximum)."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < out.size:
+        x, y = _from_bf16(a[i]), _from_bf16(b[i])
+        if op == 0:
+            v = x + y
+        elif op == 1:
+            v = x if (x >= y or not x == x) else y
+        else:
+            v = x if (x <= y or not x == x) else y
+        out[i] = _to_bf16(v)
+        i += stride
+
+
+@cuda.jit
+def encode_bf16(dst, src, scale, flag):
+    """dst (bfloat16 bits) = src * scale in float32; flag[0] = 1 if any result is inf or NaN."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < dst.size:
+        h = _to_bf16(float32(src[i]) * scale)
+        if (h & uint16(0x7F80)) == uint16(0x7F80):
+            flag[0] = 1
+        dst[i] = h
+        i += stride
+
+
+@cuda.jit
+def decode_bf16(dst, src, scale, flag):
+    """dst = float(src bits) * scale; flag[0] = 1 if any result is inf or NaN."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < dst.size:
+        v = _from_bf16(src[i]) * scale
+        if not abs(v) < math.inf:
+            flag[0] = 1
+        dst[i] = v
+        i += stride
+
+
+@cuda.jit
+def divide_bf16(x, divisor):
+    """x (bfloat16 bits) = x / divisor in float32, one rounding (op='mean')."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < x.size:
+        x[i] = _to_bf16(_from_bf16(x[i]) / divisor)
         i += stride

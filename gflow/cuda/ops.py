@@ -1,13 +1,16 @@
 """Per-element operations on device arrays: the CUDA twins of gflow/host.py (same names, same meaning).
 
 Arguments are Numba device arrays (gflow/cuda/arrays.py turns CuPy arrays and other
-__cuda_array_interface__ objects into zero-copy Numba views). Kernels run on the default stream;
+__cuda_array_interface__ objects into zero-copy Numba views). bfloat16 lives on the device as uint16
+bits (Numba has no bfloat16 arrays; gflow reduces no uint16 otherwise), so a uint16 array here is
+bfloat16 and takes the *_bf16 kernels. Kernels run on the default stream;
 functions whose result the host needs (an overflow flag) synchronize before returning.
 """
 
 import numpy as np
 from numba import cuda
 
+from .._validate import BFLOAT16
 from . import kernels
 from .arrays import SIMULATED, mpi_buffer
 
@@ -17,6 +20,14 @@ buffer = mpi_buffer
 _THREADS = 256
 _MAX_BLOCKS = 4096
 _REDUCE = {"sum": kernels.add, "max": kernels.maximum, "min": kernels.minimum}
+_BF16_OP = {"sum": 0, "max": 1, "min": 2}
+_BITS = np.dtype(np.uint16)
+
+
+def storage(dtype) -> np.dtype:
+    """The dtype device memory of `dtype` is held in: bfloat16 as its uint16 bits."""
+    dtype = np.dtype(dtype)
+    return _BITS if dtype == BFLOAT16 else dtype
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -31,7 +42,7 @@ def fence() -> None:
 
 
 def empty(n: int, dtype):
-    return cuda.device_array(n, dtype=dtype)
+    return cuda.device_array(n, dtype=storage(dtype))
 
 
 def copy(dst, src) -> None:
@@ -45,13 +56,19 @@ def reduce(out, low, high, op: str) -> None:
     """out = low op high, elementwise; out may alias either operand. Lower ranks' operand first."""
     if out.size:
         blocks, threads = _grid(out.size)
-        _REDUCE[op][blocks, threads](out, low, high)
+        if out.dtype == _BITS:
+            kernels.reduce_bf16[blocks, threads](out, low, high, _BF16_OP[op])
+        else:
+            _REDUCE[op][blocks, threads](out, low, high)
 
 
 def divide(x, divisor: int) -> None:
     if x.size:
         blocks, threads = _grid(x.size)
-        kernels.divide[blocks, threads](x, x.dtype.type(divisor))
+        if x.dtype == _BITS:
+            kernels.divide_bf16[blocks, threads](x, np.float32(divisor))
+        else:
+            kernels.divide[blocks, threads](x, x.dtype.type(divisor))
 
 
 def cast_scaled(dst, src, scale: float) -> bool:
@@ -60,8 +77,17 @@ def cast_scaled(dst, src, scale: float) -> bool:
     flag = cuda.to_device(np.zeros(1, dtype=np.int32))
     if dst.size:
         blocks, threads = _grid(dst.size)
-        limit = float(np.finfo(dst.dtype).max)
-        kernels.cast_scaled[blocks, threads](dst, src, np.float32(scale), limit, flag)
+        if dst.dtype == _BITS and src.dtype != _BITS:
+            kernels.encode_bf16[blocks, threads](dst, src, np.float32(scale), flag)
+        elif src.dtype == _BITS and dst.dtype != _BITS:
+            kernels.decode_bf16[blocks, threads](dst, src, np.float32(scale), flag)
+        elif dst.dtype == _BITS:  # bfloat16 to bfloat16 (LossScaler.unscale): through float32
+            wide = cuda.device_array(src.size, np.float32)
+            kernels.decode_bf16[blocks, threads](wide, src, np.float32(scale), flag)
+            kernels.encode_bf16[blocks, threads](dst, wide, np.float32(1.0), flag)
+        else:
+            limit = float(np.finfo(dst.dtype).max)
+            kernels.cast_scaled[blocks, threads](dst, src, np.float32(scale), limit, flag)
     return bool(flag.copy_to_host()[0])
 
 
@@ -118,7 +144,7 @@ def shaped(x, shape):
 
 
 def zeros(n: int, dtype):
-    x = cuda.device_array(n, dtype=dtype)
+    x = cuda.device_array(n, dtype=storage(dtype))
     clear(x)
     return x
 

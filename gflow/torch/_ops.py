@@ -13,8 +13,8 @@ Where this differs from Horovod, and why:
   different shapes (another shape of the same size too; for grouped_allreduce, each tensor's shape, in
   order) or dtypes, or (allreduce) different ops or prescale/postscale factors, raise MismatchError, a
   HorovodInternalError, on every rank, as Horovod's controller checks them.
-- dtypes: allreduce takes float16/32/64 and int32/64 (gflow's); allgather and broadcast move any dtype
-  (others travel as bytes). Integer Average is the sum times 1/size truncated toward zero, as
+- dtypes: allreduce takes float16/32/64, bfloat16 and int32/64 (gflow's); allgather and broadcast move
+  any dtype (others travel as bytes). Integer Average is the sum times 1/size truncated toward zero, as
   Horovod's scaling in C. Product is computed from an allgather (p times the memory of the tensor);
   Adasum raises NotImplementedError.
 - Gradients: allreduce's backward is an allreduce with the same op and factors (Average and Sum only;
@@ -46,7 +46,8 @@ from . import _basics
 from ._basics import Adasum, Average, Max, Min, Product, Sum, as_horovod_error, check_process_set
 from .compression import wire_compression
 
-_REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
+_REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16)
+_ITS_OWN_WIRE = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # compression that changes nothing
 _MOVABLE_DIRECT = _REDUCIBLE  # moved by gflow as they are; other dtypes travel as int32 words
 _GFLOW_OP = {Sum: "sum", Min: "min", Max: "max"}
 
@@ -233,13 +234,15 @@ class _Plan:
         postscale = _check_factor(postscale, where, "postscale_factor")
         cname, compressor = wire_compression(compression, where)
         if compressor is not None:
-            raise TypeError(f"{where}: only Compression.none and Compression.fp16 apply here")
+            raise TypeError(f"{where}: only Compression.none, .fp16 and .bf16 apply here")
         floating = tensor.dtype.is_floating_point
         self.gop = "mean" if (op == Average and floating) else _GFLOW_OP.get(op, "sum")
         self.product = op == Product
         # Integer Average: the sum, then scaled by postscale/size and truncated, as Horovod does in C.
         self.post = postscale / _basics.size() if (op == Average and not floating) else postscale
-        self.compression = cname if (floating and tensor.dtype != torch.float16) else None
+        # (the other 16-bit type as compression is passed on, for gflow's TypeError naming both)
+        same = _ITS_OWN_WIRE.get(tensor.dtype) == cname
+        self.compression = cname if (floating and not same) else None
         self.out = None if output is None else output.detach()
         if prescale != 1.0:
             self.src = _scaled(tensor, prescale)
@@ -409,7 +412,8 @@ def allreduce(
     """Reduce `tensor` over all ranks and return a new tensor (the input is not modified).
 
     Differentiable: the gradient is the allreduce of the incoming gradient with the same op and
-    factors. compression: Compression.none (default), Compression.fp16 (float16 on the wire) or a
+    factors. compression: Compression.none (default), Compression.fp16 (float16 on the wire),
+    Compression.bf16 (bfloat16 on the wire) or a
     compressor of your own (compress, reduce, decompress, as Horovod runs it).
     """
     op, exc = _op_args(op, average, "allreduce")
