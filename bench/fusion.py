@@ -157,7 +157,7 @@ def worker(args) -> None:
         runs["compute only"] = lambda: backward(lambda g: None)
     else:  # without compute, overlap changes nothing: keep the run short
         for name in ("per-tensor + overlap", "lazy + overlap"):
-            del runs[name]
+            runs.pop(name, None)
     if args.timeline:  # the lazy step again with the timeline on (its cost), alternating with the rest
         from gflow import timeline
 

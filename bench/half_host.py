@@ -44,6 +44,8 @@ def contenders(n: int):
         runs[f"{name} encode (gflow)"] = (lambda w=out16: host.cast_scaled(w, x32, 1.0), 6 * n)
         runs[f"{name} decode (gflow)"] = (lambda w=wire, o=out32: host.cast_scaled(o, w, 1.0), 6 * n)
         runs[f"{name} reduce (gflow)"] = (lambda a=wire, b=other, o=out16: host.reduce(o, a, b, "sum"), 6 * n)
+        acc = wire.copy()  # in place, as the ring's steps reduce (its values grow by `other` each run)
+        runs[f"{name} reduce in place (gflow)"] = (lambda a=acc, b=other: host.reduce(a, a, b, "sum"), 6 * n)
         runs[f"{name} encode (NumPy astype)"] = (lambda w=out16: np.copyto(w, x32, casting="unsafe"), 6 * n)
     return runs
 

@@ -98,33 +98,11 @@ def _encode(dst, src):
         dst[i] = _to_half(src[i])
 
 
-@njit(cache=True, nogil=True)
-def _decode_bf16(dst, src):
-    for i in range(dst.size):
-        dst[i] = _from_bf16(src[i])
-
-
-@njit(cache=True, nogil=True)
-def _encode_bf16(dst, src):
-    for i in range(dst.size):
-        dst[i] = _to_bf16(src[i])
-
-
 def reduce_half(out, low, high, op: int) -> None:
     """out = low op high on float16 bit patterns (uint16 views); op 0 sum, 1 max, 2 min (NaN wins,
-    as in NumPy). out may be low or high (the ring reduces in place)."""
-    _reduce_blocks(out, low, high, op, _decode, _encode)
-
-
-def reduce_bf16(out, low, high, op: int) -> None:
-    """reduce_half for bfloat16 bit patterns (uint16 views): float32 arithmetic, one rounding."""
-    _reduce_blocks(out, low, high, op, _decode_bf16, _encode_bf16)
-
-
-def _reduce_blocks(out, low, high, op: int, decode, encode) -> None:
-    """LLVM vectorises a loop only over arrays it can tell apart, and out may alias an operand, so
-    blocks are decoded into float32 scratch, reduced by NumPy in float32 (exactly what the 16-bit
-    types' own arithmetic does, one element at a time), and encoded back."""
+    as in NumPy). out may be low or high (the ring reduces in place): LLVM vectorises a loop only
+    over arrays it can tell apart, so blocks are decoded into float32 scratch, reduced by NumPy in
+    float32 (exactly what NumPy's float16 arithmetic does, one element at a time), and encoded back."""
     a = getattr(_scratch, "a", None)
     if a is None:
         a = _scratch.a = np.empty(_BLOCK, np.float32)
@@ -134,10 +112,50 @@ def _reduce_blocks(out, low, high, op: int, decode, encode) -> None:
     for start in range(0, out.size, _BLOCK):
         stop = min(start + _BLOCK, out.size)
         x, y = a[: stop - start], b[: stop - start]
-        decode(x, low[start:stop])
-        decode(y, high[start:stop])
+        _decode(x, low[start:stop])
+        _decode(y, high[start:stop])
         ufunc(x, y, out=x)
-        encode(out[start:stop], x)
+        _encode(out[start:stop], x)
+
+
+def reduce_bf16(out, low, high, op: int) -> None:
+    """reduce_half for bfloat16 bit patterns (uint16 views): float32 arithmetic, one rounding. One
+    fused pass (bfloat16's conversions are a shift and a rounding add): a loop over two arrays, in
+    place, or over three vectorises, LLVM checking at run time that they do not overlap; only an
+    `out` that is an operand itself would defeat that check, so it gets the two-array loop."""
+    address = out.ctypes.data
+    if address == low.ctypes.data:
+        _reduce_bf16_into(out, high, op, True)
+    elif address == high.ctypes.data:
+        _reduce_bf16_into(out, low, op, False)
+    else:
+        _reduce_bf16(out, low, high, op)
+
+
+@njit(inline="always")
+def _combine(x, y, op):
+    """x op y in float32; max and min let NaN win, as np.maximum and np.minimum."""
+    if op == 0:
+        return x + y
+    if op == 1:
+        return x if (x >= y or x != x) else y
+    return x if (x <= y or x != x) else y
+
+
+@njit(cache=True, nogil=True)
+def _reduce_bf16(out, low, high, op):
+    for i in range(out.size):
+        out[i] = _to_bf16(_combine(_from_bf16(low[i]), _from_bf16(high[i]), op))
+
+
+@njit(cache=True, nogil=True)
+def _reduce_bf16_into(acc, other, op, acc_is_low):
+    if acc_is_low:
+        for i in range(acc.size):
+            acc[i] = _to_bf16(_combine(_from_bf16(acc[i]), _from_bf16(other[i]), op))
+    else:
+        for i in range(acc.size):
+            acc[i] = _to_bf16(_combine(_from_bf16(other[i]), _from_bf16(acc[i]), op))
 
 
 @njit(cache=True, nogil=True)
