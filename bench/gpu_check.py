@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +57,9 @@ def kernel_rows(nbytes: int, reps: int, check_elems: int):
     b32 = cuda.to_device(rng.standard_normal(n, dtype=np.float32))
     out32 = cuda.device_array(n, np.float32)
     out16 = cuda.device_array(n, np.float16)
+    bf_a, bf_b, out_bf = (cuda.device_array(n, np.uint16) for _ in range(3))  # bfloat16 as its bits
+    dev.cast_scaled(bf_a, a32, 1.0)
+    dev.cast_scaled(bf_b, b32, 1.0)
     chunk = 1024
     nchunks = (n + chunk - 1) // chunk
     ids = np.sort(rng.choice(nchunks, size=max(1, nchunks // 10), replace=False)).astype(np.int64)
@@ -72,6 +76,11 @@ def kernel_rows(nbytes: int, reps: int, check_elems: int):
         ("divide f32", lambda: dev.divide(out32, 3), 8 * n),
         ("cast f32->f16 x scale", lambda: dev.cast_scaled(out16, a32, 0.5), 6 * n),
         ("cast f16->f32 x scale", lambda: dev.cast_scaled(out32, out16, 2.0), 6 * n),
+        ("reduce sum bf16", lambda: dev.reduce(out_bf, bf_a, bf_b, "sum"), 6 * n),
+        ("reduce sum bf16 in place", lambda: dev.reduce(bf_a, bf_a, bf_b, "sum"), 6 * n),
+        ("cast f32->bf16 x scale", lambda: dev.cast_scaled(out_bf, a32, 0.5), 6 * n),
+        ("cast bf16->f32 x scale", lambda: dev.cast_scaled(out32, bf_b, 2.0), 6 * n),
+        ("divide bf16", lambda: dev.divide(out_bf, 3), 4 * n),
         ("chunk L1 norms f32", lambda: dev.chunk_norms(a32, chunk, out=norms), 4 * n + 4 * nchunks),
         ("pack 10% of chunks", lambda: dev.pack(packed, a32, d_ids, chunk), 8 * packed.size),
         ("scatter-add 10% of chunks", lambda: dev.scatter_add(out32, packed, d_ids, chunk), 12 * packed.size),
@@ -125,6 +134,24 @@ def check_kernels(n: int) -> dict:
     o, e = poisoned(n, np.float32), np.empty(n, np.float32)
     flags = dev.cast_scaled(o, cuda.to_device(e16), 2.0), host.cast_scaled(e, e16, 2.0)
     ok["cast f16->f32 x scale"] = same(o, e) and flags[0] == flags[1]
+    # bfloat16: uint16 bits on the device, ml_dtypes.bfloat16 on the host; bit-identical twins
+    a_bf, b_bf = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
+    d_abf, d_bbf = cuda.to_device(a_bf.view(np.uint16)), cuda.to_device(b_bf.view(np.uint16))
+    o, e = cuda.to_device(np.full(n, 0x7FBF, np.uint16)), np.empty(n, ml_dtypes.bfloat16)
+    dev.reduce(o, d_abf, d_bbf, "sum")
+    host.reduce(e, a_bf, b_bf, "sum")
+    ok["reduce sum bf16"] = same(o, e.view(np.uint16))
+    dev.reduce(d_abf, d_abf, d_bbf, "sum")
+    ok["reduce sum bf16 in place"] = same(d_abf, e.view(np.uint16))
+    o, e = cuda.to_device(np.full(n, 0x7FBF, np.uint16)), np.empty(n, ml_dtypes.bfloat16)
+    flags = dev.cast_scaled(o, d_a, 0.5), host.cast_scaled(e, a, 0.5)
+    ok["cast f32->bf16 x scale"] = same(o, e.view(np.uint16)) and flags[0] == flags[1]
+    o32, e32 = poisoned(n, np.float32), np.empty(n, np.float32)
+    flags = dev.cast_scaled(o32, d_bbf, 2.0), host.cast_scaled(e32, b_bf, 2.0)
+    ok["cast bf16->f32 x scale"] = same(o32, e32) and flags[0] == flags[1]
+    dev.divide(d_bbf, 3)
+    host.divide(b_bf, 3)
+    ok["divide bf16"] = same(d_bbf, b_bf.view(np.uint16))
     chunk = 1000
     ok["chunk L1 norms f32"] = same(dev.chunk_norms(d_a, chunk), host.chunk_norms(a, chunk), exact=False)
     nchunks = (n + chunk - 1) // chunk

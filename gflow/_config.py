@@ -4,6 +4,7 @@ Every rank must use the same settings: they decide which algorithm runs and whet
 agreement runs, and ranks that disagree on them cannot talk to each other.
 """
 
+import operator
 import os
 import warnings
 from dataclasses import dataclass
@@ -130,7 +131,9 @@ class Config:
 
     def __setattr__(self, name, value):
         if name == "small_message_bytes":
-            value = _small_message_bytes(value)
+            value = _byte_count(value, name, "GFLOW_SMALL_MESSAGE_BYTES", 0, MAX_SMALL_MESSAGE_BYTES)
+        elif name == "ring_segment_bytes":
+            value = _byte_count(value, name, "GFLOW_RING_SEGMENT_BYTES", 1, None)
         super().__setattr__(name, value)
 
     @classmethod
@@ -154,14 +157,18 @@ class Config:
         )
 
 
-def _small_message_bytes(value) -> int:
-    """Checked when set, on the rank that sets it: a larger value cannot fit its peers' receives."""
-    number = None if isinstance(value, bool) else getattr(value, "__index__", lambda: None)()
-    if number is None or not 0 <= number <= MAX_SMALL_MESSAGE_BYTES:
-        raise ValueError(
-            f"small_message_bytes (GFLOW_SMALL_MESSAGE_BYTES) must be an integer number of bytes from 0 "
-            f"to {MAX_SMALL_MESSAGE_BYTES} (4 MiB, what every rank's receives have room for), got {value!r}"
+def _byte_count(value, name: str, env: str, low: int, high) -> int:
+    """A byte-count setting, checked when set on the rank that sets it: small_message_bytes beyond
+    what every rank's receives have room for, or a ring segment of no bytes, cannot work."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < low or (high is not None and number > high):
+        limit = (
+            f"from {low} to {high} (4 MiB, what every rank's receives have room for)" if high else f">= {low}"
         )
+        raise ValueError(f"{name} ({env}) must be an integer number of bytes {limit}, got {value!r}")
     return number
 
 

@@ -7,7 +7,8 @@ loops convert float16/bfloat16 <-> float32 with integer operations (round to nea
 ml_dtypes and the GPU do), fuse conversion with the reduction or the scaling, and are compiled once
 (cache=True) on first use. gflow/host.py calls them whenever either side is float16 or bfloat16;
 results are bit-identical to NumPy's float16 and ml_dtypes' bfloat16 arithmetic (one float32 operation,
-then one rounding), and to the CUDA twins in gflow/cuda/kernels.py.
+then one rounding; a bfloat16 NaN comes out as the quiet NaN of its sign, where ml_dtypes keeps the
+payload), and to the CUDA twins in gflow/cuda/kernels.py.
 """
 
 import threading
@@ -134,12 +135,13 @@ def reduce_bf16(out, low, high, op: int) -> None:
 
 @njit(inline="always")
 def _combine(x, y, op):
-    """x op y in float32; max and min let NaN win, as np.maximum and np.minimum."""
+    """x op y in float32; max and min let NaN win and give ties (+0 against -0) to y, as np.maximum
+    and np.minimum do."""
     if op == 0:
         return x + y
     if op == 1:
-        return x if (x >= y or x != x) else y
-    return x if (x <= y or x != x) else y
+        return x if (x > y or x != x) else y
+    return x if (x < y or x != x) else y
 
 
 @njit(cache=True, nogil=True)

@@ -43,14 +43,18 @@ _AUTO_SHIFT = 8
 
 
 def settings_checksum(algorithm: str) -> int:
-    """A 24-bit checksum of the gflow.config settings `algorithm` depends on (0: none)."""
-    if algorithm == "hierarchical":
-        values = (config.shared_memory_max_bytes,)
+    """A 24-bit checksum of the gflow.config settings `algorithm` depends on (0: none). The ring's
+    segment size is among them: ranks cutting its messages differently would truncate them."""
+    if algorithm == "ring":
+        values = (config.ring_segment_bytes,)
+    elif algorithm == "hierarchical":
+        values = (config.shared_memory_max_bytes, config.ring_segment_bytes)
     elif algorithm == "auto":
         values = (
             config.shared_memory_min_bytes,
             config.hierarchical_min_bytes,
             config.shared_memory_max_bytes,
+            config.ring_segment_bytes,
         )
     else:
         return 0
@@ -80,6 +84,13 @@ def check_op(op, dtype: np.dtype) -> str:
             f"op='mean' needs a floating dtype, got {dtype}: use op='sum' and divide as your integers need"
         )
     return name
+
+
+def holds(dtype) -> np.dtype:
+    """The dtype one of gflow's flat buffers holds: on the device bfloat16 is uint16 bits (Numba has
+    no bfloat16 type; gflow reduces no uint16), everywhere else the buffer's own dtype."""
+    dtype = np.dtype(dtype)
+    return BFLOAT16 if dtype == np.uint16 else dtype
 
 
 def is_floating(dtype: np.dtype) -> bool:
@@ -142,7 +153,7 @@ def describe(sig) -> str:
     text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]) & 0xFF, '?')}"
     if int(sig[1]) >> _AUTO_SHIFT:
         text += (
-            f" (settings checksum {int(sig[1]) >> _AUTO_SHIFT}: compare gflow.config."
+            f" (settings checksum {int(sig[1]) >> _AUTO_SHIFT}: compare gflow.config.ring_segment_bytes, "
             "shared_memory_min_bytes, hierarchical_min_bytes and shared_memory_max_bytes across ranks)"
         )
     if collective == "broadcast":  # the root in the low 32 bits, a shape checksum above them

@@ -1,20 +1,19 @@
 """Mixed-precision communication: float32/float64 values travel as float16 ("fp16") or bfloat16
 ("bf16") and come back in their dtype.
 
-A stateless codec, as Horovod's: only the 2-byte payload goes on the wire, and each ring step reduces
-it in float32 and rounds once. For op="mean" each rank divides by the world size *before* casting
-(PyTorch DDP's fp16 hook), so the sum is already the mean and cannot overflow where the mean would not.
-fp16 keeps 11 bits of mantissa but overflows above 65504, so training needs loss scaling
-(gflow.LossScaler); bf16 has float32's range (no overflow for finite float32 gradients, no scaler) and
-8 bits of mantissa. Values beyond the wire's range are never silently turned into inf: an overflow or
-a NaN anywhere makes the reduced result non-finite on every rank alike, and every rank raises
-CompressionOverflowError.
+A stateless codec, as Horovod's: only the 2-byte payload goes on the wire, and each ring step reduces it
+in float32 and rounds once. For op="mean" each rank divides by the world size *before* casting (PyTorch
+DDP's fp16 hook), so the sum is already the mean and cannot overflow where the mean would not. fp16
+keeps 11 significant bits but overflows above 65504, so training needs loss scaling (gflow.LossScaler);
+bf16 has float32's range (no overflow below its largest value, 3.39e38, so no scaler) and 8 significant
+bits. Values beyond the wire's range are never silently turned into inf: an overflow or a NaN anywhere
+makes the reduced result non-finite on every rank alike, and every rank raises CompressionOverflowError.
 """
 
 import numpy as np
 
 from . import timeline
-from ._validate import BFLOAT16, is_floating
+from ._validate import BFLOAT16, holds, is_floating
 
 COMPRESSIONS = (None, "fp16", "bf16")
 WIRE_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}
@@ -67,7 +66,7 @@ def decode(ops, dst, wire) -> bool:
 
 
 def _name(wire) -> str:
-    return "bf16" if wire.dtype == BFLOAT16 else "fp16"
+    return "bf16" if holds(wire.dtype) == BFLOAT16 else "fp16"
 
 
 class LossScaler:

@@ -202,7 +202,8 @@ def allreduce_time(
     `ranks` ranks, nodes of ranks_per_node (None: one node holding every rank).
 
     algorithm: "auto" (as gflow.allreduce settles it with the default thresholds), "ring",
-    "recursive_doubling" or "hierarchical". compression: None or "fp16". calibration: a Calibration,
+    "recursive_doubling" or "hierarchical". compression: None, "fp16" or "bf16" (costed alike: the
+    calibrated codec is fp16's, an upper bound for bf16's on the host). calibration: a Calibration,
     a JSON path, or None (see Calibration.load)."""
     cal = calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
     if ranks < 1 or nbytes < 0:
@@ -212,11 +213,11 @@ def allreduce_time(
     cal = _for_node(cal, k)
     cpu = _slowdown(cal, k)
     codec = 0.0
-    if compression == "fp16":
+    if compression in ("fp16", "bf16"):
         codec = cpu * cal.codec * nbytes / dtype_bytes
         nbytes = nbytes * 2 // dtype_bytes
     elif compression is not None:
-        raise ValueError(f"compression: expected None or 'fp16', got {compression!r}")
+        raise ValueError(f"compression: expected None, 'fp16' or 'bf16', got {compression!r}")
     if ranks == 1:
         return codec + cpu * cal.copy * nbytes
     alpha_x, beta_x = (cal.alpha_inter, cal.beta_inter) if m > 1 else (cal.alpha_intra, cpu * cal.beta_intra)

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from numba import cuda
 
 import gflow
-from gflow._config import DEFAULT_SMALL_MESSAGE_BYTES, MAX_SMALL_MESSAGE_BYTES
+from gflow._config import MAX_SMALL_MESSAGE_BYTES
 
 LAST = WORLD.size - 1
 
@@ -541,14 +541,15 @@ def test_ranks_with_another_small_message_bytes_fail_together(monkeypatch, setti
     on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))
 
 
-@pytest.mark.parametrize("value", [MAX_SMALL_MESSAGE_BYTES + 1, -1, 1.5, True, "4096", None])
+@pytest.mark.parametrize("value", [MAX_SMALL_MESSAGE_BYTES + 1, -1, 1.5, True, "4096", None, np.array([5])])
 def test_small_message_bytes_larger_than_any_receive_is_refused_when_set(monkeypatch, value):
     # Refused on the rank that sets it, before any message: its peers' receives could not hold it.
+    before = gflow.config.small_message_bytes
     with pytest.raises(
         ValueError, match=r"small_message_bytes .* from 0 to 4194304 .*got " + re.escape(repr(value))
     ):
         monkeypatch.setattr(gflow.config, "small_message_bytes", value)
-    assert gflow.config.small_message_bytes == DEFAULT_SMALL_MESSAGE_BYTES
+    assert gflow.config.small_message_bytes == before
 
 
 def test_small_message_bytes_from_the_environment_is_checked_too():
@@ -560,3 +561,23 @@ def test_small_message_bytes_from_the_environment_is_checked_too():
         timeout=60,
     )
     assert done.returncode != 0 and "GFLOW_SMALL_MESSAGE_BYTES" in done.stderr and "8388608" in done.stderr
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("algorithm", ["ring", "auto", "hierarchical"])
+def test_ranks_with_another_ring_segment_fail_together(monkeypatch, algorithm):
+    # Review of issue 12: ring_segment_bytes was not in what the ranks agree on, so a rank cutting
+    # the ring's messages smaller truncated its peers' (Open MPI then crashed: SIGABRT, SIGSEGV).
+    x = random_array(rank_rng(91), 1_000_000, np.float32)
+    if WORLD.rank == LAST:
+        monkeypatch.setattr(gflow.config, "ring_segment_bytes", 1024)
+    on_all_ranks(
+        lambda: expect(gflow.MismatchError, lambda: gflow.allreduce(x, algorithm=algorithm), "ring_segment")
+    )
+    monkeypatch.undo()
+    on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x, algorithm=algorithm), x, "sum"))
+
+
+def test_a_ring_segment_of_no_bytes_is_refused_when_set(monkeypatch):
+    with pytest.raises(ValueError, match=r"ring_segment_bytes \(GFLOW_RING_SEGMENT_BYTES\) .* >= 1, got 0"):
+        monkeypatch.setattr(gflow.config, "ring_segment_bytes", 0)

@@ -269,3 +269,32 @@ def test_distributed_optimizer_on_a_cuda_model_equals_one_process_and_resumes_bi
             assert_same_on_all_ranks(host(a))
 
     on_all_ranks(resumes, "CSC checkpoint")
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_bfloat16_cuda_tensors_and_bf16_on_the_wire():
+    # Issue 13: torch's __cuda_array_interface__ refuses bfloat16, so gflow reads its int16 bits and
+    # reduces them in the bf16 kernels; bound as in tests/test_bfloat16.py: (p + 1) 2**-8 sum |x|.
+    rng = rank_rng(131)
+    x32 = random_array(rng, 50_001, np.float32)
+    x = torch.from_numpy(x32).to(torch.bfloat16).cuda()
+    every = np.stack(WORLD.allgather(x.float().cpu().numpy().astype(np.float64)))
+    bound = (WORLD.size + 1) * 2.0**-8 * np.abs(every).sum(axis=0) + 1e-38
+    for op, expected in (("sum", every.sum(axis=0)), ("max", every.max(axis=0))):
+        y = gflow.allreduce(x, op)
+        assert y.dtype == torch.bfloat16 and y.is_cuda
+        got = y.float().cpu().numpy().astype(np.float64)
+        on_all_ranks(
+            lambda got=got, expected=expected: np.testing.assert_array_less(
+                np.abs(got - expected), bound + 1e-300
+            )
+        )
+    w = torch.from_numpy(x32 * np.float32(1e30)).cuda()
+    z = hvd.allreduce(w, op=hvd.Sum, compression=hvd.Compression.bf16)
+    exact = np.stack(WORLD.allgather((x32 * np.float32(1e30)).astype(np.float64))).sum(axis=0)
+    scale = (
+        (WORLD.size + 1)
+        * 2.0**-8
+        * np.abs(np.stack(WORLD.allgather((x32 * np.float32(1e30)).astype(np.float64)))).sum(axis=0)
+    )
+    on_all_ranks(lambda: np.testing.assert_array_less(np.abs(z.cpu().numpy() - exact), scale + 1e-300))

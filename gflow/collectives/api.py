@@ -16,8 +16,8 @@ from .. import engine, timeline
 from .._array import check_array, kind_of
 from .._config import config
 from .._context import CommContext, context
-from .._validate import check_op, check_root, rejected_signature, signature
-from ..compression import check_compression, decode, encode, overflow_message, wire_dtype
+from .._validate import DTYPE_CODE, check_op, check_root, rejected_signature, signature
+from ..compression import COMPRESSIONS, check_compression, decode, encode, overflow_message, wire_dtype
 from ..errors import CompressionOverflowError, MismatchError
 from .common import allgather_flat, allreduce_flat, broadcast_flat, reduce_scatter_flat
 from .recursive_doubling import allreduce_with_agreement
@@ -160,13 +160,16 @@ _USER_CALL = ("allreduce", 0)
 FINGERPRINT_BITS = 31  # broadcast keeps the root in the low 32 bits of the same int64 field
 
 
-def shape_fingerprint(shape) -> int:
+def shape_fingerprint(shape, dtype=None, codec=None) -> int:
     """What the ranks of a user's allreduce, broadcast or allgather agree on besides the element
     count: a checksum of the shape (allgather: of the axes after the first), so that (2, 3) against
-    (3, 2) fails as Horovod's shape check does instead of reducing or reshaping. 0 for ()."""
-    if not len(shape):
+    (3, 2) fails as Horovod's shape check does instead of reducing or reshaping. 0 for (). With
+    compression, also the input's dtype and the codec: the ranks compare the wire buffer, the same
+    for float32 and float64 sent as bf16, or for a bfloat16 array sent as it is."""
+    fields = (*shape, DTYPE_CODE[dtype], COMPRESSIONS.index(codec)) if codec else tuple(shape)
+    if not len(fields):
         return 0
-    return zlib.crc32(struct.pack(f"<{len(shape)}q", *shape)) & ((1 << FINGERPRINT_BITS) - 1)
+    return zlib.crc32(struct.pack(f"<{len(fields)}q", *fields)) & ((1 << FINGERPRINT_BITS) - 1)
 
 
 def _annotated(call, about):
@@ -197,8 +200,10 @@ def allreduce_on(
         raise
     if tag is _USER_CALL:
         shape = tuple(kind.shape(x))
-        tag = ("allreduce", shape_fingerprint(shape))
-        about = about or f"an array of shape {shape}"
+        tag = ("allreduce", shape_fingerprint(shape, dtype, codec))
+        about = about or f"an array of shape {shape}" + (
+            f" of {dtype.name}, compression={codec!r}" if codec else ""
+        )
     run = lambda: _allreduce_checked(  # noqa: E731
         ctx, kind, x, dtype, name, chosen, codec, result, algorithm, tag
     )

@@ -38,7 +38,7 @@ from .. import engine, timeline
 from .._array import HOST, check_array, check_writable
 from .._config import config
 from .._context import context
-from .._validate import DTYPE_CODE, check_dtype, check_op, signature
+from .._validate import DTYPE_CODE, check_dtype, check_op, holds, signature
 from ..compression import check_compression, decode, encode, overflow_message, wire_dtype
 from ..errors import CompressionOverflowError
 from . import hierarchical
@@ -265,7 +265,7 @@ class LazyAllreduce:
         kind = members[0][1]
         ops = kind.ops
         cast = self.compression and not self.sparse  # CSC keeps residuals in full precision
-        dtype = wire_dtype(self.compression) if cast else np.dtype(members[0][0].dtype)
+        dtype = wire_dtype(self.compression) if cast else holds(members[0][0].dtype)  # (views' bits)
         total = sum(m.size for m, _ in members)
         index = len(self._fired)
         csc = self._csc.get(index) if self.sparse else None
@@ -279,11 +279,11 @@ class LazyAllreduce:
             )
             return
         buffer = self._buffers[index] if index < len(self._buffers) else None
-        if buffer is None or buffer.size != total or buffer.dtype != dtype:
+        if buffer is None or buffer.size != total or buffer.dtype != ops.storage(dtype):
             buffer = ops.empty(total, dtype)
             self._buffers[index : index + 1] = [buffer]
         ctx = context(self._comm).background()
-        name = check_op(self.op, np.dtype(members[0][0].dtype))
+        name = check_op(self.op, holds(members[0][0].dtype))
         in_pool = self._pool_run(pushed) if all(scale == 1.0 for scale in scales) else None
         if in_pool is not None:
             # The gradients already sit in the pool: reduce from there into `buffer` and write the

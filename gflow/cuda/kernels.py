@@ -26,12 +26,12 @@ def add(out, a, b):
 
 @cuda.jit
 def maximum(out, a, b):
-    # NaN wins, as in np.maximum. `not x == x` finds NaN in every dtype: CUDA's float16 != is ordered
-    # (__hne is false for NaN), so `x != x` would not.
+    # NaN wins and ties (+0 against -0) go to b, as in np.maximum. `not x == x` finds NaN in every
+    # dtype: CUDA's float16 != is ordered (__hne is false for NaN), so `x != x` would not.
     i, stride = cuda.grid(1), cuda.gridsize(1)
     while i < out.size:
         x, y = a[i], b[i]
-        out[i] = x if (x >= y or not x == x) else y
+        out[i] = x if (x > y or not x == x) else y
         i += stride
 
 
@@ -40,7 +40,7 @@ def minimum(out, a, b):
     i, stride = cuda.grid(1), cuda.gridsize(1)
     while i < out.size:
         x, y = a[i], b[i]
-        out[i] = x if (x <= y or not x == x) else y
+        out[i] = x if (x < y or not x == x) else y
         i += stride
 
 
@@ -207,9 +207,9 @@ def reduce_bf16(out, a, b, op):
         if op == 0:
             v = x + y
         elif op == 1:
-            v = x if (x >= y or not x == x) else y
+            v = x if (x > y or not x == x) else y
         else:
-            v = x if (x <= y or not x == x) else y
+            v = x if (x < y or not x == x) else y
         out[i] = _to_bf16(v)
         i += stride
 
