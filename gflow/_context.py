@@ -148,8 +148,10 @@ class CommContext:
         self._user_comm = comm
         self._comm, self._pending = (comm, None) if own else comm.Idup()
         # The stall inspector's questions travel on a duplicate of their own (none for gflow's own
-        # node and cross-node communicators: their collectives are counted on the caller's context).
-        self.monitor_comm, self._monitor_pending = (None, None) if own else comm.Idup()
+        # node and cross-node communicators: their collectives are counted on the caller's context),
+        # made from the first once it exists: Open MPI 4.1 can hang with two Idups of one communicator
+        # outstanding (ompi#2025; seen here as one rank never finishing its Idup).
+        self.monitor_comm, self._wants_monitor = None, not own
         self.entered = 0  # collectives begun on this context (stall.py)
         self.departed = {}  # rank -> collectives it completed here before its process exited
         self.abandoned = None  # the collective this rank left unfinished (stall.abandoned)
@@ -191,15 +193,19 @@ class CommContext:
     def comm(self) -> MPI.Intracomm:
         """gflow's private duplicate (completing its creation the first time)."""
         if self._pending is not None:
-            requests = [r for r in (self._pending, self._monitor_pending) if r is not None]
-            if self.parent is None:
-                MPI.Request.Waitall(requests)
-            else:
-                _wait_for_duplicates(requests, self.parent)
-            self._pending = self._monitor_pending = None
-            if self.monitor_comm is not None:
+            self._wait_for(self._pending)
+            self._pending = None
+            if self._wants_monitor:
+                self.monitor_comm, pending = self._comm.Idup()
+                self._wait_for(pending)
                 stall.watch(self)
         return self._comm
+
+    def _wait_for(self, request) -> None:
+        if self.parent is None:
+            request.Wait()
+        else:
+            _wait_for_duplicates([request], self.parent)
 
     def background(self) -> "CommContext":
         """A second context, on its own duplicate, for the engine thread's collectives: they run
@@ -240,6 +246,7 @@ class CommContext:
         # Marked first: completing a pending Idup can complete the user's own deferred Comm_free, whose
         # attribute callback (_delete_context) calls this again, inside MPI; it must then do nothing.
         self._user_comm = None
+        self._wants_monitor = False  # (completing a pending duplicate below must not start another)
         if self._background is not None:
             self._background.free()
         if not MPI.Is_finalized():

@@ -10,20 +10,24 @@ masking). Nothing is lost: with momentum 0, the updates applied so far plus ever
 up to every gradient pushed (divided by the world size for "mean").
 
 With compression="bf16" the packed chunks travel as bfloat16 (float32's range: no scaling needed),
-what each rank's rounding did not send staying in its residual as below. With compression="fp16" they
-travel as float16, scaled by a power of two chosen from the allreduced norms (which
-every rank already holds, so no message is added): a chunk's norm bounds every value and every partial
-sum in it, so the float16 payload cannot overflow, and small gradients are scaled up into float16's
-range instead of vanishing. What each rank's float16 rounding did not send stays in its residual; only
-the float16 rounding of the sums themselves is not kept anywhere. Norms travel as float32, clipped for
-finite chunks too large for float32 sums and NaN for chunks holding NaN or inf, so a huge gradient is
-still sent (a step whose norms are beyond any float32 scale, about 2**115, sends its chunks
-uncompressed: every rank sees the same norms, so every rank agrees) and a non-finite one fails the step
-on every rank. A step is atomic: the new residual is written beside the old one and becomes the state
-only when the step has succeeded on every rank (commit()), so a step that raises (ranks disagree, a NaN
-or inf somewhere) leaves every rank's residual, velocity and step count exactly as before it. With
-warmup_steps = W the density starts at 1 (dense) and falls geometrically to the target: density_t =
-density ** (t / W) for t < W.
+what each rank's rounding did not send staying in its residual, as below.
+
+With compression="fp16" the packed chunks travel as float16, scaled by a power of two chosen from the
+allreduced norms (which every rank already holds, so no message is added): a chunk's norm bounds every
+value and every partial sum in it, so the float16 payload cannot overflow, and small gradients are
+scaled up into float16's range instead of vanishing. What each rank's float16 rounding did not send
+stays in its residual; only the float16 rounding of the sums themselves is not kept anywhere. Norms
+travel as float32, clipped for finite chunks too large for float32 sums and NaN for chunks holding
+NaN or inf, so a huge gradient is still sent (a step whose norms are beyond any float32 scale, about
+2**115, sends its chunks uncompressed: every rank sees the same norms, so every rank agrees) and a
+non-finite one fails the step on every rank.
+
+A step is atomic: the new residual is written beside the old one and becomes the state only when the
+step has succeeded on every rank (commit()), so a step that raises (ranks disagree, a NaN or inf
+somewhere) leaves every rank's residual, velocity and step count exactly as before it.
+
+With warmup_steps = W the density starts at 1 (dense) and falls geometrically to the target:
+density_t = density ** (t / W) for t < W.
 """
 
 import math

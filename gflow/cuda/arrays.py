@@ -15,11 +15,11 @@ wrap NumPy arrays, and a bare __cuda_array_interface__ object's pointer is read 
 import os
 import sys
 
-import ml_dtypes
 import numpy as np
 from numba import cuda
 
 from .._array import is_device
+from .._validate import BFLOAT16, holds
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
@@ -64,7 +64,7 @@ def flat_view(x, name: str = "x"):
             f"{name}: device arrays must be C-contiguous; got one with shape {shape} and other strides"
         )
     view = device_view(x)
-    if view.dtype == np.dtype(ml_dtypes.bfloat16):  # (only the simulator's arrays can be bfloat16)
+    if view.dtype == BFLOAT16:  # (only the simulator's arrays can be bfloat16)
         view = view.view(np.uint16)  # the kernels take bfloat16 as its bits (gflow/cuda/ops.py)
     if len(shape) == 1:
         return view
@@ -88,7 +88,7 @@ def prepare_out(x, out, dtype, count: int, name: str = "out"):
     if not is_device(out):
         raise TypeError(f"{name} must be a device array like x, got {type(out).__name__}")
     shape, out_dtype, contiguous = describe(out, name)
-    if out_dtype != dtype and not (out_dtype == np.uint16 and dtype == np.dtype(ml_dtypes.bfloat16)):
+    if holds(out_dtype) != dtype:  # (a bfloat16 result may be gflow's own uint16 bits)
         raise TypeError(f"{name}: expected dtype {dtype}, got {out_dtype}")
     if int(np.prod(shape, dtype=np.int64)) != count:
         raise ValueError(f"{name}: expected {count} elements, got {int(np.prod(shape, dtype=np.int64))}")
@@ -183,8 +183,6 @@ def mpi_buffer(view):
 
 def _bits(host):
     """A host bfloat16 array as the uint16 bits its device twin holds (gflow/cuda/ops.py)."""
-    from .._validate import BFLOAT16
-
     return host.view(np.uint16) if host.dtype == BFLOAT16 else host
 
 
@@ -236,11 +234,8 @@ class Staged:
         self.ops = host
 
     def buffer_for(self, ctx, name: str, view):
-        from .._validate import BFLOAT16
-
         # uint16 device memory is bfloat16's bits: on the host, where it is reduced, it is bfloat16
-        dtype = BFLOAT16 if view.dtype == np.uint16 else view.dtype
-        return ctx.scratch(name, view.size, dtype, pinned)
+        return ctx.scratch(name, view.size, holds(view.dtype), pinned)
 
     def load(self, buffer, view) -> None:
         to_host(buffer, view)
