@@ -8,7 +8,8 @@ ml_dtypes and the GPU do), fuse conversion with the reduction or the scaling, an
 (cache=True) on first use. gflow/host.py calls them whenever either side is float16 or bfloat16;
 results are bit-identical to NumPy's float16 and ml_dtypes' bfloat16 arithmetic (one float32 operation,
 then one rounding; a bfloat16 NaN comes out as the quiet NaN of its sign, where ml_dtypes keeps the
-payload), and to the CUDA twins in gflow/cuda/kernels.py.
+payload, and the sign of NaN + NaN is whatever the hardware gives), and to the CUDA twins in
+gflow/cuda/kernels.py.
 """
 
 import threading
