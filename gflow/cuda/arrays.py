@@ -18,6 +18,7 @@ import sys
 import numpy as np
 from numba import cuda
 
+from .. import host as host_ops
 from .._array import is_device
 from .._validate import BFLOAT16, holds
 
@@ -181,14 +182,9 @@ def mpi_buffer(view):
     return view._ary if SIMULATED else view
 
 
-def _bits(host):
-    """A host bfloat16 array as the uint16 bits its device twin holds (gflow/cuda/ops.py)."""
-    return host.view(np.uint16) if host.dtype == BFLOAT16 else host
-
-
 def to_host(host, view) -> None:
     """Copy a contiguous device view into a host array of the same size."""
-    host = _bits(host)
+    host = host_ops.buffer(host)  # bfloat16 as the uint16 bits its device twin holds
     if view.size:
         if SIMULATED:
             np.copyto(host, view._ary.reshape(-1))
@@ -198,7 +194,7 @@ def to_host(host, view) -> None:
 
 def from_host(view, host) -> None:
     """Copy a host array into a contiguous device view of the same size."""
-    host = _bits(host)
+    host = host_ops.buffer(host)  # bfloat16 as the uint16 bits its device twin holds
     if view.size:
         if SIMULATED:
             np.copyto(view._ary.reshape(-1), host)
