@@ -18,8 +18,24 @@ def _agree(ctx: CommContext, sig: tuple) -> None:
             allreduce_with_agreement(ctx, sig, config.small_message_bytes)
 
 
+def _predivided(ctx: CommContext, src, ops, name: str):
+    """(src, op) to reduce: for a "mean" of 2-byte floats (float16, bfloat16), a copy of src already
+    divided by the world size, summed. Summing first would overflow where the mean fits (two ranks of
+    40000 in float16: inf, where 40000 is right); the 2-byte wire codecs divide first for the same
+    reason (gflow/compression.py). The copy is scratch, so a failed call changes no array of the
+    caller's."""
+    if name != "mean" or src.dtype.itemsize != 2 or ctx.size == 1:
+        return src, name
+    divided = ctx.scratch("mean_predivided", src.size, src.dtype, ops)
+    ops.copy(divided, src)
+    ops.divide(divided, ctx.size)
+    ops.fence()
+    return divided, "sum"
+
+
 def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, name: str) -> None:
     """Allreduce the flat contiguous src into dst (may be src), after the checks have passed."""
+    src, name = _predivided(ctx, src, ops, name)
     if ctx.size == 1:
         if dst is not src:
             ops.copy(dst, src)
@@ -60,6 +76,7 @@ def settle_auto(ctx: CommContext, nbytes: int, host_memory: bool) -> str:
 def reduce_scatter_flat(ctx: CommContext, src, ops, dtype, name: str, kind: str = "host"):
     """This rank's shard of the reduction of the flat contiguous src, as a new flat array."""
     _agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, kind=kind))
+    src, name = _predivided(ctx, src, ops, name)
     bounds = ring.chunk_bounds(src.size, ctx.size)
     work = ops.empty(src.size, dtype)
     ring.reduce_scatter(ctx, src, work, ops, "sum" if name == "mean" else name, bounds)
