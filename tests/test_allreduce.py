@@ -169,7 +169,7 @@ def test_a_two_byte_mean_that_fits_the_type_never_overflows():
         values[::2] *= -1 if WORLD.rank % 2 else 1  # signs differ by rank: the mean is not the max
         x = values.astype(dtype)
         exact = reference_float64_mean(x)
-        eps = 2.0 ** -10 if dtype == np.float16 else 2.0**-7
+        eps = 2.0**-10 if dtype == np.float16 else 2.0**-7
         # each rank's x/p rounds once, and p - 1 partial sums round: within (p + 1) eps of max |x|
         tol = (WORLD.size + 1) * eps * float(np.max(np.abs(values)))
 
