@@ -14,6 +14,7 @@ import numpy as np
 
 from . import timeline
 from ._validate import BFLOAT16, holds, is_floating
+from .errors import MismatchError
 
 COMPRESSIONS = (None, "fp16", "bf16")
 WIRE_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}
@@ -137,11 +138,27 @@ class LossScaler:
         return overflow
 
     def update(self, overflow: bool) -> bool:
-        """Agree with every rank whether any overflowed; adjust the scale. True: apply this step."""
+        """Agree with every rank whether any overflowed, and that every rank scaled by the same
+        factor; adjust the scale. True: apply this step.
+
+        Raises:
+            MismatchError: the ranks' scales differ (on every rank): each would unscale the reduced
+                sum by its own factor. A checkpoint loaded on some ranks only does that: load the
+                scaler's state on every rank (it is the same on all of them).
+        """
         from .collectives.api import allreduce
 
-        flag = np.array([1 if overflow else 0], dtype=np.int32)
-        if allreduce(flag, "max", comm=self._comm)[0]:
+        # One exchange: max(overflow), max(scale) and max(-scale), so the scales agree iff the last two
+        # are opposite.
+        mine = np.array([1.0 if overflow else 0.0, self._scale, -self._scale])
+        agreed = allreduce(mine, "max", comm=self._comm)
+        if agreed[1] != -agreed[2]:
+            raise MismatchError(
+                f"LossScaler.update: the ranks' loss scales differ (from {-agreed[2]:g} to {agreed[1]:g}; "
+                f"this rank's is {self._scale:g}), so each unscaled the reduced gradients by its own "
+                "factor; the step is not applied. Load the scaler's state_dict on every rank, not on one"
+            )
+        if agreed[0]:
             self._scale = max(self._scale * self.backoff_factor, self.min_scale)
             self._good_steps = 0
             self.skipped_steps += 1

@@ -189,6 +189,43 @@ def test_one_ranks_overflow_skips_the_step_on_every_rank():
         assert dp.step_count == 3
 
 
+@pytest.mark.parallel([2, 3])
+def test_ranks_with_different_loss_scales_fail_the_step_on_every_rank():
+    """A LossScaler restored on rank 0 only (issue 24, item 7): each rank unscaled the reduced sum by
+    its own scale (rank 0: 64.5, rank 1: 1.0078, where 1.5 was right). The ranks now agree on the
+    scale in the exchange that agrees on overflow: MismatchError on every rank, and once the states
+    agree again the next step is right."""
+    params = make_params(7)
+    scaler = gflow.LossScaler(init_scale=2.0**6, growth_interval=100)
+    dp = DataParallel(params, loss_scaler=scaler)
+    grads = dp.gradient_buffers()
+    if WORLD.rank == 0:  # a checkpoint taken at another scale, loaded here only
+        state = scaler.state_dict()
+        state["scale"] = 2.0**12
+        scaler.load_state_dict(state)
+    raw = random_grads(rank_rng(7), params)
+
+    def step():
+        for key in reversed(list(params)):
+            grads[key][...] = raw[key] * np.float32(dp.loss_scale)
+            dp.push(key)
+        return dp.synchronize()
+
+    def mismatch():
+        with pytest.raises(gflow.MismatchError, match=r"loss scales differ \(from 64 to 4096"):
+            step()
+
+    on_all_ranks(mismatch)
+    scaler.load_state_dict(gflow.LossScaler(init_scale=2.0**6, growth_interval=100).state_dict())
+
+    def recovered():
+        assert step() is True
+        for key in params:
+            assert_close_to_reference(grads[key], raw[key], "mean")
+
+    on_all_ranks(recovered)
+
+
 @pytest.mark.parallel([1, 2, 3])
 def test_bad_pushes_raise_clear_errors_and_the_next_step_works():
     params = make_params(6)
