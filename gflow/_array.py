@@ -163,6 +163,10 @@ class HostArrays:
         """The result as the caller gets it, once nothing of gflow's is pending on it."""
         return result
 
+    def written(self, x) -> None:
+        """gflow wrote into x behind its library's back (through a view): tell the library. Nothing
+        to tell NumPy."""
+
 
 HOST = HostArrays()
 

@@ -10,6 +10,7 @@ tensor arrives, so `import gflow` never imports torch.
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 
 from ._array import HOST
 from ._validate import BFLOAT16
@@ -23,6 +24,13 @@ _NUMPY_OF = {
     torch.bfloat16: BFLOAT16,
 }
 _TORCH_OF = {dtype: t for t, dtype in _NUMPY_OF.items()}
+
+
+def _written(x) -> None:
+    """gflow wrote into the tensor x through a view torch does not track (NumPy's, or the CUDA array
+    interface): bump its version counter as a torch in-place op would, so that autograd refuses a
+    backward that saved x before (instead of silently using the new values)."""
+    increment_version(x)
 
 
 def _check_tensor(x, name: str) -> np.dtype:
@@ -108,7 +116,11 @@ class TorchCPU:
         return fn
 
     def done(self, result):
+        self.written(result)
         return result
+
+    def written(self, x) -> None:
+        _written(x)
 
 
 def _cuda_view(x):
@@ -196,7 +208,12 @@ class TorchCUDA:
         return self._device.in_background(fn, *(_cuda_view(a) for a in arrays))
 
     def done(self, result):
-        return self._device.done(result)
+        self._device.done(result)
+        self.written(result)
+        return result
+
+    def written(self, x) -> None:
+        _written(x)
 
 
 TORCH_CPU = TorchCPU()

@@ -135,6 +135,7 @@ class LossScaler:
         flat = kind.read(grad, "grad")  # a copy only for a non-contiguous host array: written back
         overflow = kind.ops.cast_scaled(flat, flat, 1.0 / self._scale)
         kind.write_back(grad, flat)
+        kind.written(grad)
         return overflow
 
     def update(self, overflow: bool) -> bool:

@@ -240,7 +240,9 @@ def _allreduce_compressed(ctx: CommContext, kind, x, result, name: str, algorith
     allreduce_on(
         ctx, wire, "sum" if name == "mean" else name, wire, algorithm, None, tag, holds=wire_dtype(codec)
     )
-    if decode(ops, dst, wire):
+    overflow = decode(ops, dst, wire)
+    kind.done(result)
+    if overflow:
         raise CompressionOverflowError(overflow_message("allreduce", codec))
     return result
 

@@ -151,7 +151,7 @@ class LazyAllreduce:
         self._reset()
 
     def _reset(self) -> None:
-        self._members: list = []  # (flat view, kind of array) waiting for the next segment
+        self._members: list = []  # (flat view, kind, the array pushed) waiting for the next segment
         self._member_arrays: list = []  # the arrays pushed, for telling pool views apart
         self._member_scales: list = []  # what each pushed array is multiplied by on its way in
         self._pending_bytes = 0
@@ -229,7 +229,7 @@ class LazyAllreduce:
             flat.dtype != self._members[0][0].dtype or kind.ops is not self._members[0][1].ops
         ):
             self._fire()  # a segment holds one dtype and one kind of memory
-        self._members.append((flat, kind))
+        self._members.append((flat, kind, grad))
         self._member_arrays.append(grad)
         self._member_scales.append(scale)
         on_wire = 2 if (self.compression and not self.sparse) else dtype.itemsize
@@ -266,7 +266,7 @@ class LazyAllreduce:
         ops = kind.ops
         cast = self.compression and not self.sparse  # CSC keeps residuals in full precision
         dtype = wire_dtype(self.compression) if cast else holds(members[0][0].dtype)  # (views' bits)
-        total = sum(m.size for m, _ in members)
+        total = sum(m.size for m, _, _ in members)
         index = len(self._fired)
         csc = self._csc.get(index) if self.sparse else None
         if csc is not None and csc.residual is not None and csc.residual.size != total:
@@ -290,12 +290,12 @@ class LazyAllreduce:
             # result back at flush(), so that a failed step leaves them as they are; or, when asked,
             # straight into the pool.
             source = in_pool
-            members = [] if self._reduce_in_place else [(source, kind)]
+            members = [] if self._reduce_in_place else [(source, kind, None)]
             if self._reduce_in_place:
                 buffer = source
         else:
             source, offset = buffer, 0
-            for (flat, _), scale in zip(members, scales, strict=True):
+            for (flat, _, _), scale in zip(members, scales, strict=True):
                 piece = buffer[offset : offset + flat.size]
                 if cast:
                     encode(ops, piece, flat, name, ctx.size, scale)
@@ -490,7 +490,7 @@ class LazyAllreduce:
             if csc is not None:
                 csc.commit()
             offset = 0
-            for flat, kind in members:
+            for flat, kind, _ in members:
                 piece = result[offset : offset + flat.size]
                 if self.compression and not self.sparse:
                     overflow |= decode(kind.ops, flat, piece)
@@ -499,6 +499,9 @@ class LazyAllreduce:
                 offset += flat.size
             if members:
                 members[0][1].ops.fence()
+            for _, kind, pushed in members:
+                if pushed is not None:
+                    kind.written(pushed)
         if tuning:
             if agreed is not None:
                 line = tuner.agreed(agreed, ctx.size)
