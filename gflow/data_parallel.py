@@ -200,6 +200,9 @@ class DataParallel:
         n = len(keys)
         self._slot_of = {key: n - 1 - i for i, key in enumerate(keys)}
         self._slot_params = arrays[::-1]
+        # Named parameters are agreed on by name too (LazyAllreduce.push): ranks that list two
+        # parameters of one shape in another order fail instead of averaging one into the other.
+        self._slot_names = keys[::-1] if self._named else [None] * n
         self._slot_shapes, self._slot_dtypes = shapes[::-1], dtypes[::-1]
         self._buffers = None  # per slot, what gradient_buffers() handed out
         self._zeros: dict = {}  # per slot, a zero gradient for a parameter unused on this rank
@@ -327,15 +330,16 @@ class DataParallel:
             self._next += 1
             if self._error is not None:
                 continue  # the step failed here; LazyAllreduce ignores its pushes anyway
+            name = self._slot_names[self._next - 1]
             if self._scaler is not None and self._lazy.sparse is not None:
                 # A sparse residual carries gradients from step to step: it must hold them unscaled,
                 # or a change of scale would mix units. They are unscaled on their way into the
                 # fusion buffer, so a failed step leaves the pushed array as it was (a retry neither
                 # loses nor doubles it). Non-finite values still fail the step on every rank
                 # (SparseAllreduce's NonFiniteError), which synchronize() counts as an overflow.
-                self._lazy.push(grad, scale=1.0 / self._scaler.scale)
+                self._lazy.push(grad, scale=1.0 / self._scaler.scale, name=name)
             else:
-                self._lazy.push(grad)
+                self._lazy.push(grad, name=name)
 
     def _fail(self, error: Exception) -> None:
         """This rank's step failed before its reduction: synchronize() raises `error` here. A gradient

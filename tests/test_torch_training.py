@@ -4,6 +4,7 @@ without synchronize(), parameters unfrozen or added after wrapping, momentum sch
 blocking collectives on some ranks only, and the errors that name their cause. Each at 2-3 ranks,
 against a float64 reference or MPI's own collectives."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import WORLD, on_all_ranks
@@ -76,3 +77,102 @@ def test_the_optimizers_reduced_gradients_bump_the_version_counter():
     on_all_ranks(check)
     with opt.skip_synchronize():
         opt.step()
+
+
+# --- item 3: names are agreed on -------------------------------------------------------------------
+
+
+@pytest.mark.parallel(SIZES)
+def test_async_calls_under_names_in_another_order_fail_on_every_rank():
+    """Two same-shape tensors started in the other order on the last rank, under their names: they
+    came back mixed (a = 55.5 and b = 55.5 where 6 and 105 were right); now MismatchError on every
+    rank. In the same order they reduce right, and unnamed calls still match by order."""
+    a = torch.full((4,), 1.0 + WORLD.rank)
+    b = torch.full((4,), 100.0 + WORLD.rank)
+    p = WORLD.size
+    want_a, want_b = sum(1.0 + r for r in range(p)), sum(100.0 + r for r in range(p))
+
+    def same_order():
+        ha = hvd.allreduce_async(a, name="a", op=hvd.Sum)
+        hb = hvd.allreduce_async(b, name="b", op=hvd.Sum)
+        assert torch.equal(hvd.synchronize(ha), torch.full((4,), want_a))
+        assert torch.equal(hvd.synchronize(hb), torch.full((4,), want_b))
+
+    on_all_ranks(same_order)
+    swapped = WORLD.rank == p - 1
+
+    def other_order():
+        order = [("b", b), ("a", a)] if swapped else [("a", a), ("b", b)]
+        handles = [hvd.allreduce_async(t, name=n, op=hvd.Sum) for n, t in order]
+        errors = []
+        for h in handles:
+            try:
+                hvd.synchronize(h)
+            except hvd.HorovodInternalError as exc:
+                errors.append(exc)
+        assert errors and isinstance(errors[0], gflow.MismatchError), errors
+        assert "name='a'" in str(errors[0]) or "name='b'" in str(errors[0]), str(errors[0])
+
+    on_all_ranks(other_order)
+    on_all_ranks(same_order)  # the channel recovered
+
+    def blocking_and_broadcast_names():
+        names = ("x", "y") if not swapped else ("y", "x")
+        with pytest.raises(gflow.MismatchError):
+            hvd.allreduce(a, name=names[0])
+        with pytest.raises(gflow.MismatchError):
+            hvd.broadcast(a, 0, name=names[1])
+        with pytest.raises(gflow.MismatchError):
+            hvd.allgather(a, name=names[0])
+        assert torch.equal(hvd.allgather(a, name="z")[:4], torch.full((4,), 1.0))
+
+    on_all_ranks(blocking_and_broadcast_names)
+
+
+class TwoTwins(torch.nn.Module):
+    """Two layers of the same shapes: only their names tell their gradients apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.second = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+@pytest.mark.parallel(SIZES)
+def test_named_parameters_in_another_order_fail_on_every_rank():
+    """named_parameters passed in another order on one rank: the push-order checksum covered shapes
+    only, so first's gradient was averaged with second's; the names now join it."""
+    torch.manual_seed(0)
+    model = TwoTwins()
+    named = list(model.named_parameters())
+    if WORLD.rank == WORLD.size - 1:
+        named = named[2:] + named[:2]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named)
+    torch.manual_seed(WORLD.rank)
+
+    def check():
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(gflow.MismatchError):
+            opt.step()
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_data_parallel_parameters_in_another_order_fail_on_every_rank():
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(5).astype(np.float32) for k in ("a", "b", "c")}
+    if WORLD.rank == WORLD.size - 1:
+        params = {k: params[k] for k in ("b", "a", "c")}
+    dp = gflow.DataParallel(params, threshold_bytes=8)
+
+    def check():
+        for key in reversed(list(params)):
+            dp.push(key, np.full(5, float(WORLD.rank), np.float32))
+        with pytest.raises(gflow.MismatchError):
+            dp.synchronize()
+
+    on_all_ranks(check)

@@ -174,9 +174,13 @@ class LazyAllreduce:
             self._filling_since = None
             self._fired.append((rejected_in_background(context(self._comm), "lazy", error), [], None))
 
-    def push(self, grad, *, scale: float = 1.0) -> None:
+    def push(self, grad, *, scale: float = 1.0, name: str | None = None) -> None:
         """Queue grad for reduction; the result is written into it by flush(). Do not modify grad
         until then.
+
+        `name`, when given, joins the push-order checksum beside the shape: ranks that push two
+        tensors of one shape in another order, under their names, fail the step on every rank
+        (MismatchError) instead of swapping their values.
 
         `scale` multiplies grad's values on their way into the fusion buffer (grad itself is not
         changed, so a failed step leaves it as pushed): how a loss-scaled gradient is unscaled
@@ -217,6 +221,8 @@ class LazyAllreduce:
                 return
             self._checked_dtype = dtype if kind is HOST else None
         pushed = _SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype], len(shape)) + _shape_bytes(shape)
+        if name is not None:
+            pushed += str(name).encode()
         self._pushes += 1
         if timeline._active is not None and self._filling_since is None:
             self._filling_since = time.time_ns()  # the segment's first push (see _fire)

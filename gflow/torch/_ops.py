@@ -1,8 +1,10 @@
 """Horovod's collectives on torch tensors, over gflow's collectives (tensors in, tensors out).
 
 Where this differs from Horovod, and why:
-- Every rank must start its collectives in the same order (MPI's rule, and gflow's). Names (`name=`)
-  are accepted and used only in messages, not to match operations across ranks.
+- Every rank must start its collectives in the same order (MPI's rule, and gflow's). A `name=`, when
+  given, is agreed on with the shapes: two tensors of one shape started in another order on some
+  rank, under their names, fail with MismatchError on every rank instead of coming back swapped
+  (Horovod matches them by name; without names, gflow cannot tell two same-shape tensors apart).
 - allreduce and the allreduce_async family run on gflow's background thread (gflow.allreduce_async);
   blocking allreduce/allreduce_ runs in the caller's thread. allgather and broadcast have no
   background form in gflow: their *_async variants run at the call and return a finished handle
@@ -191,6 +193,11 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _named(name) -> str:
+    """'name='w', ' in a MismatchError, when the user gave one."""
+    return "" if name is None else f"name={name!r}, "
+
+
 def _tensors_text(tensors) -> str:
     """How this rank's tensors read in a MismatchError."""
     if len(tensors) == 1:
@@ -227,8 +234,9 @@ def _scaled(t, factor: float):
 class _Plan:
     """One allreduce, checked: what to send, how, and what to do with the result."""
 
-    def __init__(self, tensor, output, op, prescale, postscale, compression, where, members=None):
-        """members: the tensors `tensor` fuses (grouped_allreduce), whose shapes the ranks agree on."""
+    def __init__(self, tensor, output, op, prescale, postscale, compression, where, members=None, name=None):
+        """members: the tensors `tensor` fuses (grouped_allreduce), whose shapes the ranks agree on;
+        name: the user's name= (agreed on too, when given)."""
         check_tensor(tensor, where, in_place=output is not None, reduce=True)
         prescale = _check_factor(prescale, where, "prescale_factor")
         postscale = _check_factor(postscale, where, "postscale_factor")
@@ -256,10 +264,10 @@ class _Plan:
         # so gflow's own signature would not tell them apart.
         members = [tensor] if members is None else members
         shapes = [(_dtype_name(t.dtype), tuple(t.shape)) for t in members]
-        self.tag = ("allreduce", _fingerprint(shapes, int(op), prescale, postscale))
+        self.tag = ("allreduce", _fingerprint(shapes, int(op), prescale, postscale, name))
         self.about = (
-            f"{_tensors_text(members)}, op={_basics.OP_NAMES[op]}, prescale_factor={prescale}, "
-            f"postscale_factor={postscale}"
+            f"{_named(name)}{_tensors_text(members)}, op={_basics.OP_NAMES[op]}, "
+            f"prescale_factor={prescale}, postscale_factor={postscale}"
         )
 
     def finish(self, result):
@@ -277,9 +285,9 @@ class _Plan:
         return self.out
 
 
-def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, where):
+def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, where, name=None):
     try:
-        plan = _Plan(tensor, output, op, prescale, postscale, compression, where)
+        plan = _Plan(tensor, output, op, prescale, postscale, compression, where, name=name)
     except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
         _reject_blocking("allreduce", exc)
     try:
@@ -294,9 +302,9 @@ def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, wh
     return plan.finish(result)
 
 
-def _allreduce_async(tensor, output, op, prescale, postscale, compression, where) -> int:
+def _allreduce_async(tensor, output, op, prescale, postscale, compression, where, name=None) -> int:
     try:
-        plan = _Plan(tensor, output, op, prescale, postscale, compression, where)
+        plan = _Plan(tensor, output, op, prescale, postscale, compression, where, name=name)
     except Exception as exc:  # noqa: BLE001
         return _reject_async("allreduce", exc)
     if plan.product:  # no background form: run now, report at synchronize()
@@ -340,7 +348,9 @@ def allreduce_async(
         exc = _process_set_error(process_set, "allreduce_async")
     if exc is not None:
         return _reject_async("allreduce", exc)
-    return _allreduce_async(tensor, None, op, prescale_factor, postscale_factor, None, "allreduce_async")
+    return _allreduce_async(
+        tensor, None, op, prescale_factor, postscale_factor, None, "allreduce_async", name=name
+    )
 
 
 def allreduce_async_(
@@ -352,7 +362,9 @@ def allreduce_async_(
         exc = _process_set_error(process_set, "allreduce_async_")
     if exc is not None:
         return _reject_async("allreduce", exc)
-    return _allreduce_async(tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_async_")
+    return _allreduce_async(
+        tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_async_", name=name
+    )
 
 
 def allreduce_(
@@ -364,7 +376,9 @@ def allreduce_(
         exc = _process_set_error(process_set, "allreduce_")
     if exc is not None:
         _reject_blocking("allreduce", exc)
-    return _allreduce_blocking(tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_")
+    return _allreduce_blocking(
+        tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_", name=name
+    )
 
 
 def _process_set_error(process_set, where):
@@ -377,9 +391,9 @@ def _process_set_error(process_set, where):
 
 class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale, compression):
+    def forward(ctx, tensor, op, prescale, postscale, compression, name):
         ctx.args = (op, prescale, postscale, compression)
-        return _allreduce_blocking(tensor, None, op, prescale, postscale, compression, "allreduce")
+        return _allreduce_blocking(tensor, None, op, prescale, postscale, compression, "allreduce", name)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -396,7 +410,7 @@ class _AllreduceFunction(torch.autograd.Function):
             prescale_factor=prescale,
             postscale_factor=postscale,
         )
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def allreduce(
@@ -429,16 +443,16 @@ def allreduce(
         _reject_blocking("allreduce", exc)
     if compressor is not None:
         compressed, cctx = compressor.compress(tensor)
-        reduced = _AllreduceFunction.apply(compressed, op, prescale_factor, postscale_factor, None)
+        reduced = _AllreduceFunction.apply(compressed, op, prescale_factor, postscale_factor, None, name)
         return compressor.decompress(reduced, cctx)
     wire = compression if cname else None
-    return _AllreduceFunction.apply(tensor, op, prescale_factor, postscale_factor, wire)
+    return _AllreduceFunction.apply(tensor, op, prescale_factor, postscale_factor, wire, name)
 
 
 # --- grouped allreduce -------------------------------------------------------------------------------
 
 
-def _grouped_start(tensors, in_place, op, prescale, postscale, compression, where) -> int:
+def _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name=None) -> int:
     """Fuse the tensors of each (device, dtype) into one flat buffer, allreduce each buffer in the
     background, and split the results back (in place, or into new tensors)."""
     try:
@@ -456,7 +470,9 @@ def _grouped_start(tensors, in_place, op, prescale, postscale, compression, wher
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
             # Every group's allreduce carries the fingerprint of all the tensors' shapes, in order:
             # the flat buffers alone would let [(3,), (2,)] meet [(2,), (3,)] and mix their elements.
-            plan = _Plan(flat, flat, op, prescale, postscale, compression, where, members=list(tensors))
+            plan = _Plan(
+                flat, flat, op, prescale, postscale, compression, where, members=list(tensors), name=name
+            )
             plans.append((members, plan))
     except Exception as exc:  # noqa: BLE001
         return _reject_async("allreduce", exc)
@@ -491,13 +507,15 @@ def _grouped_start(tensors, in_place, op, prescale, postscale, compression, wher
     return _register(_Pending([h for h in handles if h is not None], finish))
 
 
-def _grouped(tensors, in_place, average, op, prescale, postscale, process_set, compression, where) -> int:
+def _grouped(
+    tensors, in_place, average, op, prescale, postscale, process_set, compression, where, name=None
+) -> int:
     op, exc = _op_args(op, average, where)
     if exc is None:
         exc = _process_set_error(process_set, where)
     if exc is not None:
         return _reject_async("allreduce", exc)
-    return _grouped_start(tensors, in_place, op, prescale, postscale, compression, where)
+    return _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name)
 
 
 def grouped_allreduce_async(
@@ -514,6 +532,7 @@ def grouped_allreduce_async(
         process_set,
         None,
         "grouped_allreduce_async",
+        name,
     )
 
 
@@ -531,6 +550,7 @@ def grouped_allreduce_async_(
         process_set,
         None,
         "grouped_allreduce_async_",
+        name,
     )
 
 
@@ -538,18 +558,17 @@ def grouped_allreduce_(
     tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ):
     """Reduce a list of tensors in place (fused); return the list."""
-    handle = _grouped(
-        tensors, True, average, op, prescale_factor, postscale_factor, process_set, None, "grouped_allreduce_"
-    )
+    pre, post, where = prescale_factor, postscale_factor, "grouped_allreduce_"
+    handle = _grouped(tensors, True, average, op, pre, post, process_set, None, where, name)
     return synchronize(handle)
 
 
 class _GroupedAllreduceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, prescale, postscale, compression, *tensors):
+    def forward(ctx, op, prescale, postscale, compression, name, *tensors):
         ctx.args = (op, prescale, postscale, compression)
         handle = _grouped_start(
-            list(tensors), False, op, prescale, postscale, compression, "grouped_allreduce"
+            list(tensors), False, op, prescale, postscale, compression, "grouped_allreduce", name
         )
         return tuple(synchronize(handle))
 
@@ -567,7 +586,7 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
             prescale_factor=prescale,
             postscale_factor=postscale,
         )
-        return (None, None, None, None, *reduced)
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(
@@ -598,11 +617,11 @@ def grouped_allreduce(
     if compressor is not None:
         pairs = [compressor.compress(t) for t in tensors]
         reduced = _GroupedAllreduceFunction.apply(
-            op, prescale_factor, postscale_factor, None, *[c for c, _ in pairs]
+            op, prescale_factor, postscale_factor, None, name, *[c for c, _ in pairs]
         )
         return [compressor.decompress(r, cctx) for r, (_, cctx) in zip(reduced, pairs, strict=True)]
     wire = compression if cname else None
-    return list(_GroupedAllreduceFunction.apply(op, prescale_factor, postscale_factor, wire, *tensors))
+    return list(_GroupedAllreduceFunction.apply(op, prescale_factor, postscale_factor, wire, name, *tensors))
 
 
 # --- allgather ---------------------------------------------------------------------------------------
@@ -628,17 +647,18 @@ def _from_words(words, nbytes, dtype, tail_shape):
     return raw.view(dtype).reshape(shape)
 
 
-def _agreed(x, shape):
+def _agreed(x, shape, name=None):
     """What the ranks of an allgather or broadcast agree on besides gflow's own signature: the
     tensor's `shape` (allgather: its axes after the first) and torch dtype, which dtypes moved as int32
-    words would otherwise not show; and how this rank's tensor reads in a MismatchError."""
-    about = f"a tensor of shape {tuple(x.shape)} and dtype {_dtype_name(x.dtype)}"
+    words would otherwise not show, and the user's name=; and how this rank's call reads in a
+    MismatchError."""
+    about = f"{_named(name)}a tensor of shape {tuple(x.shape)} and dtype {_dtype_name(x.dtype)}"
     if x.dtype not in _MOVABLE_DIRECT:
         about += " (moved as int32 words)"
-    return _fingerprint(_dtype_name(x.dtype), tuple(shape)), about
+    return _fingerprint(_dtype_name(x.dtype), tuple(shape), name), about
 
 
-def _allgather_now(tensor, where):
+def _allgather_now(tensor, where, name=None):
     try:
         check_tensor(tensor, where)
         x = tensor.detach()
@@ -646,7 +666,7 @@ def _allgather_now(tensor, where):
             words, nbytes = x.contiguous(), None
         else:
             words, nbytes = _to_words(x)
-        fingerprint, about = _agreed(x, x.shape[1:])
+        fingerprint, about = _agreed(x, x.shape[1:], name)
     except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
         _reject_blocking("allgather", exc)
     try:
@@ -665,7 +685,7 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
     try:
         if exc is not None:
             _reject_blocking("allgather", exc)
-        result = _allgather_now(tensor, "allgather_async")
+        result = _allgather_now(tensor, "allgather_async", name)
     except Exception as error:  # noqa: BLE001 - reported by synchronize(), as for the others
         return _register(_Pending(error=error))
     return _register(_Pending([], lambda _: result))
@@ -673,10 +693,10 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
 
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor):
+    def forward(ctx, tensor, name):
         ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
         ctx.scalar = tensor.dim() == 0
-        return _allgather_now(tensor, "allgather")
+        return _allgather_now(tensor, "allgather", name)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -684,7 +704,7 @@ class _AllgatherFunction(torch.autograd.Function):
         sizes = gflow.allgather(torch.tensor([ctx.dim0], dtype=torch.int64), comm=_comm())
         offset = int(sizes[: _basics.rank()].sum())
         grad = reduced.narrow(0, offset, ctx.dim0)
-        return grad.reshape(()) if ctx.scalar else grad
+        return grad.reshape(()) if ctx.scalar else grad, None
 
 
 def allgather(tensor, name=None, process_set=None):
@@ -695,13 +715,13 @@ def allgather(tensor, name=None, process_set=None):
         exc = TypeError(f"allgather: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if exc is not None:
         _reject_blocking("allgather", exc)
-    return _AllgatherFunction.apply(tensor)
+    return _AllgatherFunction.apply(tensor, name)
 
 
 # --- broadcast ---------------------------------------------------------------------------------------
 
 
-def _broadcast_now(tensor, root_rank, in_place: bool, where):
+def _broadcast_now(tensor, root_rank, in_place: bool, where, name=None):
     try:
         check_tensor(tensor, where, in_place=in_place)
         if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
@@ -713,7 +733,7 @@ def _broadcast_now(tensor, root_rank, in_place: bool, where):
             words = nbytes = None
         else:
             words, nbytes = _to_words(x.reshape(1, x.numel()))
-        fingerprint, about = _agreed(x, x.shape)
+        fingerprint, about = _agreed(x, x.shape, name)
     except Exception as exc:  # noqa: BLE001
         _reject_blocking("broadcast", exc)
     root, ctx = int(root_rank), context(_comm())
@@ -733,12 +753,12 @@ def _broadcast_now(tensor, root_rank, in_place: bool, where):
     return result
 
 
-def _broadcast_async(tensor, root_rank, process_set, in_place, where) -> int:
+def _broadcast_async(tensor, root_rank, process_set, in_place, where, name=None) -> int:
     exc = _process_set_error(process_set, where)
     try:
         if exc is not None:
             _reject_blocking("broadcast", exc)
-        result = _broadcast_now(tensor, root_rank, in_place, where)
+        result = _broadcast_now(tensor, root_rank, in_place, where, name)
     except Exception as error:  # noqa: BLE001 - reported by synchronize()
         return _register(_Pending(error=error))
     return _register(_Pending([], lambda _: result))
@@ -747,12 +767,12 @@ def _broadcast_async(tensor, root_rank, process_set, in_place, where) -> int:
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
     """root_rank's tensor on every rank (a new tensor; the input is not modified). Runs at the call;
     synchronize() returns the result."""
-    return _broadcast_async(tensor, root_rank, process_set, False, "broadcast_async")
+    return _broadcast_async(tensor, root_rank, process_set, False, "broadcast_async", name)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
     """As broadcast_async, in place: synchronize() returns `tensor`, holding root_rank's values."""
-    return _broadcast_async(tensor, root_rank, process_set, True, "broadcast_async_")
+    return _broadcast_async(tensor, root_rank, process_set, True, "broadcast_async_", name)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
@@ -760,21 +780,21 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
     exc = _process_set_error(process_set, "broadcast_")
     if exc is not None:
         _reject_blocking("broadcast", exc)
-    return _broadcast_now(tensor, root_rank, True, "broadcast_")
+    return _broadcast_now(tensor, root_rank, True, "broadcast_", name)
 
 
 class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank):
+    def forward(ctx, tensor, root_rank, name):
         ctx.root_rank = root_rank
-        return _broadcast_now(tensor, root_rank, False, "broadcast")
+        return _broadcast_now(tensor, root_rank, False, "broadcast", name)
 
     @staticmethod
     def backward(ctx, grad_output):
         grad = allreduce(grad_output.contiguous(), op=Average)
         if _basics.rank() != ctx.root_rank:
             grad = torch.zeros_like(grad)
-        return grad, None
+        return grad, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
@@ -785,7 +805,7 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
         exc = TypeError(f"broadcast: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if exc is not None:
         _reject_blocking("broadcast", exc)
-    return _BroadcastFunction.apply(tensor, root_rank)
+    return _BroadcastFunction.apply(tensor, root_rank, name)
 
 
 # --- barrier and join --------------------------------------------------------------------------------
