@@ -402,6 +402,11 @@ class DataParallel:
         self.step_count += 1
         return apply
 
+    def set_momentum(self, momentum: float) -> None:
+        """With sparse=: change CSC's momentum correction factor between steps, on every rank alike
+        (a momentum schedule). See LazyAllreduce.set_momentum."""
+        self._lazy.set_momentum(momentum)
+
     def _zero_gradient(self, slot: int):
         if self._buffers is not None:
             grad = self._buffers[slot]

@@ -476,6 +476,10 @@ def test_bad_arguments_are_named():
             opt.zero_grad()
         with pytest.raises(AssertionError, match="backward_passes_per_step"):
             rank_loss(model, x, y, r)
+        with pytest.raises(RuntimeError, match="changed after backward sent it"):
+            opt.step()  # that backward accumulated into a gradient already sent: not applied
+        opt.zero_grad()
+        rank_loss(model, x, y, r)
         opt.step()
         with warnings.catch_warnings():
             warnings.simplefilter("error")

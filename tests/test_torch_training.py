@@ -7,7 +7,7 @@ against a float64 reference or MPI's own collectives."""
 import numpy as np
 import pytest
 import torch
-from helpers import WORLD, on_all_ranks
+from helpers import WORLD, assert_same_on_all_ranks, on_all_ranks
 
 import gflow
 import gflow.torch as hvd
@@ -176,3 +176,351 @@ def test_data_parallel_parameters_in_another_order_fail_on_every_rank():
             dp.synchronize()
 
     on_all_ranks(check)
+
+
+# --- items 1, 2, 13: AMP, gradients changed between backward and step, clear errors ----------------
+
+
+PER_RANK = 4
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.body = torch.nn.Linear(6, width)
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def data(steps, features=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    n = WORLD.size * PER_RANK
+    return [
+        (torch.randn(n, features, generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(steps)
+    ]
+
+
+def local_loss(model, x, y, factor=1.0):
+    r = WORLD.rank
+    xs, ys = x[r * PER_RANK : (r + 1) * PER_RANK], y[r * PER_RANK : (r + 1) * PER_RANK]
+    return torch.nn.functional.cross_entropy(model(xs), ys) * factor
+
+
+def reference_step(ref, ref_opt, x, y, clip=None):
+    """The same step in one process, float64, on every rank's samples (the ranks' losses averaged)."""
+    ref_opt.zero_grad()
+    torch.nn.functional.cross_entropy(ref(x.double()), y).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    ref_opt.step()
+
+
+def assert_identical(model):
+    for name, p in model.named_parameters():
+        try:
+            assert_same_on_all_ranks(p.detach().numpy())
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+
+
+def assert_close(model, ref, atol=1e-5):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().double(), q.detach(), atol=atol, rtol=1e-4, msg=name)
+
+
+def amp_step(opt, scaler, loss, pattern, model, clip=None):
+    """One step of torch AMP in one of the patterns trainers write."""
+    scaler.scale(loss).backward()
+    if pattern == "horovod":  # Horovod's documented recipe
+        opt.synchronize()
+        scaler.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+    else:  # PyTorch's own lines, no synchronize(): "plain", or with unscale_ and clipping
+        if pattern == "unscale":
+            scaler.unscale_(opt)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parallel(SIZES)
+def test_torch_amp_without_synchronize_applies_the_unscaled_average():
+    """scaler.scale(loss).backward(); scaler.step(opt); scaler.update() with no synchronize():
+    the segments sent during backward reached step() still scaled (460.8 where 0.45 was right, or
+    65,536x too far). GradScaler now unscales the reduced gradients: every pattern equals the float64
+    reference, bitwise alike on every rank, with a 1-byte threshold (every gradient sent during
+    backward), the default one, and a model over the default 25 MiB."""
+    cases = [
+        ("plain", 1, 8),
+        ("unscale", 1, 8),
+        ("horovod", 1, 8),
+        ("plain", None, 8),
+        ("unscale", None, 2600),
+    ]
+    for pattern, threshold, width in cases:
+
+        def check(pattern=pattern, threshold=threshold, width=width):
+            torch.manual_seed(0)
+            model = Net(width)
+            ref = Net(width).double()
+            ref.load_state_dict(model.state_dict())
+            kw = {} if threshold is None else {"threshold_bytes": threshold}
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                named_parameters=model.named_parameters(), **kw,
+            )  # fmt: skip
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+            clip = 0.05 if pattern != "plain" else None
+            for x, y in data(3, seed=width):
+                opt.zero_grad()
+                amp_step(opt, scaler, local_loss(model, x, y), pattern, model, clip)
+                reference_step(ref, ref_opt, x, y, clip)
+                assert_identical(model)
+                assert_close(model, ref)
+            assert scaler.get_scale() == 2.0**19  # three good steps, growing each
+
+        on_all_ranks(check, f"{pattern} threshold={threshold} width={width}")
+
+
+@pytest.mark.parallel(SIZES)
+def test_one_ranks_local_overflow_skips_the_step_on_every_rank():
+    """One rank's local gradient holds inf: its GradScaler skipped step() alone, so it never
+    synchronized (a misleading zero_grad AssertionError, or a hang). The overflow is now found in the
+    reduced gradient: every rank skips that step, every rank's scale backs off alike, and training
+    goes on equal to the reference that skipped it too."""
+    bad_rank = WORLD.size - 1
+    for pattern in ("plain", "unscale", "horovod"):
+
+        def check(pattern=pattern):
+            torch.manual_seed(0)
+            model = Net()
+            ref = Net().double()
+            ref.load_state_dict(model.state_dict())
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                threshold_bytes=1,
+            )  # fmt: skip
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
+            for step, (x, y) in enumerate(data(4)):
+                before = [p.detach().clone() for p in model.parameters()]
+                opt.zero_grad()
+                overflow = step == 1
+                factor = 1e38 if overflow and WORLD.rank == bad_rank else 1.0
+                amp_step(opt, scaler, local_loss(model, x, y, factor), pattern, model)
+                if overflow:
+                    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+                else:
+                    reference_step(ref, ref_opt, x, y)
+                assert WORLD.allgather(scaler.get_scale()) == [scaler.get_scale()] * WORLD.size
+                assert scaler.get_scale() == (2.0**9 if step >= 1 else 2.0**10)
+                assert_identical(model)
+                assert_close(model, ref)
+
+        on_all_ranks(check, pattern)
+
+
+@pytest.mark.parallel(SIZES)
+def test_a_gradient_changed_between_backward_and_step_fails_on_every_rank():
+    """A change to p.grad after backward sent it and before step() was kept or dropped by timing
+    (clip_grad_norm_ without synchronize(), model.zero_grad(), p.grad = ...). Defined now: the step
+    fails on every rank with a RuntimeError that names the parameter and the cause, nothing is
+    applied, and the next step is right."""
+    changes = {
+        "clip_grad_norm_ on every rank": (
+            None,
+            lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
+        ),
+        "model.zero_grad() on rank 0": (0, lambda m: m.zero_grad()),
+        "p.grad replaced on the last rank": (
+            -1,
+            lambda m: setattr(m.head.bias, "grad", m.head.bias.grad * 2),
+        ),
+        "in place on the last rank": (-1, lambda m: m.body.weight.grad.mul_(3)),
+    }
+    for label, (who, change) in changes.items():
+
+        def check(who=who, change=change):
+            torch.manual_seed(0)
+            model = Net()
+            ref = Net().double()
+            ref.load_state_dict(model.state_dict())
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                threshold_bytes=1,
+            )  # fmt: skip
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            (x, y), (x2, y2) = data(2)
+            local_loss(model, x, y).backward()
+            if who is None or WORLD.rank == who % WORLD.size:
+                change(model)
+            before = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(RuntimeError, match="changed after backward sent it") as info:
+                opt.step()
+            if who is not None and WORLD.rank == who % WORLD.size:
+                assert "here," in str(info.value)
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            opt.zero_grad()
+            local_loss(model, x2, y2).backward()
+            opt.step()
+            reference_step(ref, ref_opt, x2, y2)
+            assert_identical(model)
+            assert_close(model, ref)
+
+        on_all_ranks(check, label)
+
+
+@pytest.mark.parallel(SIZES)
+def test_errors_name_their_cause():
+    """model.zero_grad() between backward and step names the cause (it was an AttributeError about
+    NoneType.copy_); load_state_dict and state_dict mid-step name the method called (it said
+    'DataParallel.state_dict')."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), threshold_bytes=1)
+    state = opt.state_dict()
+    ((x, y),) = data(1)
+
+    def check():
+        local_loss(model, x, y).backward()
+        with pytest.raises(RuntimeError, match=r"DistributedOptimizer.load_state_dict: a step is in flight"):
+            opt.load_state_dict(state)
+        with pytest.raises(RuntimeError, match=r"DistributedOptimizer.state_dict: a step is in flight"):
+            opt.state_dict()
+        model.zero_grad()
+        with pytest.raises(RuntimeError, match=r"was cleared \(p.grad is None: model.zero_grad\(\)\?\)"):
+            opt.step()
+        opt.load_state_dict(state)  # between steps again
+
+    on_all_ranks(check)
+
+
+# --- item 5: parameters unfrozen or added after wrapping --------------------------------------------
+
+
+@pytest.mark.parallel(SIZES)
+def test_parameters_unfrozen_or_added_after_wrapping_are_reduced():
+    """A parameter frozen when the optimizer was wrapped and unfrozen later (requires_grad_(True)),
+    or appended to a param group, got no hook: each rank applied its own gradient and the replicas
+    drifted apart. The parameters to reduce are now taken at each step's start."""
+    for how in ("unfreeze", "append", "add_param_group", "freeze again"):
+
+        def check(how=how):
+            torch.manual_seed(0)
+            model = Net()
+            extra = torch.nn.Parameter(torch.randn(3))  # a bias added to the output from step 2 on
+            ref = Net().double()
+            ref.load_state_dict(model.state_dict())
+            ref_extra = torch.nn.Parameter(extra.detach().double().clone())
+            frozen = how in ("unfreeze", "freeze again")
+            if frozen:
+                model.body.weight.requires_grad_(False)
+            ref.body.weight.requires_grad_(not frozen)
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                named_parameters=model.named_parameters(), threshold_bytes=64,
+            )  # fmt: skip
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+            use_extra = False
+            for step, (x, y) in enumerate(data(5)):
+                if step == 2:
+                    if how == "unfreeze" or how == "freeze again":
+                        model.body.weight.requires_grad_(True)
+                        ref.body.weight.requires_grad_(True)
+                    elif how == "append":
+                        opt.param_groups[0]["params"].append(extra)
+                        ref_opt.param_groups[0]["params"].append(ref_extra)
+                        use_extra = True
+                    else:
+                        opt.add_param_group({"params": [extra]})
+                        ref_opt.add_param_group({"params": [ref_extra]})
+                        use_extra = True
+                if step == 4 and how == "freeze again":
+                    model.body.weight.requires_grad_(False)
+                    ref.body.weight.requires_grad_(False)
+                opt.zero_grad()
+                r = WORLD.rank
+                xs, ys = x[r * PER_RANK : (r + 1) * PER_RANK], y[r * PER_RANK : (r + 1) * PER_RANK]
+                out = model(xs) + (extra if use_extra else 0)
+                torch.nn.functional.cross_entropy(out, ys).backward()
+                opt.step()
+                ref_opt.zero_grad()
+                ref_out = ref(x.double()) + (ref_extra if use_extra else 0)
+                torch.nn.functional.cross_entropy(ref_out, y).backward()
+                ref_opt.step()
+                assert_identical(model)
+                assert_same_on_all_ranks(extra.detach().numpy())
+                assert_close(model, ref)
+                torch.testing.assert_close(extra.detach().double(), ref_extra.detach(), atol=1e-5, rtol=1e-4)
+            if how in ("append", "add_param_group"):  # names by place for a parameter named nowhere
+                assert any(k.startswith("param_groups.") for k in opt._gflow_keys)
+
+        on_all_ranks(check, how)
+
+
+# --- item 6: CSC's momentum and momentum schedules ----------------------------------------------------
+
+
+@pytest.mark.parallel(SIZES)
+def test_momentum_is_applied_once_whatever_the_schedule_or_state_dict():
+    """CSC takes SGD's momentum over and sets the groups' to 0; OneCycleLR/CyclicLR (cycle_momentum)
+    or a plain optimizer state dict put it back, and momentum was applied twice (3 steps of gradient 1
+    moved 0.561 instead of 0.300). The groups' momentum now becomes CSC's at each step. At density 1
+    CSC sends everything and masks the velocity it sent, so the update is plain SGD's: the reference
+    is SGD without momentum, on the same learning-rate schedule."""
+    schedules = {
+        "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=10),
+        "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.05, 0.2, step_size_up=2),
+        "plain state dict": None,
+    }
+    for label, schedule in schedules.items():
+
+        def check(label=label, schedule=schedule):
+            torch.manual_seed(0)
+            model = Net()
+            ref = Net().double()
+            ref.load_state_dict(model.state_dict())
+            sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            plain_state = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()
+            opt = hvd.DistributedOptimizer(
+                sgd, named_parameters=model.named_parameters(), sparse=dict(density=1.0, chunk_elems=4)
+            )
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            sched = ref_sched = None
+            if schedule is not None:
+                sched = schedule(opt)
+                # the same learning rates without momentum (cycle_momentum needs a momentum to cycle)
+                ref_sched = type(sched)(ref_opt, **_same_lr_schedule(label))
+            seen = []
+            for step, (x, y) in enumerate(data(5)):
+                if label == "plain state dict" and step == 2:
+                    opt.load_state_dict(plain_state)  # a state dict of the plain SGD: momentum 0.9
+                    assert opt._dp._lazy.sparse["momentum"] == 0.9
+                opt.zero_grad()
+                local_loss(model, x, y).backward()
+                opt.step()
+                seen.append(opt._dp._lazy.sparse["momentum"])
+                assert all(g["momentum"] == 0.0 for g in opt.param_groups) or sched is not None
+                reference_step(ref, ref_opt, x, y)
+                if sched is not None:
+                    sched.step()
+                    ref_sched.step()
+                assert_identical(model)
+                assert_close(model, ref)
+            if sched is not None:  # CSC's momentum followed the schedule
+                assert len(set(seen)) > 1, seen
+
+        on_all_ranks(check, label)
+
+
+def _same_lr_schedule(label: str) -> dict:
+    if label == "OneCycleLR":
+        return dict(max_lr=0.2, total_steps=10, cycle_momentum=False)
+    return dict(base_lr=0.05, max_lr=0.2, step_size_up=2, cycle_momentum=False)

@@ -333,6 +333,22 @@ class LazyAllreduce:
             self._filling_since = None
         self._fired.append((handle, members, csc))
 
+    def set_momentum(self, momentum: float) -> None:
+        """With sparse=: change CSC's momentum correction factor, in every segment, between steps
+        (a momentum schedule). Every rank changes it alike: the ranks agree on it in each segment.
+
+        Raises:
+            ValueError: not sparse, or momentum not in [0, 1). RuntimeError: a step is in flight.
+        """
+        if self.sparse is None:
+            raise ValueError("LazyAllreduce.set_momentum: momentum is CSC's; this object is dense")
+        if self._in_step():
+            raise RuntimeError("LazyAllreduce.set_momentum: a step is in flight (pushed, not flushed)")
+        SparseAllreduce(momentum=momentum)  # checks it before anything changes
+        for csc in self._csc.values():
+            csc.set_momentum(momentum)
+        self.sparse = dict(self.sparse, momentum=float(momentum))
+
     def _pool_run(self, pushed):
         """The piece of the pool holding `pushed` when they are consecutive arrays gradient_buffers()
         handed out, in order (then they already sit side by side, whatever the threshold); else None."""

@@ -128,6 +128,27 @@ class SparseAllreduce:
             return None
         return self._ops.shaped(self._state[1], self._shape)
 
+    def set_momentum(self, momentum: float) -> None:
+        """Change the momentum correction factor between steps (a momentum schedule: OneCycleLR,
+        CyclicLR). The velocity is kept while the momentum stays above 0, starts from zero when it
+        becomes so, and is dropped at 0. Every rank changes it alike (the ranks agree on it each step).
+
+        Raises:
+            ValueError: momentum not in [0, 1). RuntimeError: a step is in flight.
+        """
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float, np.floating)):
+            raise TypeError(f"momentum must be a number, got {type(momentum).__name__}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if self._staged is not None:
+            raise RuntimeError("SparseAllreduce.set_momentum: a step is in flight; change it between steps")
+        momentum = float(momentum)
+        if (momentum > 0) != (self.momentum > 0) and self._state is not None:
+            u, v = self._state
+            self._state = (self._ops.zeros(v.size if momentum else 0, np.dtype(v.dtype)), v)
+            self._spare = None  # (sized for the old velocity)
+        self.momentum = momentum
+
     def current_density(self) -> float:
         if self.warmup_steps and self.step_count < self.warmup_steps:
             return self.density ** (self.step_count / self.warmup_steps)

@@ -29,80 +29,150 @@ class _DistributedOptimizer:
     The class of a DistributedOptimizer derives from this one and from the wrapped optimizer's class,
     so isinstance(opt, torch.optim.SGD) holds, and shares the wrapped instance's attributes (param
     groups, state, hooks), so its state_dict is the wrapped optimizer's, plus gflow's under "gflow".
+
+    A step: the first gradient hook (or synchronize(), if no hook fired here) begins it, and takes
+    the parameters that require grad in the param groups now (a parameter unfrozen or added after
+    wrapping is reduced from then on); synchronize() ends it. What a gradient holds when backward
+    pushes it is what is reduced: a change to p.grad after that and before synchronize() (in place,
+    replaced or cleared) would be overwritten or lost, so it fails the step on every rank instead.
+    torch.amp.GradScaler reads the gradients first (unscale_ / step): gflow synchronizes before it
+    does, so it unscales and checks the reduced gradients, alike on every rank (see _before_unscale).
     """
 
     _gflow_wrapped = True
 
     # --- set-up ---------------------------------------------------------------------------------
 
-    def _gflow_init(self, keys, params, names, compression, bpps, op, predivide, threshold_bytes, sparse):
-        self._gflow_params = params  # in model order; the kit pushes in the reverse order
-        self._gflow_keys = keys
+    def _gflow_init(self, names, compression, bpps, op, predivide, threshold_bytes, sparse, momentum_in_csc):
+        """names: {parameter: its name} from named_parameters (None without); the parameters reduced
+        are taken at each step's start (_gflow_begin_step)."""
         self._gflow_names = names
+        self._compression_arg = compression
         cname, compressor = wire_compression(compression, "DistributedOptimizer")
-        self._compressor = compressor
+        self._cname, self._compressor = cname, compressor
+        self._sparse_settings = sparse
         self._sparse = sparse is not None
+        self._momentum_in_csc = momentum_in_csc  # SGD's momentum is CSC's (see _gflow_take_momentum)
+        self._threshold_arg = threshold_bytes
         self.backward_passes_per_step = bpps
         self.op = op
         self.gradient_predivide_factor = predivide
+        self._grad_hooks: dict = {}  # id(parameter) -> its hook's handle (one per parameter, ever)
+        self._gflow_params: list = []
+        self._should_synchronize = True
+        self._reduced = False  # synchronize() ended this step: p.grad holds the reduced gradients
+        self._user_synchronized = False  # ... and the program called it (Horovod's warning in step)
+        self._overflow = None
+        self._touched = False
+        self._gflow_build(self._gflow_reduced_params())
+        self._gflow_reset_step()
+
+    def _gflow_reduced_params(self) -> list:
+        """The parameters to reduce now: those of the param groups that require grad, each once, in
+        named_parameters' order (the model's: reductions overlap backward best), then the others in
+        the groups' order."""
+        grouped = dict.fromkeys(p for group in self.param_groups for p in group["params"])
+        if self._gflow_names is None:
+            return [p for p in grouped if p.requires_grad]
+        named = [p for p in self._gflow_names if p in grouped]
+        named += [p for p in grouped if p not in self._gflow_names]
+        return [p for p in named if p.requires_grad]
+
+    def _gflow_key(self, p, position: int):
+        if self._gflow_names is None:
+            return position
+        name = self._gflow_names.get(p)
+        if name is None:  # added to the param groups after wrapping, unnamed: named by its place
+            group, index = next(
+                (g, i) for g, group in enumerate(self.param_groups) for i, q in enumerate(group["params"])
+                if q is p
+            )  # fmt: skip
+            name = f"param_groups.{group}.{index}"
+        return name
+
+    def _gflow_build(self, params: list) -> None:
+        """The data-parallel kit for these parameters, and a gradient hook on each that has none."""
+        if not params:
+            raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires grad")
+        keys = [self._gflow_key(p, i) for i, p in enumerate(params)]
         # What the kit reduces per parameter: the gradient itself, or (predivided, compressed) a new
         # tensor; a probe gives its shape and dtype, and the ctx to decompress a zero gradient with.
-        probes, self._probe_ctx = [], []
+        probes, probe_ctx = [], []
         for p in params:
             probe = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
             ctx = None
-            if compressor is not None:
-                probe, ctx = compressor.compress(probe)
+            if self._compressor is not None:
+                probe, ctx = self._compressor.compress(probe)
                 if not isinstance(probe, torch.Tensor):
                     raise TypeError(
                         f"DistributedOptimizer: the compressor's compress() must return (tensor, ctx), "
                         f"got {type(probe).__name__}"
                     )
             probes.append(probe)
-            self._probe_ctx.append(ctx)
+            probe_ctx.append(ctx)
         kit_params = dict(zip(keys, probes, strict=True)) if isinstance(keys[0], str) else probes
         self._dp = DataParallel(
             kit_params,
-            op="mean" if op == Average else "sum",
-            threshold_bytes=threshold_bytes,
-            compression=cname,
-            sparse=sparse,
+            op="mean" if self.op == Average else "sum",
+            threshold_bytes=self._threshold_arg,
+            compression=self._cname,
+            sparse=self._sparse_settings,
             comm=_basics.comm(),
         )
-        self._should_synchronize = True
-        self._synchronized = False
-        self._overflow = None
-        self._gflow_reset_step()
-        self._grad_hooks = []
-        for index, p in enumerate(params):
-            self._grad_hooks.append(p.register_post_accumulate_grad_hook(_make_hook(self, index)))
+        self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, probe_ctx
+        self._index_of = {p: i for i, p in enumerate(params)}
+        for p in params:
+            if id(p) not in self._grad_hooks:
+                self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(_make_hook(self))
 
     def _gflow_reset_step(self) -> None:
         n = len(self._gflow_params)
         self._delay = [self.backward_passes_per_step] * n
-        self._pushed = [None] * n  # per parameter: (tensor pushed into the kit, decompress ctx)
-        self._touched = False  # a hook fired since the last synchronize()
+        # per parameter: (tensor pushed into the kit, decompress ctx, p.grad then, its version then)
+        self._pushed = [None] * n
+        self._touched = False  # a step began (a hook fired, or synchronize() began it)
+
+    def _gflow_begin_step(self) -> None:
+        """A step's first gradient (or synchronize() with none): take the parameters to reduce as
+        they are now, and SGD's momentum into CSC's where CSC took it over. Every rank begins its
+        steps alike, so every rank's kit changes alike (the ranks agree on names and shapes in each
+        segment: one that changed differently fails the step with MismatchError)."""
+        self._touched = True
+        self._reduced = self._user_synchronized = False
+        self._overflow = None
+        params = self._gflow_reduced_params()
+        if len(params) != len(self._gflow_params) or any(
+            a is not b for a, b in zip(params, self._gflow_params, strict=True)
+        ):
+            if self._sparse:
+                raise ValueError(
+                    "DistributedOptimizer(sparse=...): the parameters to reduce changed after wrapping "
+                    "(one was frozen, unfrozen or added to the param groups): CSC keeps a residual per "
+                    "fused segment, so they cannot change; wrap the optimizer after freezing"
+                )
+            self._gflow_build(params)
+            self._gflow_reset_step()
+            self._touched = True
+        self._gflow_take_momentum()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change backward_passes_per_step (between steps)."""
         self.backward_passes_per_step = _check_passes(passes)
         self._delay = [self.backward_passes_per_step] * len(self._gflow_params)
 
-    def add_param_group(self, param_group):
-        raise NotImplementedError(
-            "DistributedOptimizer: add_param_group after wrapping is not supported (its gradients would "
-            "not be reduced); add every group to the optimizer before wrapping it"
-        )
-
     # --- the hook -------------------------------------------------------------------------------
 
-    def _on_grad(self, index: int, p) -> None:
+    def _on_grad(self, p) -> None:
+        if not self._touched:
+            self._gflow_begin_step()
+        index = self._index_of.get(p)
+        if index is None:
+            return  # no longer reduced (frozen or removed from the groups); its gradient stays local
         if self._delay[index] <= 0:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call to "
                 "step(). Increase backward_passes_per_step to accumulate gradients locally."
             )
-        self._touched = True
         self._delay[index] -= 1
         if self._delay[index] == 0:
             self._push(index, p)
@@ -120,7 +190,7 @@ class _DistributedOptimizer:
         ctx = None
         if self._compressor is not None:
             work, ctx = self._compressor.compress(work)
-        self._pushed[index] = (work, ctx)
+        self._pushed[index] = (work, ctx, grad, grad._version)
         self._dp.push(self._gflow_keys[index], work)
 
     # --- synchronize / step -----------------------------------------------------------------------
@@ -135,20 +205,35 @@ class _DistributedOptimizer:
         becomes the reduced gradient here too; if no rank did, it stays None (as Horovod's and DDP's).
 
         Raises:
-            HorovodInternalError: the reduction failed on every rank (MismatchError: the ranks'
-                models differ...). Every p.grad then keeps its local value and the next step works.
+            HorovodInternalError: the reduction failed on every rank (MismatchError: the ranks' models
+                differ...). Every p.grad then keeps its local value and the next step works.
             TypeError, ValueError: this rank pushed a bad gradient (the others raise MismatchError).
+            RuntimeError: on every rank, when some rank changed a gradient after backward had pushed
+                it (clip_grad_norm_, p.grad = None, ...) and before synchronize(): the reduction would
+                have overwritten or lost the change. Change gradients after synchronize().
 
         An fp16 overflow (compression=fp16, or a NaN/inf with sparse=) is not raised here: the
         gradients then hold inf/NaN on every rank alike, so torch.amp.GradScaler skips the step on
         every rank; step() raises CompressionOverflowError / NonFiniteError instead of applying them.
         """
+        self._gflow_synchronize()
+        self._user_synchronized = True
+
+    def _gflow_synchronize(self, scale: float | None = None) -> None:
+        """synchronize(); with `scale` (a GradScaler's), the ranks also agree that they scaled their
+        losses alike, or raise MismatchError on every rank."""
+        if not self._touched:
+            self._gflow_begin_step()
         params = self._gflow_params
-        self._overflow = None
         try:
             for index, p in enumerate(params):
                 if self._pushed[index] is None and p.grad is not None:
                     self._push(index, p)
+            # Gradients changed since backward pushed them: found here, agreed on below.
+            changed = [
+                entry is not None and (params[i].grad is not entry[2] or entry[2]._version != entry[3])
+                for i, entry in enumerate(self._pushed)
+            ]
             overflow = None
             try:
                 self._dp.synchronize()
@@ -156,19 +241,57 @@ class _DistributedOptimizer:
                 overflow = exc
             except Exception as exc:  # noqa: BLE001 - every rank raises (gflow guarantees it)
                 raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
-            # Which parameters some rank had a gradient for. Asked only now, when every rank's
-            # background queue is empty: whether the kit's segments went out during backward or at
-            # synchronize() depends on which parameters each rank used, so a collective queued
-            # before them could meet a segment on another rank.
-            used = torch.tensor([entry is not None for entry in self._pushed], dtype=torch.int32)
-            try:
-                used = gflow.allreduce_async(used, "max", comm=_basics.comm()).wait()
-            except gflow.GflowError as exc:
-                raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+            used, changed_on = self._gflow_agree(changed, scale)
             self._gflow_write_back(used, overflow)
         finally:
             self._gflow_reset_step()
-        self._synchronized = True
+        self._reduced = True
+
+    def _gflow_agree(self, changed: list, scale: float | None):
+        """One small exchange after the kit's: which parameters some rank had a gradient for, which
+        some rank changed after pushing (as the highest such rank + 1), and the loss scale's range.
+        Asked only now, when every rank's background queue is empty: whether the kit's segments went
+        out during backward or at synchronize() depends on which parameters each rank used, so a
+        collective queued before them could meet a segment on another rank."""
+        n, rank = len(self._pushed), _basics.rank()
+        mine = np.zeros(2 * n + 2)
+        mine[:n] = [entry is not None for entry in self._pushed]
+        mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
+        if scale is not None:
+            mine[2 * n :] = (scale, -scale)
+        try:
+            agreed = gflow.allreduce_async(mine, "max", comm=_basics.comm()).wait()
+        except gflow.GflowError as exc:
+            raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+        changed_on = agreed[n : 2 * n]
+        if changed_on.any():
+            raise RuntimeError(self._changed_message(changed, changed_on))
+        _check_scales(agreed[2 * n :], scale)
+        return agreed[:n] > 0, changed_on
+
+    def _changed_message(self, changed: list, changed_on) -> str:
+        which = [i for i in range(len(changed_on)) if changed_on[i]]
+        names = ", ".join(repr(self._gflow_keys[i]) for i in which[:5]) + (
+            f" and {len(which) - 5} more" if len(which) > 5 else ""
+        )
+        ranks = sorted({int(changed_on[i]) - 1 for i in which})
+        here = ""
+        for i in which:
+            if changed[i]:
+                grad = self._gflow_params[i].grad
+                entry = self._pushed[i]
+                how = "cleared (p.grad is None: model.zero_grad()?)" if grad is None else (
+                    "replaced (p.grad = ...)" if grad is not entry[2] else "modified in place"
+                )  # fmt: skip
+                here = f"; here, {self._gflow_keys[i]!r} was {how}"
+                break
+        return (
+            f"DistributedOptimizer: the gradient of {names} changed after backward sent it for reduction "
+            f"and before step()/synchronize() (on rank {', '.join(map(str, ranks))}{here}): the reduction "
+            "would overwrite or lose the change, so the step is not applied, on any rank. Change "
+            "gradients (clip_grad_norm_, scaler.unscale_, zero_grad) after optimizer.synchronize(), then "
+            "call step() inside optimizer.skip_synchronize(); zero_grad() and run the step again"
+        )
 
     def _gflow_write_back(self, used, overflow) -> None:
         """Put the reduced gradients into p.grad (they are there already when p.grad was pushed as it
@@ -183,7 +306,7 @@ class _DistributedOptimizer:
                     reduced = self._dp.gradients()  # the zeros the kit pushed for it, reduced
                 entry = (reduced[self._gflow_keys[index]], self._probe_ctx[index])
                 p.grad = torch.zeros_like(p)
-            work, ctx = entry
+            work, ctx = entry[:2]
             if overflow is not None and self._sparse:
                 p.grad.fill_(math.nan)  # the sparse step did not happen: nothing reduced to show
                 continue
@@ -195,6 +318,23 @@ class _DistributedOptimizer:
                 p.grad.copy_(work)
         if overflow is not None:
             self._overflow = overflow
+
+    def _before_unscale(self, scaler) -> None:
+        """torch.amp.GradScaler is about to read the gradients (unscale_, or its inf check before a
+        fused optimizer's step): reduce them first, so that it unscales the reduced gradients and
+        finds inf/NaN in them alike on every rank (then every rank skips the step, and the scales
+        stay alike). PyTorch's AMP lines (scaler.scale(loss).backward(); scaler.step(opt);
+        scaler.update()) are then right without optimizer.synchronize(); after a synchronize() of the
+        program's own (Horovod's recipe) the ranks only agree on the scale."""
+        scale = float(scaler.get_scale())
+        if not self._reduced:
+            self._gflow_synchronize(scale)
+            return
+        try:
+            agreed = gflow.allreduce_async(np.array([scale, -scale]), "max", comm=_basics.comm()).wait()
+        except gflow.GflowError as exc:
+            raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+        _check_scales(agreed, scale)
 
     @contextmanager
     def skip_synchronize(self):
@@ -212,7 +352,8 @@ class _DistributedOptimizer:
             self._should_synchronize = True
 
     def step(self, closure=None):
-        """Synchronize (unless inside skip_synchronize()), then the wrapped optimizer's step.
+        """Synchronize (unless inside skip_synchronize(), or torch.amp.GradScaler already had the
+        gradients reduced), then the wrapped optimizer's step.
 
         With a closure, the closure's backward is synchronized each time the wrapped step calls it.
 
@@ -223,7 +364,7 @@ class _DistributedOptimizer:
         if closure is not None:
             return super().step(self._synchronized_closure(closure))
         if self._should_synchronize:
-            if self._synchronized:
+            if self._user_synchronized:
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
@@ -231,9 +372,12 @@ class _DistributedOptimizer:
                     "your code.",
                     stacklevel=2,
                 )
-            self.synchronize()
-        self._synchronized = False
+                self.synchronize()
+            elif not self._reduced:
+                self.synchronize()
+        self._reduced = self._user_synchronized = False
         self._raise_overflow()
+        self._gflow_take_momentum()  # a schedule that set it between backward and step: CSC's next
         return super().step()
 
     def _synchronized_closure(self, closure):
@@ -241,7 +385,7 @@ class _DistributedOptimizer:
             with torch.enable_grad():
                 loss = closure()
             self.synchronize()
-            self._synchronized = False
+            self._reduced = self._user_synchronized = False
             self._raise_overflow()
             return loss
 
@@ -256,19 +400,54 @@ class _DistributedOptimizer:
                 "applied. Use torch.amp.GradScaler, which skips such steps, or a smaller loss scale)"
             )
 
+    def _gflow_take_momentum(self) -> None:
+        """Where CSC took SGD's momentum over (sparse= with SGD(momentum=m)), the param groups must
+        keep momentum 0, or the update is accelerated twice: a momentum the groups hold again (set by
+        a schedule such as OneCycleLR or CyclicLR, or by loading a plain optimizer state dict) becomes
+        CSC's, from the next step, and the groups' goes back to 0."""
+        if not self._momentum_in_csc:
+            return
+        momenta = {float(group.get("momentum", 0.0)) for group in self.param_groups}
+        if momenta == {0.0}:
+            return
+        if len(momenta) > 1:
+            raise ValueError(
+                "DistributedOptimizer(sparse=...): the SGD param groups have different momenta "
+                f"{sorted(momenta)} (set by a schedule or a state dict); sparse communication applies one "
+                "momentum to all gradients"
+            )
+        self._dp.set_momentum(momenta.pop())
+        for group in self.param_groups:
+            group["momentum"] = 0.0
+
+    def add_param_group(self, param_group):
+        """Add a param group (torch's); its parameters are reduced from the next step on."""
+        super().add_param_group(param_group)
+
     def zero_grad(self, set_to_none: bool = True):
         if self._touched:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+                "optimizer.synchronize(). This is prohibited as it can cause a race condition. (If this "
+                "rank skipped step() on its own, after finding inf/NaN in its local gradients, say, the "
+                "other ranks wait for it in step(): decide skips on the reduced gradients, after "
+                "synchronize(), as torch.amp.GradScaler does here.)"
             )
         return super().zero_grad(set_to_none)
 
     # --- checkpoints ------------------------------------------------------------------------------
 
+    def _check_between_steps(self, who: str) -> None:
+        if self._touched:
+            raise RuntimeError(
+                f"DistributedOptimizer.{who}: a step is in flight (backward ran, step() or synchronize() "
+                "did not yet): call it between steps"
+            )
+
     def state_dict(self):
         """The wrapped optimizer's state dict, plus this rank's gflow state (DataParallel.state_dict():
         with sparse=, the residuals, which are per rank) under the key "gflow"."""
+        self._check_between_steps("state_dict")
         state = super().state_dict()
         state["gflow"] = _as_tensors(self._dp.state_dict())
         return state
@@ -276,21 +455,25 @@ class _DistributedOptimizer:
     def load_state_dict(self, state_dict):
         """Load a state_dict(); a plain optimizer state dict (without "gflow") loads too, leaving
         gflow's state as it is."""
+        self._check_between_steps("load_state_dict")
         state_dict = dict(state_dict)
         kit_state = _as_arrays(state_dict.pop("gflow", None))
         before = None
         if kit_state is not None:
             before = self._dp.state_dict(), self._dp._lazy._snapshot()
+            if self._momentum_in_csc:  # CSC's momentum as it was saved (a schedule may have moved it)
+                self._dp.set_momentum(_saved_momentum(kit_state))
             self._dp.load_state_dict(kit_state)
         try:
             super().load_state_dict(state_dict)
+            self._gflow_take_momentum()  # a plain SGD state dict brings its momentum back
         except Exception:
             if before is not None:
                 self._dp.load_state_dict(before[0])
                 self._dp._lazy._restore(before[1])  # as it was, tuning progress included
             raise
         self._gflow_reset_step()
-        self._synchronized = False
+        self._reduced = self._user_synchronized = False
         self._overflow = None
 
     def _wrapped_state_dict(self):
@@ -304,15 +487,61 @@ class _DistributedOptimizer:
 _DistributedOptimizer.step.hooked = True
 
 
-def _make_hook(optimizer, index: int):
+def _check_scales(agreed, scale) -> None:
+    """agreed: the ranks' max(scale) and max(-scale) (0, 0 where no rank gave one): they must match."""
+    if agreed[0] != -agreed[1]:
+        raise as_horovod_error(
+            gflow.MismatchError(
+                f"DistributedOptimizer: the ranks' GradScaler scales differ (from {-agreed[1]:g} to "
+                f"{agreed[0]:g}; this rank's is {scale}): each would unscale the reduced gradients by its "
+                "own factor, so the step is not applied. Give every rank's GradScaler the same state "
+                "(load its state_dict on every rank)"
+            )
+        )
+
+
+def _saved_momentum(kit_state) -> float:
+    try:
+        return float(kit_state["lazy"]["sparse"]["momentum"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            "DistributedOptimizer.load_state_dict: the gflow state holds no sparse momentum "
+            "(gflow.lazy.sparse.momentum); it was not saved by a DistributedOptimizer(sparse=...)"
+        ) from None
+
+
+def _make_hook(optimizer):
     ref = weakref.ref(optimizer)  # the hook lives on the parameter: it must not keep the optimizer
 
     def hook(p):
         opt = ref()
         if opt is not None:
-            opt._on_grad(index, p)
+            opt._on_grad(p)
 
     return hook
+
+
+def _patch_grad_scaler() -> None:
+    """Have torch.amp.GradScaler reduce a DistributedOptimizer's gradients before it reads them. Its
+    _unscale_grads_ is where unscale_() and the inf check of its step() read the gradients (torch
+    2.4 to 2.14); without it, the optimizer's step() refuses a gradient unscaled before the
+    reduction (synchronize's changed-gradient check) instead of applying it silently."""
+    scaler_class = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    original = getattr(scaler_class, "_unscale_grads_", None)
+    if original is None or getattr(original, "_gflow", False):
+        return
+
+    def _unscale_grads_(self, optimizer, *args, **kwargs):
+        before = getattr(optimizer, "_before_unscale", None)
+        if before is not None and getattr(optimizer, "_gflow_wrapped", False):
+            before(self)
+        return original(self, optimizer, *args, **kwargs)
+
+    _unscale_grads_._gflow = True
+    scaler_class._unscale_grads_ = _unscale_grads_
+
+
+_patch_grad_scaler()
 
 
 _classes: dict = {}
@@ -336,11 +565,11 @@ def _check_passes(passes) -> int:
 
 
 def _named_parameters(optimizer, named_parameters):
-    """(names in model order, params in model order) of the optimizer's parameters that require grad."""
+    """{parameter: name}, in named_parameters' order (the model's), for the optimizer's parameters
+    (frozen ones too: one may be unfrozen later); None without named_parameters."""
     in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
-        order = list(dict.fromkeys(in_optimizer))  # a parameter in two groups counts once
-        return None, [p for p in order if p.requires_grad]
+        return None
     named_parameters = list(named_parameters)
     if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
         raise ValueError(
@@ -365,13 +594,11 @@ def _named_parameters(optimizer, named_parameters):
             f"named in it (shapes {shapes})"
         )
     optimizer_ids = {id(p) for p in in_optimizer}
-    names, params, taken = [], [], set()
+    names = {}
     for name, p in named_parameters:
-        if id(p) in optimizer_ids and id(p) not in taken and p.requires_grad:
-            names.append(str(name))
-            params.append(p)
-            taken.add(id(p))
-    return names, params
+        if id(p) in optimizer_ids and p not in names:
+            names[p] = str(name)
+    return names
 
 
 def _sgd_momentum_into_csc(optimizer, sparse: dict) -> dict:
@@ -502,10 +729,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         raise TypeError(
             f"sparse must be None or a dict of sparse-communication settings, got {type(sparse).__name__}"
         )
-    names, params = _named_parameters(optimizer, named_parameters)
-    if not params:
-        raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires grad")
-    keys = names if names is not None else list(range(len(params)))
+    names = _named_parameters(optimizer, named_parameters)
     cls = _distributed_class(type(optimizer))
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)
@@ -514,9 +738,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         before = [g.get("momentum") for g in optimizer.param_groups]
         sparse = _sgd_momentum_into_csc(optimizer, sparse)
         momentum_moved = before
+    momentum_in_csc = sparse is not None and isinstance(optimizer, torch.optim.SGD)
     try:
         distributed._gflow_init(
-            keys, params, names, compression, bpps, op, predivide, threshold_bytes, sparse
+            names, compression, bpps, op, predivide, threshold_bytes, sparse, momentum_in_csc
         )
     except Exception:
         if momentum_moved is not None:  # leave the user's optimizer as it was
