@@ -524,3 +524,29 @@ def _same_lr_schedule(label: str) -> dict:
     if label == "OneCycleLR":
         return dict(max_lr=0.2, total_steps=10, cycle_momentum=False)
     return dict(base_lr=0.05, max_lr=0.2, step_size_up=2, cycle_momentum=False)
+
+
+@pytest.mark.parallel(SIZES)
+def test_grad_scalers_at_different_scales_fail_on_every_rank():
+    """A GradScaler state restored on rank 0 only (item 7's case, with torch's own scaler): each rank
+    scaled its loss by another factor, so the reduced gradient mixed units. The ranks agree on the
+    scale when GradScaler reads the gradients (both patterns): MismatchError on every rank."""
+    for pattern in ("plain", "horovod"):
+
+        def check(pattern=pattern):
+            torch.manual_seed(0)
+            model = Net()
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+            )
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            if WORLD.rank == 0:
+                scaler.load_state_dict(dict(scaler.state_dict(), scale=2.0**14))
+            ((x, y),) = data(1)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            with pytest.raises(gflow.MismatchError, match="GradScaler scales differ"):
+                amp_step(opt, scaler, local_loss(model, x, y), pattern, model)
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+        on_all_ranks(check, pattern)

@@ -1,0 +1,149 @@
+"""What the training layers' checks cost a step: two versions of gflow side by side, alternated.
+
+    git worktree add /tmp/base <commit before the change>
+    python bench/step_overhead.py --baseline /tmp/base --procs 4 --rounds 5
+
+A step on ResNet-50's 161 parameter shapes (gflow._workloads.RESNET50, 25.6M float32), at p ranks on
+shared memory, through both training layers as trainers use them:
+
+    DistributedOptimizer  gflow.torch: zero_grad, a backward whose gradients are cheap to compute
+                          (each parameter's gradient is a constant times its values, so the hooks
+                          fire one by one, last layer first, as in a real backward), step() (SGD)
+    DataParallel          gflow.DataParallel on NumPy arrays: every gradient written into its pool
+                          view and pushed, last layer first, then synchronize() (the LazyAllreduce step)
+
+both at their default fusion threshold (25 MiB). Each round runs both versions once each, in alternating
+order, --steps timed steps after --warmup; the figure per version is the median over rounds of each
+run's median step time (the slowest rank's). Writes bench/out/step_overhead.json and prints the ratio
+this tree / baseline (above 1: slower). Every rank runs with one BLAS/OpenMP/torch thread.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(HERE, "bench", "out")
+LAYERS = ("DistributedOptimizer", "DataParallel")
+
+
+def worker(args) -> None:
+    """One version's run (gflow from PYTHONPATH): median seconds per step of each layer, as JSON."""
+    import torch
+    from mpi4py import MPI
+
+    import gflow
+    import gflow.torch as hvd
+    from gflow._workloads import RESNET50
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    hvd.init()
+    results = {}
+
+    params = [torch.nn.Parameter(torch.randn(shape) * 0.01) for shape in RESNET50]
+    weights = [torch.full(shape, 1e-3 * (i % 7 + 1)) for i, shape in enumerate(RESNET50)]
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(params, lr=1e-3), named_parameters=[(f"p{i}", p) for i, p in enumerate(params)]
+    )
+
+    def torch_step():
+        opt.zero_grad()
+        sum((p * w).sum() for p, w in zip(params, weights, strict=True)).backward()
+        opt.step()
+
+    arrays = {
+        f"p{i}": np.random.default_rng(i).standard_normal(s).astype(np.float32)
+        for i, s in enumerate(RESNET50)
+    }
+    dp = gflow.DataParallel(arrays)
+    grads = dp.gradient_buffers()
+    sources = {k: np.full(a.shape, 1e-3, np.float32) for k, a in arrays.items()}
+
+    def kit_step():
+        for key in reversed(list(arrays)):
+            np.copyto(grads[key], sources[key])  # backward writes the gradient into the pool
+            dp.push(key)
+        dp.synchronize()
+
+    for name, step in (("DistributedOptimizer", torch_step), ("DataParallel", kit_step)):
+        for _ in range(args.warmup):
+            step()
+        times = []
+        for _ in range(args.steps):
+            comm.Barrier()
+            t = time.perf_counter()
+            step()
+            times.append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+        results[name] = float(np.median(times))
+    if comm.rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
+
+
+def run(tree: str, procs: int, args) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env.pop("GFLOW_TIMELINE", None)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "steps.json")
+        command = [_common.mpiexec(), "-n", str(procs), sys.executable, os.path.abspath(__file__), "--worker"]
+        command += ["--json", path, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        subprocess.run(command, check=True, env=env, cwd=scratch, timeout=3600)
+        with open(path) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--baseline", help="a checkout of the version to compare with")
+    parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per layer and run")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=OUT)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if not args.baseline:
+        parser.error("--baseline is required")
+    trees = {"baseline": os.path.abspath(args.baseline), "this tree": HERE}
+    times = {name: {layer: [] for layer in LAYERS} for name in trees}
+    for r in range(args.rounds):
+        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+        for name in order:
+            got = run(trees[name], args.procs, args)
+            for layer in LAYERS:
+                times[name][layer].append(got[layer])
+            print(f"round {r + 1}/{args.rounds} {name}: "
+                  + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in got.items()), flush=True)  # fmt: skip
+    rows = []
+    for layer in LAYERS:
+        base, this = (float(np.median(times[name][layer])) for name in trees)
+        rows.append({"layer": layer, "baseline_ms": base * 1e3, "this_ms": this * 1e3, "ratio": this / base})
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "step_overhead.json"), "w") as f:
+        json.dump(
+            {"machine": _common.machine(), "procs": args.procs, "times": times, "rows": rows}, f, indent=1
+        )
+    print(f"\np = {args.procs}, ResNet-50 shapes, median of {args.rounds} rounds x {args.steps} steps")
+    print("| layer | baseline ms | this tree ms | this / baseline |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['layer']} | {row['baseline_ms']:.1f} | {row['this_ms']:.1f} | {row['ratio']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
