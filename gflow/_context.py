@@ -120,8 +120,8 @@ def watched(wait):
 def _wait_for_duplicates(requests, parent) -> None:
     """Wait for a background context's duplicates (a collective: every rank's first async call)
     politely, and raise GflowError if a rank of `parent` has left and they are still not made a
-    second later: the rank that left never started them. (Its count cannot tell: the duplicates are
-    made before the first collective on them is counted.)"""
+    second later: the rank that left never started them. (Its count on the background context cannot
+    tell: the rank that left may never have made that context.)"""
     pause, noticed = config.background_poll_us * 1e-6, None
     while not MPI.Request.Testall(requests):
         if parent.gone:
@@ -196,16 +196,27 @@ class CommContext:
             self._wait_for(self._pending)
             self._pending = None
             if self._wants_monitor:
-                self.monitor_comm, pending = self._comm.Idup()
+                monitor, pending = self._comm.Idup()
                 self._wait_for(pending)
+                self.monitor_comm = monitor  # (only once made: the inspector asks on it when set)
                 stall.watch(self)
         return self._comm
 
     def _wait_for(self, request) -> None:
-        if self.parent is None:
-            request.Wait()
-        else:
-            _wait_for_duplicates([request], self.parent)
+        """Wait for one of this context's duplicates. Making them is a collective, in the first
+        collective on the context, where a late rank is as likely as anywhere (a trainer's first
+        async step): the wait is watched as every other, and marked as one for duplicates, since
+        the peers cannot be asked on them yet (stall._channel)."""
+        stall.start()
+        mark = stall.mark()
+        mark.making = self
+        try:
+            if self.parent is None:
+                self.waitall([request])
+            else:
+                watched(lambda requests: _wait_for_duplicates(requests, self.parent))([request])
+        finally:
+            mark.making = None
 
     def background(self) -> "CommContext":
         """A second context, on its own duplicate, for the engine thread's collectives: they run

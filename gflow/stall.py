@@ -13,6 +13,15 @@ rank's has not reached that collective. A rank asleep, computing or blocked else
 poll (50 ms) as long as the Python interpreter runs; one that does not answer within 2 s is named as
 not answering. Each rank applies its own settings (they change no result, so ranks may differ).
 
+Every collective is inspected, a communicator's first included. That one makes gflow's duplicates
+(a collective itself), and the wait for them is marked like any other (Mark.making), so it is warned
+of and aborted alike. Its late ranks are named where a channel already exists: for the engine's
+background context (an async call, LazyAllreduce, a trainer's first step) the peers are asked on the
+caller's context's duplicate about their background context (a rank that has not made it, or has
+entered fewer collectives there, is late). Where none exists (the very first collective on a
+communicator, blocking or async) the message says that some rank has not entered it and that which
+one cannot be told yet.
+
 The same monitor learns which ranks have left (gflow/failures.py): a rank whose interpreter exits
 says goodbye on every watched duplicate, with the number of collectives it completed there. A peer
 that is in, or later enters, a collective past that number can never finish it, and raises
@@ -34,6 +43,8 @@ from .errors import GflowError
 POLL_S = 0.05
 ANSWER_S = 2.0
 TAG_QUESTION, TAG_ANSWER, TAG_GOODBYE = 1, 2, 3
+ABOUT_ITSELF, ABOUT_BACKGROUND = 0, 1  # what a question asks about: the context it travels on, or its
+# background context (whose own duplicates are still being made)
 
 _local = threading.local()
 _marks: list = []  # every thread's _Mark
@@ -47,9 +58,10 @@ departures: list = []
 
 
 class _Mark:
-    """What one thread is doing: the context of its last collective and since when it waits."""
+    """What one thread is doing: the context of its last collective, since when it waits, and the
+    context whose duplicates it waits for (`making`: that is a wait in the context's first collective)."""
 
-    __slots__ = ("thread", "ctx", "since", "warned_at", "warned_since", "job")
+    __slots__ = ("thread", "ctx", "since", "warned_at", "warned_since", "job", "making")
 
     def __init__(self):
         self.thread = threading.current_thread().name
@@ -58,6 +70,7 @@ class _Mark:
         self.warned_at = None
         self.warned_since = None  # the wait warned_at belongs to
         self.job = None
+        self.making = None
 
 
 def mark() -> _Mark:
@@ -85,7 +98,17 @@ def entered(ctx, sig) -> None:
 
 def watch(ctx) -> None:
     """Answer the peers' questions about ctx (its monitor duplicate is made by the caller)."""
+    if start():
+        with _lock:
+            _watched.append(ctx)
+
+
+def start() -> bool:
+    """Start the monitor thread, once: before the first wait, which may be in the job's first
+    collective. False (with a warning, once) where MPI's thread level does not allow it."""
     global _monitor, _warned_off
+    if _monitor is not None:
+        return True
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:  # the monitor would call MPI beside the caller
         if not _warned_off and (config.stall_warning_s > 0 or config.stall_abort_s > 0):
             _warned_off = True
@@ -96,14 +119,14 @@ def watch(ctx) -> None:
                 f"initialised with MPI_THREAD_MULTIPLE (mpi4py's default); {mpi_library()} gave "
                 f"{thread_level_name(MPI.Query_thread())}",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return
+        return False
     with _lock:
-        _watched.append(ctx)
         if _monitor is None:
             _monitor = threading.Thread(target=_run, name="gflow-monitor", daemon=True)
             _monitor.start()
+    return True
 
 
 def unwatch(ctx) -> None:
@@ -140,15 +163,23 @@ def _answer(ctx) -> None:
         ctx.gone.add(status.Get_source())
         departures.append((ctx, status.Get_source()))
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_QUESTION, status):
-        question = np.empty(1, np.int64)
+        question = np.empty(2, np.int64)
         comm.Recv(question, status.Get_source(), TAG_QUESTION)
-        waiting = [t for t in (m.since for m in list(_marks) if m.ctx is ctx) if t is not None]
-        seconds = time.monotonic() - min(waiting) if waiting else -1.0
+        about = ctx if question[1] == ABOUT_ITSELF else ctx._background
+        entered, seconds = _where(about)
         comm.Send(
-            np.array([question[0], ctx.entered, int(seconds * 1000)], np.int64),
-            status.Get_source(),
-            TAG_ANSWER,
+            np.array([question[0], entered, int(seconds * 1000)], np.int64), status.Get_source(), TAG_ANSWER
         )
+
+
+def _where(ctx) -> tuple:
+    """(collectives this rank has entered on ctx, how long a thread of it has waited in one, or -1);
+    (0, -1) for a context this rank has not made (a background context before its first async call)."""
+    if ctx is None:
+        return 0, -1.0
+    marks = [m for m in list(_marks) if m.ctx is ctx or m.making is ctx]
+    waiting = [t for t in (m.since for m in marks) if t is not None]
+    return ctx.entered, time.monotonic() - min(waiting) if waiting else -1.0
 
 
 def check_waiting() -> None:
@@ -218,9 +249,10 @@ def goodbye() -> None:
 
 
 def _inspect(m: _Mark) -> None:
-    since, ctx = m.since, m.ctx
+    since, making = m.since, m.making  # (in this order: `making` is set first and cleared last)
+    ctx = making or m.ctx
     warn, abort = config.stall_warning_s, config.stall_abort_s
-    if since is None or ctx is None or ctx.monitor_comm is None:
+    if since is None or ctx is None or (ctx.monitor_comm is None and making is None):
         m.warned_at = None
         return
     if m.warned_since is not since:  # a new wait: its warnings start afresh
@@ -245,6 +277,17 @@ def report(ctx, m: _Mark, waited: float) -> str:
         return _report(ctx, m, waited)
 
 
+def _channel(ctx):
+    """(the context whose monitor duplicate to ask the peers on, what to ask about), or (None, None).
+    A context whose duplicates are still being made (its first collective) has none of its own; a
+    background context's peers can then be asked on its parent's, about theirs."""
+    if ctx.monitor_comm is not None:
+        return ctx, ABOUT_ITSELF
+    if ctx.parent is not None and ctx.parent.monitor_comm is not None:
+        return ctx.parent, ABOUT_BACKGROUND
+    return None, None
+
+
 def _report(ctx, m: _Mark, waited: float) -> str:
     global _questions
     job = f" ({m.job})" if m.job else ""
@@ -253,11 +296,23 @@ def _report(ctx, m: _Mark, waited: float) -> str:
             f"gflow rank {ctx.rank}: waited {waited:.0f} s on thread {m.thread}{job} in a collective (with "
             "GFLOW_VALIDATE=0 gflow counts no collectives, so it cannot tell which ranks are late)"
         )
+    asked, about = _channel(ctx)
+    what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
+    world = _world_ranks(ctx)
+    me_named = f"gflow rank {ctx.rank}{world(None)}"
+    parts = [f"{me_named}: waited {waited:.0f} s on thread {m.thread}{job} in collective #{ctx.entered}"]
+    parts.append(f"on a communicator of {ctx.size} ranks: {what}")
+    if asked is None:  # the duplicates the peers would be asked on are made in this very collective
+        parts.append(
+            "some rank has not entered gflow's first collective on this communicator yet; which one "
+            "cannot be told yet (the channel gflow asks its peers on is made in that collective)"
+        )
+        return "; ".join(parts)
     _questions += 1
-    comm, me, mine = ctx.monitor_comm, ctx.rank, ctx.entered
-    peers = [r for r in range(ctx.size) if r != me] if comm is not None else []
+    comm, me, mine = asked.monitor_comm, ctx.rank, ctx.entered
+    peers = [r for r in range(ctx.size) if r != me]
     answers = {}
-    question = np.array([_questions], np.int64)
+    question = np.array([_questions, about], np.int64)
     sends = [comm.Isend(question, r, TAG_QUESTION) for r in peers]
     buffers = {r: np.empty(3, np.int64) for r in peers}
     receives = {r: comm.Irecv(buffers[r], r, TAG_ANSWER) for r in peers}
@@ -279,13 +334,8 @@ def _report(ctx, m: _Mark, waited: float) -> str:
     MPI.Request.Waitall(sends)  # (tiny messages: sent eagerly, done at once)
     late = sorted(r for r, (count, _) in answers.items() if count < mine)
     waiting = sorted(r for r, (count, seconds) in answers.items() if count >= mine and seconds >= 0)
-    gone = sorted(r for r in peers if r in ctx.departed and r not in answers)
-    silent = sorted(r for r in peers if r not in answers and r not in ctx.departed)
-    what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
-    world = _world_ranks(ctx)
-    me_named = f"gflow rank {ctx.rank}{world(None)}"
-    parts = [f"{me_named}: waited {waited:.0f} s on thread {m.thread}{job} in collective #{mine}"]
-    parts.append(f"on a communicator of {ctx.size} ranks: {what}")
+    gone = sorted(r for r in peers if r in asked.departed and r not in answers)
+    silent = sorted(r for r in peers if r not in answers and r not in asked.departed)
     if late:
         counts = ", ".join(f"rank {r} at #{answers[r][0]}" for r in late)
         verb = "has" if len(late) == 1 else "have"
@@ -295,7 +345,7 @@ def _report(ctx, m: _Mark, waited: float) -> str:
             f"{ranks_text(waiting)}{world(waiting)} {'is' if len(waiting) == 1 else 'are'} in it too"
         )
     if gone:
-        after = _completed_before_leaving(ctx, gone)
+        after = _completed_before_leaving(asked, gone)
         parts.append(f"{ranks_text(gone)}{world(gone)} left the job ({after})")
     if silent:
         parts.append(
@@ -310,7 +360,9 @@ def _report(ctx, m: _Mark, waited: float) -> str:
 def _world_ranks(ctx):
     """A function giving ' (world ranks ...)' for ranks of ctx's communicator, or '' where those are
     the world's own; with None, the same for this rank."""
-    group, world = ctx.comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    # (the user's communicator while gflow's duplicate is being made: ctx.comm would wait for it)
+    comm = ctx._comm if ctx._pending is None else ctx._user_comm
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
     same = MPI.Group.Compare(group, world) == MPI.IDENT
 
     def show(ranks):

@@ -56,22 +56,90 @@ def test_without_validation_the_message_says_what_it_cannot_tell(monkeypatch, ca
         assert "GFLOW_VALIDATE=0" in err and "cannot tell which ranks are late" in err, err
 
 
-def test_stall_abort_ends_the_job_with_the_message():
+@pytest.mark.parallel([2, 3, 4])
+def test_a_rank_late_for_the_first_async_collective_is_named(monkeypatch, capsys):
+    """The engine's first collective on a communicator makes its duplicates (a collective itself): the
+    peers are asked on the caller's context's channel about their background context."""
+    monkeypatch.setattr(gflow.config, "stall_warning_s", 1.0)
+    comm = WORLD.Dup()  # new to gflow: no background context yet
+    x = np.ones(1 << 10, np.float32)
+    gflow.allreduce(x, comm=comm)  # the caller's context and its monitor's duplicate exist
+    late = WORLD.size - 1
+    WORLD.barrier()
+    if WORLD.rank == late:
+        time.sleep(3.5)
+    start = time.monotonic()
+    y = gflow.allreduce_async(x, comm=comm).wait()
+    waited = time.monotonic() - start
+    comm.Free()
+    np.testing.assert_array_equal(y, np.full_like(x, WORLD.size))
+    err = capsys.readouterr().err
+    if WORLD.rank != late:
+        assert waited > 2.5, waited
+        assert f"gflow rank {WORLD.rank}: waited" in err and "on thread gflow-engine" in err, err
+        assert "in collective #1; on a communicator of" in err, err
+        assert f"rank {late} has not entered it yet (rank {late} at #0)" in err, err
+        assert "allreduce of 1024 float32 (host array), op=sum" in err, err
+    else:
+        assert "waited" not in err, err
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("mode", ["blocking", "engine"])
+def test_a_rank_late_for_the_first_collective_is_warned_of(monkeypatch, capsys, mode):
+    """The first collective on a communicator: no channel to ask the peers on exists yet, so the
+    warning says that some rank is late without naming it."""
+    monkeypatch.setattr(gflow.config, "stall_warning_s", 1.0)
+    comm = WORLD.Dup()  # new to gflow
+    x = np.ones(1 << 10, np.float32)
+    late = WORLD.size - 1
+    WORLD.barrier()
+    if WORLD.rank == late:
+        time.sleep(3.5)
+    start = time.monotonic()
+    y = gflow.allreduce(x, comm=comm) if mode == "blocking" else gflow.allreduce_async(x, comm=comm).wait()
+    waited = time.monotonic() - start
+    comm.Free()
+    np.testing.assert_array_equal(y, np.full_like(x, WORLD.size))
+    err = capsys.readouterr().err
+    if WORLD.rank != late:
+        assert waited > 2.5, waited
+        thread = "MainThread" if mode == "blocking" else "gflow-engine"
+        assert f"gflow rank {WORLD.rank}: waited" in err and f"on thread {thread}" in err, err
+        assert "some rank has not entered gflow's first collective on this communicator" in err, err
+        assert "which one cannot be told yet" in err, err
+        assert "allreduce of 1024 float32 (host array), op=sum" in err, err
+    else:
+        assert "waited" not in err, err
+
+
+def run_stall_case(mode: str, seconds: int):
     env = dict(os.environ, GFLOW_STALL_WARNING_S="1", GFLOW_STALL_ABORT_S="3")
-    for mode in ("sync", "async"):
-        start = time.monotonic()
-        done = subprocess.run(
-            ["mpiexec", "-n", "3", sys.executable, os.path.join(HERE, "stall_case.py"), "30", mode],
-            env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        elapsed = time.monotonic() - start
-        output = done.stdout + done.stderr
-        assert done.returncode != 0, output
-        assert elapsed < 20, f"{mode}: took {elapsed:.0f} s"
-        assert (
-            "rank 2 has not entered it yet" in output and "ending the job (GFLOW_STALL_ABORT_S=3)" in output
-        ), output
-        assert "finished" not in output, output
+    start = time.monotonic()
+    done = subprocess.run(
+        ["mpiexec", "-n", "3", sys.executable, os.path.join(HERE, "stall_case.py"), str(seconds), mode],
+        env=env, capture_output=True, text=True, timeout=seconds + 30,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "first-async"])
+def test_stall_abort_ends_the_job_with_the_message(mode):
+    status, output, elapsed = run_stall_case(mode, 30 if mode != "first-async" else 15)
+    assert status != 0, output
+    assert elapsed < 20, f"{mode}: took {elapsed:.0f} s"
+    assert "rank 2 has not entered it yet" in output, output
+    assert "ending the job (GFLOW_STALL_ABORT_S=3)" in output, output
+    assert "finished" not in output, output
+
+
+def test_stall_abort_ends_a_job_late_for_its_first_collective():
+    status, output, elapsed = run_stall_case("first", 15)
+    assert status != 0, output
+    assert elapsed < 20, f"took {elapsed:.0f} s"
+    assert "some rank has not entered gflow's first collective on this communicator" in output, output
+    assert "ending the job (GFLOW_STALL_ABORT_S=3)" in output, output
+    assert "finished" not in output, output
 
 
 def test_malformed_stall_settings_are_named():

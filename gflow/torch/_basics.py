@@ -2,13 +2,23 @@
 
 `init()` takes the communicator (COMM_WORLD, an mpi4py intracommunicator, or a list of world ranks, as
 Horovod's does) and reads the topology once: local_* from MPI's COMM_TYPE_SHARED split (the ranks
-sharing a node's memory), cross_* from the split of the ranks that have the same local rank.
+sharing a node's memory), cross_* from the split of the ranks that have the same local rank, and
+is_homogeneous (a local query, as in Horovod) from one gflow collective on the communicator. That one
+also makes gflow's duplicates of it, so from init() on the stall inspector can ask the peers there: a
+rank late for the first training step (an async one) is named, and one that left raises GflowError.
 """
 
+import zlib
+from collections import Counter
+
+import numpy as np
 import torch
 from mpi4py import MPI
 
+import gflow
+
 from ..errors import GflowError
+from ..stall import ranks_text
 
 # Horovod's reduction ops are plain ints (its C library's enum values); so are these.
 Average = 0
@@ -94,6 +104,7 @@ def remove_process_set(process_set):
 class _State:
     comm = None  # the communicator every collective of gflow.torch runs on (gflow duplicates it)
     rank = size = local_rank = local_size = cross_rank = cross_size = -1
+    homogeneous = None
 
 
 _state = _State()
@@ -115,7 +126,7 @@ def init(comm=None, process_sets=None) -> None:
     if comm is None:
         comm = MPI.COMM_WORLD
     elif isinstance(comm, (list, tuple)):
-        ranks = [int(r) for r in comm]
+        ranks = _same_ranks_everywhere(comm)
         group = MPI.COMM_WORLD.Get_group().Incl(ranks)
         sub = MPI.COMM_WORLD.Create(group)  # collective over COMM_WORLD: every rank calls it
         group.Free()
@@ -134,7 +145,69 @@ def init(comm=None, process_sets=None) -> None:
     _state.cross_rank, _state.cross_size = cross.Get_rank(), cross.Get_size()
     local.Free()
     cross.Free()
+    # The largest and the smallest local size, in one gflow collective (watched, and it makes gflow's
+    # duplicates of comm now, so a rank late for the first step is named, not only warned of).
+    sizes = np.array([_state.local_size, -_state.local_size], np.int64)
+    largest, smallest = gflow.allreduce(sizes, "max", comm=comm)
+    _state.homogeneous = bool(largest == -smallest)
     _state.comm = comm
+
+
+_SHOWN = 16  # ranks of a list shown in init's error
+
+
+def _same_ranks_everywhere(given) -> list:
+    """The world ranks of init(comm=[...]), once every rank of COMM_WORLD is seen to have passed the
+    same valid list: Comm.Create with different lists would leave some ranks waiting in it forever.
+    Raises ValueError on every rank otherwise, saying which ranks passed which list. A gflow collective
+    on COMM_WORLD (watched: a rank that never calls init is a stall the inspector reports)."""
+    size = MPI.COMM_WORLD.Get_size()
+    problem, value = 0, 0  # 1: not ints, 2: a rank out of range, 3: a rank twice, 4: empty
+    try:
+        ranks = [int(r) for r in given]
+    except (TypeError, ValueError):
+        ranks, problem = [], 1
+    if not problem:
+        outside = [r for r in ranks if not 0 <= r < size]
+        counts = Counter(ranks)
+        twice = [r for r in ranks if counts[r] > 1]
+        if outside:
+            problem, value = 2, max(-(2**62), min(outside[0], 2**62))
+        elif twice:
+            problem, value = 3, twice[0]
+        elif not ranks:
+            problem = 4
+    shown = [max(-(2**62), min(r, 2**62)) for r in ranks[:_SHOWN]]
+    row = np.full(5 + _SHOWN, -1, np.int64)
+    row[:5] = len(ranks), zlib.crc32(repr(ranks).encode()), problem, value, len(shown)
+    row[5 : 5 + len(shown)] = shown
+    table = gflow.allgather(row[None, :])
+    groups: dict = {}  # a row -> the world ranks that passed it
+    for r, passed in enumerate(table):
+        groups.setdefault(tuple(int(v) for v in passed), []).append(r)
+    if len(groups) == 1 and not problem:
+        return ranks
+    told = [f"{ranks_text(who)} passed {_passed(row, size)}" for row, who in groups.items()]
+    if len(groups) == 1:
+        raise ValueError(f"init: comm= must be a list of distinct ranks of COMM_WORLD; {told[0]}")
+    raise ValueError(
+        "init: every rank of COMM_WORLD must pass the same list of ranks as comm=; got different lists: "
+        + "; ".join(told)
+    )
+
+
+def _passed(row, size: int) -> str:
+    """'[0, 8], and 8 is not a rank of COMM_WORLD (3 ranks)': one rank's list, as in its gathered row."""
+    count, _, problem, value, nshown = row[:5]
+    if problem == 1:
+        return "a list whose items are not all ints"
+    listed = ", ".join(map(str, row[5 : 5 + nshown])) + (f", ... ({count} in all)" if count > nshown else "")
+    why = {
+        2: f", and {value} is not a rank of COMM_WORLD ({size} ranks)",
+        3: f", which names rank {value} twice",
+        4: ", which is empty",
+    }
+    return f"[{listed}]{why.get(problem, '')}"
 
 
 def shutdown() -> None:
@@ -146,6 +219,7 @@ def shutdown() -> None:
     _state.comm = None
     _state.rank = _state.size = _state.local_rank = _state.local_size = -1
     _state.cross_rank = _state.cross_size = -1
+    _state.homogeneous = None
 
 
 def is_initialized() -> bool:
@@ -190,9 +264,10 @@ def cross_size() -> int:
 
 
 def is_homogeneous() -> bool:
-    """Whether every node runs the same number of ranks (collective)."""
-    sizes = comm().allgather(local_size())
-    return len(set(sizes)) == 1
+    """Whether every node runs the same number of ranks: a local query (as in Horovod), answered
+    from what init() found."""
+    _get(0)
+    return _state.homogeneous
 
 
 def mpi_threads_supported() -> bool:

@@ -812,9 +812,16 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
 
 
 def barrier(process_set=None) -> None:
-    """Wait until every rank has reached the barrier (async operations already started go on)."""
+    """Wait until every rank has reached the barrier, and until the async operations this rank
+    started before have finished. A tiny allreduce on gflow's background channel, as join() is, not
+    MPI's Barrier: it waits where gflow's collectives wait, so a late rank is named by the stall
+    inspector (and GFLOW_STALL_ABORT_S ends the job), and a rank that left raises GflowError."""
     check_process_set(process_set, "barrier")
-    _comm().Barrier()
+    try:
+        tag, about = ("allreduce", _fingerprint("barrier")), "barrier()"  # (no tensor's call matches it)
+        gflow.allreduce_async(np.zeros(1, np.int32), comm=_comm(), _tag=tag, _about=about).wait()
+    except gflow.GflowError as exc:
+        _raise(exc)
 
 
 def join(device=-1) -> int:

@@ -1,0 +1,127 @@
+"""gflow.torch's runtime calls when ranks do not keep step: barrier() waits as gflow's collectives do
+(a late rank is named by the stall inspector, GFLOW_STALL_ABORT_S ends the job, a rank that left makes
+the others raise GflowError), is_homogeneous() is a local query, and init(comm=[ranks]) with different
+lists on different ranks raises ValueError on every rank. The jobs that must end or could hang run
+under mpiexec (tests/torch_runtime_case.py), each rank with its own watchdog."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import WORLD
+
+import gflow
+import gflow.torch as hvd
+
+torch.set_num_threads(1)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _init():
+    hvd.init()
+
+
+def run_case(size: int, *args, **env):
+    """Run torch_runtime_case.py at `size` ranks; return (exit status, output)."""
+    environment = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **env)
+    command = ["mpiexec", "-n", str(size), sys.executable, os.path.join(HERE, "torch_runtime_case.py"), *args]
+    try:  # (each rank's own watchdog ends a hang 20 s after torch is loaded; this is the backstop)
+        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{args} at p={size}: the job hung: {exc.stdout} {exc.stderr}")
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_rank_late_for_barrier_is_named(monkeypatch, capsys):
+    monkeypatch.setattr(gflow.config, "stall_warning_s", 1.0)
+    comm = WORLD.Dup()
+    hvd.init(comm=comm)  # a communicator new to gflow: its first barrier is its first async step
+    late = WORLD.size - 1
+    errs, waits = [], []
+    for _ in range(2):  # the first collective on gflow's background channel, and a later one
+        WORLD.barrier()
+        if WORLD.rank == late:
+            time.sleep(3.5)
+        start = time.monotonic()
+        hvd.barrier()
+        waits.append(time.monotonic() - start)
+        errs.append(capsys.readouterr().err)
+    hvd.init()
+    comm.Free()
+    for episode, (waited, err) in enumerate(zip(waits, errs, strict=True)):
+        if WORLD.rank != late:
+            assert waited > 2.5, waited
+            assert f"gflow rank {WORLD.rank}: waited" in err, (episode, err)
+            assert "on thread gflow-engine" in err, (episode, err)
+            assert f"rank {late} has not entered it yet" in err, (episode, err)
+        else:
+            assert "waited" not in err, err
+
+
+@pytest.mark.parallel([2, 3])
+def test_is_homogeneous_is_answered_alike_everywhere():
+    sizes = WORLD.allgather(hvd.local_size())
+    assert hvd.is_homogeneous() == (len(set(sizes)) == 1)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_is_homogeneous_asked_on_one_rank_does_not_wait_for_the_others(size):
+    status, output = run_case(size, "homogeneous")
+    assert status == 0, output
+    assert re.search(r"\[rank 0: homogeneous (True|False)\]", output), output
+    told = re.search(r"\[rank 0: homogeneous (\w+)\]", output).group(1)
+    for r in range(size):
+        assert f"[rank {r}: sum {size}, expected homogeneous {told}]" in output, output
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_init_with_different_lists_raises_on_every_rank(size):
+    status, output = run_case(size, "init-lists")
+    assert status == 0, output
+    short, full = list(range(size - 1)), list(range(size))
+    others = ", ".join(map(str, range(size - 1)))
+    some = f"rank {others}" if size == 2 else f"ranks {others}"
+    for r in range(size):
+        line = re.search(rf"\[rank {r}: ValueError: (.*)\]", output)
+        assert line, output
+        text = line.group(1)
+        assert "every rank of COMM_WORLD must pass the same list" in text, text
+        assert f"{some} passed {short}" in text and f"rank {size - 1} passed {full}" in text, text
+
+
+def test_init_with_a_rank_that_does_not_exist_raises_on_every_rank():
+    status, output = run_case(3, "init-bad-rank")
+    assert status == 0, output
+    for r in range(3):
+        line = re.search(rf"\[rank {r}: ValueError: (.*)\]", output)
+        assert line, output
+        assert "rank 0 passed [0, 8], and 8 is not a rank of COMM_WORLD (3 ranks)" in line.group(1), output
+        assert "ranks 1, 2 passed [0, 1, 2]" in line.group(1), output
+
+
+def test_barrier_raises_naming_a_rank_that_left():
+    status, output = run_case(3, "barrier-exit")
+    assert status == 0, output
+    for r in (0, 2):
+        said = rf"\[rank {r}: barrier raised after ([0-9.]+) s, named True, horovod True\]"
+        match = re.search(said, output)
+        assert match and float(match.group(1)) < 5, output
+
+
+def test_stall_abort_ends_a_job_waiting_in_barrier():
+    start = time.monotonic()
+    status, output = run_case(
+        3, "barrier-late", "15", GFLOW_STALL_WARNING_S="1", GFLOW_STALL_ABORT_S="3", CASE_DEADLINE_S="30"
+    )
+    elapsed = time.monotonic() - start
+    assert status != 0, output
+    assert "rank 2 has not entered it yet" in output, output
+    assert "ending the job (GFLOW_STALL_ABORT_S=3)" in output, output
+    assert "finished" not in output, output
+    assert elapsed < 60, elapsed
