@@ -137,9 +137,6 @@ class _DistributedOptimizer:
         they are now, and SGD's momentum into CSC's where CSC took it over. Every rank begins its
         steps alike, so every rank's kit changes alike (the ranks agree on names and shapes in each
         segment: one that changed differently fails the step with MismatchError)."""
-        self._touched = True
-        self._reduced = self._user_synchronized = False
-        self._overflow = None
         params = self._gflow_reduced_params()
         if len(params) != len(self._gflow_params) or any(
             a is not b for a, b in zip(params, self._gflow_params, strict=True)
@@ -152,8 +149,10 @@ class _DistributedOptimizer:
                 )
             self._gflow_build(params)
             self._gflow_reset_step()
-            self._touched = True
         self._gflow_take_momentum()
+        self._touched = True
+        self._reduced = self._user_synchronized = False
+        self._overflow = None
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change backward_passes_per_step (between steps)."""
