@@ -1,5 +1,11 @@
 """LazyAllreduce(threshold_bytes="auto"): tuning keeps every step correct, every rank settles on the
-same threshold, failed steps and retune() keep the ranks in step, checkpoints carry the choice."""
+same threshold, failed steps and retune() keep the ranks in step, checkpoints carry the choice and,
+mid-tuning, the whole position."""
+
+import hashlib
+import io
+import math
+import pickle
 
 import numpy as np
 import pytest
@@ -18,6 +24,10 @@ CANDIDATES += [next(c for c in autotune.CANDIDATES if c >= STEP_BYTES)]
 (_, FIRST), (FINALISTS, SECOND) = autotune.ROUNDS
 FIRST_ROUND = len(CANDIDATES) * (autotune.WARMUP_STEPS + FIRST)  # then the step that agrees
 TUNING_STEPS = FIRST_ROUND + 1 + FINALISTS * (autotune.WARMUP_STEPS + SECOND) + 1
+# About 2.7 MB of float32 on both sides of small_message_bytes (128 KiB) and of the shared-memory
+# crossover (256 KiB): as the threshold changes, a tensor moves between segments that take recursive
+# doubling, the ring or (p >= 3) the node phase, and at p = 4 its bits depend on which.
+STRADDLING = [(1000,), (300, 200), (30_000,), (7,), (400_000,), (40_000,), (1200, 100), (25_000,), (3, 5)]
 
 
 def expect(exc_type, fn, match=None):
@@ -36,6 +46,11 @@ def checked_step(lazy, grads, rng, label=""):
     on_all_ranks(lazy.flush, label)
     for g, x in zip(grads, inputs, strict=True):
         on_all_ranks(lambda g=g, x=x: assert_close_to_reference(g, x, "sum"), label)
+
+
+def older(state, **changes):
+    """A LazyAllreduce state as gflow saved it before the tuner's position (tuned_threshold_bytes alone)."""
+    return {key: value for key, value in dict(state, **changes).items() if key != "tuner"}
 
 
 def tune(lazy, grads, rng, limit=100) -> int:
@@ -180,10 +195,10 @@ def test_a_checkpoint_carries_the_settled_threshold():
     lazy = gflow.LazyAllreduce("auto", op="sum")
     grads = [random_array(rng, s, np.float32) for s in SHAPES]
     checked_step(lazy, grads, rng)
-    midway = lazy.state_dict()
+    midway, position = lazy.state_dict(), lazy._tuner.position()
     assert midway["threshold_bytes"] == "auto"
     if WORLD.size > 1:
-        assert midway["tuned_threshold_bytes"] is None
+        assert midway["tuned_threshold_bytes"] is None and midway["tuner"]["settled"] is None
     tune(lazy, grads, rng)
     state = lazy.state_dict()
     assert state["tuned_threshold_bytes"] == lazy.threshold_bytes
@@ -193,7 +208,8 @@ def test_a_checkpoint_carries_the_settled_threshold():
     checked_step(restarted, grads, rng, "after loading")
     again = gflow.LazyAllreduce("auto", op="sum")
     again.load_state_dict(midway)
-    if WORLD.size > 1:  # saved while tuning: it tunes again (alone, one step settled it)
+    assert again._tuner.position() == position  # saved while tuning: it goes on from there
+    if WORLD.size > 1:  # (alone, one step settled it)
         assert again.tuning and again.threshold_bytes == autotune.CANDIDATES[0]
     expect(ValueError, lambda: gflow.LazyAllreduce(4096, op="sum").load_state_dict(state), "threshold_bytes")
     for bad in (0, -5, "8", 2.5, True):
@@ -245,14 +261,13 @@ def test_ranks_elsewhere_in_the_schedule_on_the_same_threshold_fail_at_once():
     while not lazy._tuner.deciding:
         checked_step(lazy, grads, rng)
     if WORLD.rank == LAST:
-        lazy.load_state_dict(dict(lazy.state_dict(), tuned_threshold_bytes=lazy.threshold_bytes))
+        lazy.load_state_dict(older(lazy.state_dict(), tuned_threshold_bytes=lazy.threshold_bytes))
         assert not lazy.tuning
     for g in grads:
         lazy.push(g)
     on_all_ranks(lambda: expect(gflow.MismatchError, lazy.flush, "where it is in its tuning"), "mismatch")
     # Settled everywhere on the first candidate, then one rank retunes: the same threshold again.
-    state = dict(lazy.state_dict(), tuned_threshold_bytes=autotune.CANDIDATES[0])
-    lazy.load_state_dict(state)
+    lazy.load_state_dict(older(lazy.state_dict(), tuned_threshold_bytes=autotune.CANDIDATES[0]))
     checked_step(lazy, grads, rng, "settled on the first candidate")
     if WORLD.rank == LAST:
         lazy.retune()
@@ -294,8 +309,204 @@ def test_data_parallel_undoes_a_failed_load_tuning_progress_included():
             dp.push(key)
         on_all_ranks(dp.synchronize)
     tuner, position = dp._lazy._tuner, dp._lazy._tuner.position()
-    state = dp.state_dict()
-    state["lazy"] = dict(state["lazy"], tuned_threshold_bytes=2**20)
+    good = dp.state_dict()
+    state = dict(good)
+    lazy = state["lazy"]
+    state["lazy"] = dict(lazy, tuned_threshold_bytes=2**20, tuner=dict(lazy["tuner"], settled=2**20))
     state["loss_scaler"] = dict(state["loss_scaler"], scale=-1.0)
-    expect(ValueError, lambda: dp.load_state_dict(state))
+    expect(ValueError, lambda: dp.load_state_dict(state), "scale")
     assert dp._lazy._tuner is tuner and tuner.position() == position and dp._lazy.tuning
+    # A good checkpoint goes on from where the tuning was.
+    params = {key: np.zeros(s, np.float32) for key, s in zip(params, SHAPES, strict=True)}
+    resumed = gflow.DataParallel(params, op="sum", threshold_bytes="auto", loss_scaler=gflow.LossScaler())
+    resumed.load_state_dict(pickle.loads(pickle.dumps(good)))
+    assert resumed._lazy._tuner.position() == position and resumed._lazy.threshold_bytes == CANDIDATES[1]
+
+
+def tuning_steps(shapes) -> tuple[int, int]:
+    """For steps of float32 arrays of these shapes: the steps of the first round, and until settled."""
+    step_bytes = 4 * sum(math.prod(s) for s in shapes)
+    candidates = sum(1 for c in autotune.CANDIDATES if c < step_bytes) + 1
+    first = candidates * (autotune.WARMUP_STEPS + FIRST)
+    return first, first + 1 + FINALISTS * (autotune.WARMUP_STEPS + SECOND) + 1
+
+
+@pytest.fixture
+def fixed_times(monkeypatch):
+    """Step times that depend only on where the tuner is and on the rank, not on the clock, so that a
+    resumed run decides from the same numbers as the run never stopped; 1 MiB is the fastest."""
+    step_done = autotune.ThresholdTuner.step_done
+
+    def fixed(self, seconds, step_bytes):
+        spread = abs(math.log2(self.threshold) - 20) / 10
+        jitter = ((7 * self.steps + WORLD.rank) % 5) / 100
+        return step_done(self, 1.0 + spread + jitter, step_bytes)
+
+    monkeypatch.setattr(autotune.ThresholdTuner, "step_done", fixed)
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_a_run_checkpointed_mid_tuning_resumes_the_same_schedule_and_ends_bitwise_equal(fixed_times):
+    # Issue 24, item 9: the checkpoint held only the settled threshold (None while tuning), so a run
+    # restarted mid-tuning tuned from the start: other thresholds, other segments, at p = 4 other bits.
+    first, settled_after = tuning_steps(STRADDLING)
+    steps = settled_after + 2
+    # in the first round; where the next step agrees; in the second round; the last agreement next
+    stops = [4, first, first + 6, settled_after - 1]
+
+    def step(lazy, k):
+        """Step k's random gradients (per rank, the same in every run): the threshold it ran under
+        and a digest of every result's bits."""
+        rng = np.random.default_rng([89, k, WORLD.rank])
+        grads = [random_array(rng, s, np.float32) for s in STRADDLING]
+        threshold = lazy.threshold_bytes
+        for g in grads:
+            lazy.push(g)
+        lazy.flush()
+        return threshold, [hashlib.sha256(g.tobytes()).hexdigest() for g in grads]
+
+    def check():
+        whole = gflow.LazyAllreduce("auto", op="sum")
+        saved, expected = {}, []
+        for k in range(steps):
+            if k in stops:
+                saved[k] = pickle.dumps(whole.state_dict())  # as a file written at step k
+            expected.append(step(whole, k))
+        assert not whole.tuning and whole.threshold_bytes == 2**20
+        for stop in stops:
+            resumed = gflow.LazyAllreduce("auto", op="sum")  # a new process
+            resumed.load_state_dict(pickle.loads(saved[stop]))
+            assert resumed.tuning
+            got = [step(resumed, k) for k in range(stop, steps)]  # compared after: ranks stay in step
+            for k, (threshold, digests) in enumerate(got, start=stop):
+                assert threshold == expected[k][0], f"resumed at {stop}: step {k} ran under another threshold"
+                differ = [i for i, (a, b) in enumerate(zip(digests, expected[k][1], strict=True)) if a != b]
+                assert not differ, f"resumed at {stop}: step {k}: the results of tensors {differ} differ"
+            assert not resumed.tuning and resumed.threshold_bytes == whole.threshold_bytes
+            assert resumed.tuning_results == whole.tuning_results
+            assert resumed._tuner.steps == whole._tuner.steps
+
+    on_all_ranks(check)
+
+
+def _tuner_in_round(second: bool) -> autotune.ThresholdTuner:
+    """A tuner moved along by hand (no communication) with steps of STEP_BYTES: in the first round at
+    its second candidate, or in the second round."""
+    tuner = autotune.ThresholdTuner()
+    for k in range(FIRST_ROUND if second else 4):
+        tuner.step_done(0.1 + k / 100, STEP_BYTES)
+    if second:  # the first finalist's warm-up and measured steps, the second's warm-up
+        tuner.agreed(tuner.medians() * 2, 2)
+        for k in range(autotune.WARMUP_STEPS * 2 + SECOND):
+            tuner.step_done(0.2 + k / 100, STEP_BYTES)
+    return tuner
+
+
+def test_a_malformed_tuner_state_is_refused_naming_the_field_and_changes_nothing():
+    lazy = gflow.LazyAllreduce("auto", op="sum")
+    good = dict(lazy.state_dict(), tuner=_tuner_in_round(False).state_dict())
+    lazy.load_state_dict(good)
+    tuner, position = lazy._tuner, lazy._tuner.position()
+    assert lazy.tuning and lazy.threshold_bytes == CANDIDATES[1]
+    saved = good["tuner"]
+    samples = saved["samples"]
+    bad = {
+        "tuner: expected a dict": 5,
+        "tuner: the state lacks 'samples'": {k: v for k, v in saved.items() if k != "samples"},
+        "tuner.trying: expected an increasing": dict(saved, trying=[2**19, 2**18]),
+        "tuner.trying: expected the smallest candidates": dict(saved, trying=CANDIDATES[1:]),
+        "tuner.trying: expected a list": dict(saved, trying=2**18),
+        "tuner.round: expected an int from 0 to 1": dict(saved, round=2),
+        "tuner.index: expected an int from 0 to 4": dict(saved, index=5),
+        "tuner.steps_here: expected an int": dict(saved, steps_here="1"),
+        "tuner.pruned: expected True or False": dict(saved, pruned=1),
+        "tuner.at_once: expected False while not settled": dict(saved, at_once=True),
+        "tuner.settled: expected an int >= 1 or None": dict(saved, settled=0),
+        "tuner.steps: expected an int >= 0": dict(saved, steps=-1),
+        "tuner.samples: expected a dict": dict(saved, samples=[0.1]),
+        "tuner.samples: expected candidates": dict(saved, samples=dict(samples, **{"4096": [0.1]})),
+        r"tuner.samples\[262144\]: expected finite": dict(saved, samples={**samples, 2**18: [0.1, math.nan]}),
+        r"tuner.samples\[262144\]: expected 2 step times": dict(saved, samples={**samples, 2**18: [0.1]}),
+        "tuner.results: expected None in round 0": dict(saved, results={2**18: 0.1}),
+        "tuned_threshold_bytes and tuner.settled differ": dict(saved, settled=2**20),
+    }
+    for match, broken in bad.items():
+        expect(ValueError, lambda broken=broken: lazy.load_state_dict(dict(good, tuner=broken)), match)
+    expect(ValueError, lambda: lazy.load_state_dict(dict(good, tuner=None)), "tuner: expected a dict")
+    expect(ValueError, lambda: lazy._adopt_tuning(dict(saved, index=-1)), "tuner.index")
+    assert lazy._tuner is tuner and tuner.position() == position and lazy.threshold_bytes == CANDIDATES[1]
+    # A position in the second round; lists as tuples, arrays or NumPy scalars (what a round trip through
+    # other formats may make of them) load alike.
+    later = _tuner_in_round(True).state_dict()
+    assert later["round"] == 1 and len(later["trying"]) == FINALISTS and later["results"]
+    converted = dict(
+        later,
+        trying=tuple(np.int64(c) for c in later["trying"]),
+        samples={np.int64(c): np.array(t) for c, t in later["samples"].items()},
+        index=np.int64(later["index"]),
+    )
+    lazy.load_state_dict(pickle.loads(pickle.dumps(dict(good, tuner=converted))))
+    assert lazy._tuner.state_dict() == later and lazy.tuning_results == later["results"]
+    assert lazy.threshold_bytes == later["trying"][later["index"]]
+    assert (later["index"], later["steps_here"]) == (1, autotune.WARMUP_STEPS)
+    for i, count in ((0, FIRST + SECOND), (1, FIRST)):
+        c = later["trying"][i]
+        broken = dict(later, samples={**later["samples"], c: later["samples"][c][:-1]})
+        load = lambda broken=broken: lazy.load_state_dict(dict(good, tuner=broken))  # noqa: E731
+        expect(ValueError, load, rf"tuner.samples\[{c}\]: expected {count} step times")
+    # Older checkpoints (no "tuner"): as before, tune from the start, or go on with the settled threshold.
+    lazy.load_state_dict(older(good))
+    assert lazy._tuner.position() == autotune.ThresholdTuner().position()
+    lazy.load_state_dict(older(good, tuned_threshold_bytes=2**20))
+    assert not lazy.tuning and lazy.threshold_bytes == 2**20
+    fixed = gflow.LazyAllreduce(4096, op="sum")
+    assert fixed.state_dict()["tuner"] is None
+    expect(ValueError, lambda: fixed.load_state_dict(dict(fixed.state_dict(), tuner=saved)), "expected None")
+    fixed.load_state_dict(older(fixed.state_dict()))
+
+
+@pytest.mark.parallel([2, 3])
+def test_ranks_adopt_root_tuning_position():
+    # broadcast_optimizer_state's way: root's position, handed to every rank, and the steps go on in step.
+    rng = rank_rng(90)
+    lazy = gflow.LazyAllreduce("auto", op="sum")
+    grads = [random_array(rng, s, np.float32) for s in SHAPES]
+    for _ in range(5):
+        checked_step(lazy, grads, rng)
+    root = WORLD.bcast(lazy._tuner.state_dict() if WORLD.rank == 0 else None)
+    fresh = gflow.LazyAllreduce("auto", op="sum")
+    fresh._adopt_tuning(root)
+    assert fresh._tuner.position() == lazy._tuner.position() and fresh.threshold_bytes == lazy.threshold_bytes
+    assert 5 + tune(fresh, grads, rng) == TUNING_STEPS
+    settled = fresh.threshold_bytes
+    again = gflow.LazyAllreduce("auto", op="sum")
+    again._adopt_tuning(WORLD.bcast(settled if WORLD.rank == 0 else None))  # a settled threshold, as before
+    assert not again.tuning and again.threshold_bytes == settled
+    checked_step(again, grads, rng)
+
+
+def test_a_distributed_optimizer_checkpoint_mid_tuning_goes_through_torch_load():
+    # gflow.torch holds the kit's state as tensors and Python values: torch.load(weights_only=True)
+    # must take the tuner's position, and a new optimizer must go on from it.
+    torch = pytest.importorskip("torch")
+    import gflow.torch as hvd
+
+    hvd.init()
+
+    def make():
+        model = torch.nn.Linear(8, 4)
+        return hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            threshold_bytes="auto",
+        )  # fmt: skip
+
+    opt = make()
+    position = _tuner_in_round(True).state_dict()
+    opt._dp._lazy._adopt_tuning(position)
+    file = io.BytesIO()
+    torch.save(opt.state_dict(), file)
+    file.seek(0)
+    fresh = make()
+    fresh.load_state_dict(torch.load(file, weights_only=True))
+    assert fresh._dp._lazy._tuner.state_dict() == position
+    assert fresh._dp._lazy.threshold_bytes == position["trying"][position["index"]]

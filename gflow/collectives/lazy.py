@@ -99,7 +99,7 @@ class LazyAllreduce:
         tuning: with "auto", whether the threshold is still being tuned.
         tuning_results: with "auto": {candidate: its median seconds per step, averaged over the
             ranks}, as agreed after each round (None before the first, when it settled without
-            comparing, or from a checkpoint).
+            comparing, or from a checkpoint that holds only the settled threshold).
     """
 
     def __init__(
@@ -575,19 +575,28 @@ class LazyAllreduce:
         self.threshold_bytes = self._tuner.threshold
 
     def _snapshot(self):
-        """What load_state_dict() changes, for a caller that must undo a load (DataParallel's)."""
+        """What load_state_dict() changes, for a caller that must undo a load (DataParallel's). The
+        tuner itself is enough: a load replaces it (and _csc), never changes it."""
         return self._tuner, self.threshold_bytes, self._csc
 
     def _restore(self, snapshot) -> None:
         self._tuner, self.threshold_bytes, self._csc = snapshot
 
-    def _adopt_tuning(self, settled: int | None) -> None:
-        """Take another rank's tuning outcome (broadcast_optimizer_state): its settled threshold,
-        or, if it had none, tuning from the start. Every rank calls it, between steps."""
-        if self._tuner is None or (settled is not None and settled == self._tuner.settled):
+    def _adopt_tuning(self, tuning) -> None:
+        """Take another rank's tuning (broadcast_optimizer_state): its whole position (a tuner
+        state_dict(), so every rank goes on with root's schedule) or its settled threshold (an int;
+        None: tuning from the start). Every rank calls it, between steps.
+
+        Raises:
+            ValueError: a malformed position (nothing is changed then).
+        """
+        if self._tuner is None:
             return
-        self._tuner = ThresholdTuner()
-        self._tuner.settled = settled
+        if isinstance(tuning, dict):
+            self._tuner = ThresholdTuner.from_state(tuning)
+        elif tuning is None or tuning != self._tuner.settled:
+            self._tuner = ThresholdTuner()
+            self._tuner.settled = tuning
         self.threshold_bytes = self._tuner.threshold
 
     @property
@@ -616,8 +625,11 @@ class LazyAllreduce:
     def state_dict(self) -> dict:
         """The settings, the world size and, with sparse=, each segment's SparseAllreduce state
         (keyed by segment index; per rank: every rank saves its own). Dense fusion keeps nothing
-        from step to step besides its settings and, with threshold_bytes="auto", the threshold it
-        settled on (tuned_threshold_bytes; None while tuning: a restart tunes again).
+        from step to step besides its settings and, with threshold_bytes="auto", where its tuning
+        is: "tuner" holds the whole position (the round, the candidates, the steps and this rank's
+        step times so far), so a run restarted mid-tuning goes on with the same schedule, and
+        tuned_threshold_bytes the threshold settled on (None while tuning; what older checkpoints
+        hold alone: loading one of those tunes again from the start).
 
         Raises:
             RuntimeError: a step is in flight (pushed, not flushed).
@@ -636,8 +648,9 @@ class LazyAllreduce:
         state = st.header("LazyAllreduce")
         state.update(self._settings())
         state.update(world_size=size, segments=segments)
-        # With "auto", the threshold settled on: a restart goes on with it instead of tuning again.
+        # With "auto", the threshold settled on (what older gflow reads) and the tuner's whole position.
         state["tuned_threshold_bytes"] = None if self._tuner is None else self._tuner.settled
+        state["tuner"] = None if self._tuner is None else self._tuner.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -672,5 +685,33 @@ class LazyAllreduce:
         tuned = st._plain(state.get("tuned_threshold_bytes"))
         if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
             raise ValueError(f"{who}: tuned_threshold_bytes must be an int >= 1 or None, got {tuned!r}")
+        tuner = self._load_tuner(state, tuned, who)
         self._csc = loaded
-        self._adopt_tuning(tuned)  # tune again unless the state had settled
+        if tuner is None:  # a state without the tuner's position (older gflow): tune again unless settled
+            self._adopt_tuning(tuned)
+        else:
+            self._tuner, self.threshold_bytes = tuner, tuner.threshold
+
+    def _load_tuner(self, state: dict, tuned: int | None, who: str):
+        """load_state_dict's tuner: the state's position as a new ThresholdTuner; None for a fixed
+        threshold, or for a state saved before the position was (tuned_threshold_bytes alone)."""
+        from .. import _state as st
+
+        if "tuner" not in state:
+            return None
+        saved = st._plain(state["tuner"])
+        if self._tuner is None or saved is None:
+            if (saved is None) != (self._tuner is None):
+                expected = "None (a fixed threshold)" if self._tuner is None else "a dict (threshold 'auto')"
+                raise ValueError(f"{who}: tuner: expected {expected}, got {type(saved).__name__}")
+            return None
+        try:
+            tuner = ThresholdTuner.from_state(saved)
+        except ValueError as exc:
+            raise ValueError(f"{who}: {exc}") from None
+        if tuner.settled != tuned:
+            raise ValueError(
+                f"{who}: tuned_threshold_bytes and tuner.settled differ: expected the same threshold, "
+                f"got {tuned!r} and {tuner.settled!r}"
+            )
+        return tuner

@@ -147,9 +147,9 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
     dtype. Unlike Horovod, an optimizer whose state is still empty is not stepped with zero
     gradients first (that step changes the parameters under weight decay, and Adam's step count):
     every rank just gets root's (empty) state. For a DistributedOptimizer, every rank also takes
-    root's fusion threshold as threshold_bytes="auto" settled it (or, if root had not settled, tunes
-    afresh), so that restoring a checkpoint on root alone, Horovod's idiom, keeps the ranks fusing
-    alike; gflow's per-rank state (CSC residuals) is left alone. `model` is accepted and ignored.
+    root's position in tuning threshold_bytes="auto" (the threshold it settled on, or where it is in
+    the schedule), so that restoring a checkpoint on root alone, Horovod's idiom, keeps the ranks
+    fusing alike; gflow's per-rank state (CSC residuals) is left alone. `model` is accepted and ignored.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -192,8 +192,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
             optimizer.load_state_dict(state)
     if wrapped:
         lazy = optimizer._dp._lazy
-        settled = lazy._tuner.settled if (is_root and lazy._tuner is not None) else None
-        lazy._adopt_tuning(broadcast_object(settled, root_rank))
+        tuning = lazy._tuner.state_dict() if (is_root and lazy._tuner is not None) else None
+        lazy._adopt_tuning(broadcast_object(tuning, root_rank))
 
 
 def _collect_slots(value, slots: list) -> None:
