@@ -117,13 +117,17 @@ def watched(wait):
     return waitall
 
 
-def _wait_for_duplicates(requests, parent) -> None:
+def _wait_for_duplicates(requests, ctx) -> None:
     """Wait for a background context's duplicates (a collective: every rank's first async call)
-    politely, and raise GflowError if a rank of `parent` has left and they are still not made a
+    politely, and raise GflowError if a rank of its parent has left and they are still not made a
     second later: the rank that left never started them. (Its count on the background context cannot
-    tell: the rank that left may never have made that context.)"""
+    tell: the rank that left may never have made that context.) A peer that found crossed waits with
+    this one (stall._check_crossed) makes it raise MismatchError at once."""
+    parent = ctx.parent
     pause, noticed = config.background_poll_us * 1e-6, None
     while not MPI.Request.Testall(requests):
+        if parent.crossed:
+            stall.raise_crossed(ctx, 1)
         if parent.gone:
             noticed = noticed or time.monotonic()
             if time.monotonic() - noticed > 1.0:
@@ -158,6 +162,11 @@ class CommContext:
         # Ranks that left, shared by a user communicator's context and its background contexts: a
         # fresh background context (after a failed one) must know them before its peers can say so.
         self.gone = set()
+        # Crossed waits (stall._check_crossed), shared the same way: peers that said they wait in a
+        # blocking collective here that this rank has not entered ({rank: (its place on its background
+        # context, its collective here)}), and the error of one this rank found itself.
+        self.crossed = {}
+        self.crossed_here = None
         self.parent = None  # for a background context: the context it duplicates (see .comm)
         self.last_sig = None
         self.rank = comm.Get_rank()
@@ -180,9 +189,12 @@ class CommContext:
 
         Ranks then may have different numbers of operations queued (one pushed a tensor more, say):
         each rank fails the rest of its queue here, without talking, instead of waiting for peers
-        who will never make those calls. Every rank saw the same failure, at the same position."""
+        who will never make those calls. Every rank saw the same failure, at the same position.
+        A caller's context fails only where it left a collective unfinished (crossed waits: stall.py):
+        its messages are still posted, so no later collective on it could be trusted."""
         if self.failed is not None:
-            raise GflowError(f"an earlier background collective on this communicator failed: {self.failed}")
+            channel = "background " if self.is_background else ""
+            raise GflowError(f"an earlier {channel}collective on this communicator failed: {self.failed}")
 
     def sendrecv(self, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:
         """Sendrecv, waiting the way this context waits (see waitall)."""
@@ -214,7 +226,7 @@ class CommContext:
             if self.parent is None:
                 self.waitall([request])
             else:
-                watched(lambda requests: _wait_for_duplicates(requests, self.parent))([request])
+                watched(lambda requests: _wait_for_duplicates(requests, self))([request])
         finally:
             mark.making = None
 
@@ -226,6 +238,7 @@ class CommContext:
             self._background = CommContext(self._user_comm, background=True)
             self._background.parent = self
             self._background.gone = self.gone
+            self._background.crossed = self.crossed
         return self._background
 
     def scratch(self, name: str, count: int, dtype, ops):
@@ -267,7 +280,11 @@ class CommContext:
             for plan in self.rd_plans.values():
                 plan.free()
             self.rd_plans.clear()
-            self.comm.Free()
+            if self._pending is None or self.failed is None:
+                self.comm.Free()
+            # (else its first collective failed while its duplicate was still being made, and some peer
+            # may never start making it: waiting here would hang or raise anew; the request is left
+            # to MPI_Finalize)
             stall.unwatch(self)
             if self.monitor_comm is not None:
                 with stall._lock:  # not while the monitor is asking or answering on it

@@ -42,8 +42,15 @@ class Handle:
         Raises:
             TimeoutError: timeout seconds passed first (the operation goes on).
         """
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"{self.description} did not finish within {timeout} s")
+        if not self._finished.is_set():
+            mark = stall.mark()  # a program's thread waiting for background work (stall._check_crossed)
+            mark.blocked_on = self.context
+            try:
+                finished = self._finished.wait(timeout)
+            finally:
+                mark.blocked_on = None
+            if not finished:
+                raise TimeoutError(f"{self.description} did not finish within {timeout} s")
         self._keep = ()
         if self._error is not None:
             if self._on_failure is not None:  # it acts only where the failure was collective
@@ -65,6 +72,10 @@ class Engine:
         self._queue: queue.Queue = queue.Queue()
         self._thread = None
         self._lock = threading.Lock()
+        self._submitted = self._finished = 0  # jobs; equal when nothing is queued or running
+
+    def idle(self) -> bool:
+        return self._submitted == self._finished
 
     def submit(self, description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
         handle = Handle(description, keep, on_failure, ctx)
@@ -81,6 +92,7 @@ class Engine:
                     )
                 self._thread = threading.Thread(target=self._run, name="gflow-engine", daemon=True)
                 self._thread.start()
+            self._submitted += 1
             self._queue.put((fn, handle, ctx))
         if timeline._active is not None:
             timeline.counter("engine queue", self._queue.qsize())
@@ -103,6 +115,7 @@ class Engine:
                     ctx.failed = f"{handle.description}: {exc}"
                 error = exc
             mark.job = None  # before the caller wakes: a finished job is not a busy thread at exit
+            self._finished += 1
             handle._finish(result=result, error=error)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -122,6 +135,12 @@ atexit.register(_engine.shutdown)
 def shutdown(timeout: float = 10.0) -> None:
     """Stop the background thread once its queued work is done (a later submit starts it again)."""
     _engine.shutdown(timeout)
+
+
+def idle() -> bool:
+    """Nothing queued or running on the background thread: it starts nothing more unless the
+    program submits it (stall._check_crossed)."""
+    return _engine.idle()
 
 
 def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:

@@ -42,9 +42,11 @@ from .errors import GflowError
 
 POLL_S = 0.05
 ANSWER_S = 2.0
-TAG_QUESTION, TAG_ANSWER, TAG_GOODBYE = 1, 2, 3
-ABOUT_ITSELF, ABOUT_BACKGROUND = 0, 1  # what a question asks about: the context it travels on, or its
-# background context (whose own duplicates are still being made)
+TAG_QUESTION, TAG_ANSWER, TAG_GOODBYE, TAG_CROSSED = 1, 2, 3, 4
+CROSSED_S = 1.0  # a blocking wait this long is checked for crossed waits (again after 2x, 4x, ...)
+# What a question asks about: the context it travels on, its background context (whose own duplicates
+# are still being made), or the context whose background context it is (not yet on its own duplicates)
+ABOUT_ITSELF, ABOUT_BACKGROUND, ABOUT_PARENT = 0, 1, 2
 
 _local = threading.local()
 _marks: list = []  # every thread's _Mark
@@ -61,7 +63,8 @@ class _Mark:
     """What one thread is doing: the context of its last collective, since when it waits, and the
     context whose duplicates it waits for (`making`: that is a wait in the context's first collective)."""
 
-    __slots__ = ("thread", "ctx", "since", "warned_at", "warned_since", "job", "making")
+    __slots__ = ("thread", "ctx", "since", "warned_at", "warned_since", "job", "making", "blocked_on",
+                 "crossed_at")  # fmt: skip
 
     def __init__(self):
         self.thread = threading.current_thread().name
@@ -71,6 +74,8 @@ class _Mark:
         self.warned_since = None  # the wait warned_at belongs to
         self.job = None
         self.making = None
+        self.blocked_on = None  # the background context whose work this thread waits for (Handle.wait)
+        self.crossed_at = None  # how long into the current wait it was last checked for crossed waits
 
 
 def mark() -> _Mark:
@@ -156,6 +161,13 @@ def _answer(ctx) -> None:
     if comm is None:
         return
     status = MPI.Status()
+    while comm.Iprobe(MPI.ANY_SOURCE, TAG_CROSSED, status):  # (before goodbyes: a teller says it first)
+        told = np.empty(2, np.int64)  # the teller's place on its background context, and here
+        comm.Recv(told, status.Get_source(), TAG_CROSSED)
+        ctx.crossed[status.Get_source()] = (int(told[0]), int(told[1]))
+        departures.append((ctx, status.Get_source()))
+        caller = ctx.parent or ctx  # the teller left a collective unfinished there: its messages stay
+        caller.failed = caller.failed or f"crossed waits with rank {status.Get_source()} (see its error)"
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_GOODBYE, status):
         completed = np.empty(1, np.int64)
         comm.Recv(completed, status.Get_source(), TAG_GOODBYE)
@@ -165,11 +177,11 @@ def _answer(ctx) -> None:
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_QUESTION, status):
         question = np.empty(2, np.int64)
         comm.Recv(question, status.Get_source(), TAG_QUESTION)
-        about = ctx if question[1] == ABOUT_ITSELF else ctx._background
+        about = (ctx, ctx._background, ctx.parent)[int(question[1])]
         entered, seconds = _where(about)
-        comm.Send(
-            np.array([question[0], entered, int(seconds * 1000)], np.int64), status.Get_source(), TAG_ANSWER
-        )
+        needs, background_seconds, blocked = _background_wait(ctx if ctx.is_background else ctx._background)
+        answer = [question[0], entered, int(seconds * 1000), needs, int(background_seconds * 1000), blocked]
+        comm.Send(np.array(answer, np.int64), status.Get_source(), TAG_ANSWER)
 
 
 def _where(ctx) -> tuple:
@@ -182,12 +194,62 @@ def _where(ctx) -> tuple:
     return ctx.entered, time.monotonic() - min(waiting) if waiting else -1.0
 
 
+def _background_wait(background) -> tuple:
+    """About a background context, for a peer checking for crossed waits: (the collective a thread of
+    this rank waits in there, 0 while its duplicates are being made; how long, or -1 when no thread
+    waits there; 1 when a thread of the program's waits for its work, Handle.wait)."""
+    if background is None:
+        return 0, -1.0, 0
+    marks = list(_marks)
+    blocked = int(any(m.blocked_on is background for m in marks))
+    waiting = [m for m in marks if m.since is not None and (m.ctx is background or m.making is background)]
+    if not waiting:
+        return 0, -1.0, blocked
+    needs = 0 if any(m.making is background for m in waiting) else background.entered
+    return needs, time.monotonic() - min(m.since for m in waiting), blocked
+
+
 def check_waiting() -> None:
-    """A thread waiting on its peers, once some rank has left: raise GflowError if a rank that left
-    can never take part in the collective this thread waits in (its number on the context)."""
-    ctx = _local.mark.ctx
-    if ctx is not None and ctx.departed:
+    """A thread waiting on its peers, once some rank has left or crossed waits were found: raise
+    GflowError if a rank that left can never take part in the collective this thread waits in (its
+    number on the context), MismatchError if the waits crossed (see _check_crossed)."""
+    mark = _local.mark
+    ctx = mark.making or mark.ctx
+    if ctx is None:
+        return
+    if ctx.crossed_here is not None or ctx.crossed:
+        raise_crossed(ctx, ctx.entered)
+    if ctx.departed:
         _raise_departed(ctx, ctx.entered, ctx.last_sig)
+
+
+def raise_crossed(ctx, number: int) -> None:
+    """Raise the MismatchError of crossed waits, where this thread's wait (collective #number on ctx)
+    is one of them: found here (ctx.crossed_here), or told by a peer (ctx.crossed: the peer's place on
+    its background context, which a wait here past it can never see reached)."""
+    from .errors import MismatchError
+
+    if ctx.crossed_here is not None:
+        text, ctx.crossed_here = ctx.crossed_here, None
+        ctx.failed = f"crossed waits: {text}"  # its unfinished collective's messages are still posted
+        raise MismatchError(text)
+    if not ctx.is_background:
+        return
+    for rank, (position, theirs) in list(ctx.crossed.items()):
+        if position < number:
+            del ctx.crossed[rank]
+            raise MismatchError(
+                f"crossed waits: rank {rank} waits in a blocking collective (#{theirs} on this communicator) "
+                f"that gflow rank {ctx.rank} has not entered, and cannot start the async collective "
+                f"#{number} this rank waits for before that call returns. {_CROSSED_CAUSE}"
+            )
+
+
+_CROSSED_CAUSE = (
+    "The ranks made different calls: a blocking collective on some ranks only while async work is in "
+    "flight (a metric reduced on rank 0 only between backward() and step(), while the optimizer's "
+    "segments are on their way?). Make it on every rank, or after step() / synchronize() / wait()"
+)
 
 
 def _raise_departed(ctx, number: int, sig) -> None:
@@ -256,8 +318,16 @@ def _inspect(m: _Mark) -> None:
         m.warned_at = None
         return
     if m.warned_since is not since:  # a new wait: its warnings start afresh
-        m.warned_since, m.warned_at = since, None
+        m.warned_since, m.warned_at, m.crossed_at = since, None, None
     waited = time.monotonic() - since
+    if (
+        not ctx.is_background
+        and config.validate
+        and waited >= (CROSSED_S if m.crossed_at is None else 2 * m.crossed_at)
+    ):
+        m.crossed_at = waited
+        with _lock:
+            _check_crossed(ctx, making is not None)
     due_abort = abort > 0 and waited >= abort
     due_warning = warn > 0 and waited >= warn and (m.warned_at is None or waited - m.warned_at >= warn)
     if not (due_abort or due_warning):
@@ -289,7 +359,6 @@ def _channel(ctx):
 
 
 def _report(ctx, m: _Mark, waited: float) -> str:
-    global _questions
     job = f" ({m.job})" if m.job else ""
     if not config.validate:
         return (
@@ -308,32 +377,11 @@ def _report(ctx, m: _Mark, waited: float) -> str:
             "cannot be told yet (the channel gflow asks its peers on is made in that collective)"
         )
         return "; ".join(parts)
-    _questions += 1
-    comm, me, mine = asked.monitor_comm, ctx.rank, ctx.entered
+    me, mine = ctx.rank, ctx.entered
     peers = [r for r in range(ctx.size) if r != me]
-    answers = {}
-    question = np.array([_questions, about], np.int64)
-    sends = [comm.Isend(question, r, TAG_QUESTION) for r in peers]
-    buffers = {r: np.empty(3, np.int64) for r in peers}
-    receives = {r: comm.Irecv(buffers[r], r, TAG_ANSWER) for r in peers}
-    deadline = time.monotonic() + ANSWER_S
-    while receives and time.monotonic() < deadline:
-        for r, request in list(receives.items()):
-            if request.Test():
-                if buffers[r][0] == _questions:
-                    del receives[r]
-                    answers[r] = (int(buffers[r][1]), buffers[r][2] / 1000)
-                else:  # a late answer to an earlier question: wait on for this one's
-                    receives[r] = comm.Irecv(buffers[r], r, TAG_ANSWER)
-        for other in _watched:  # peers may be asking us at the same time
-            _answer(other)
-        time.sleep(0.005)
-    for request in receives.values():  # peers that did not answer: take the question back
-        request.Cancel()
-        request.Wait()
-    MPI.Request.Waitall(sends)  # (tiny messages: sent eagerly, done at once)
-    late = sorted(r for r, (count, _) in answers.items() if count < mine)
-    waiting = sorted(r for r, (count, seconds) in answers.items() if count >= mine and seconds >= 0)
+    answers = _ask(asked, about, peers)
+    late = sorted(r for r, (count, *_) in answers.items() if count < mine)
+    waiting = sorted(r for r, (count, seconds, *_) in answers.items() if count >= mine and seconds >= 0)
     gone = sorted(r for r in peers if r in asked.departed and r not in answers)
     silent = sorted(r for r in peers if r not in answers and r not in asked.departed)
     if late:
@@ -355,6 +403,88 @@ def _report(ctx, m: _Mark, waited: float) -> str:
     if not (late or silent or gone):
         parts.append("every rank has entered it: a peer is slow inside it, or the network is")
     return "; ".join(parts)
+
+
+def _ask(asked, about, peers) -> dict:
+    """Ask the peers, on asked's monitor duplicate, where they are (about asked itself, or its
+    background context): {rank: (collectives entered, seconds a thread waits in one or -1, and
+    _background_wait's three)} for those that answered within ANSWER_S."""
+    global _questions
+    _questions += 1
+    comm, answers = asked.monitor_comm, {}
+    question = np.array([_questions, about], np.int64)
+    sends = [comm.Isend(question, r, TAG_QUESTION) for r in peers]
+    buffers = {r: np.empty(6, np.int64) for r in peers}
+    receives = {r: comm.Irecv(buffers[r], r, TAG_ANSWER) for r in peers}
+    deadline = time.monotonic() + ANSWER_S
+    while receives and time.monotonic() < deadline:
+        for r, request in list(receives.items()):
+            if request.Test():
+                if buffers[r][0] == _questions:
+                    del receives[r]
+                    b = buffers[r]
+                    answers[r] = (int(b[1]), b[2] / 1000, int(b[3]), b[4] / 1000, bool(b[5]))
+                else:  # a late answer to an earlier question: wait on for this one's
+                    receives[r] = comm.Irecv(buffers[r], r, TAG_ANSWER)
+        for other in _watched:  # peers may be asking us at the same time
+            _answer(other)
+        time.sleep(0.005)
+    for request in receives.values():  # peers that did not answer: take the question back
+        request.Cancel()
+        request.Wait()
+    MPI.Request.Waitall(sends)  # (tiny messages: sent eagerly, done at once)
+    return answers
+
+
+def _check_crossed(ctx, making: bool) -> None:
+    """Crossed waits (a deadlock across gflow's two channels): this rank's thread waits in a blocking
+    collective on ctx, the caller's channel, that a peer has not entered, while that peer's program
+    waits for its async work (Handle.wait: a LazyAllreduce flush, an optimizer's step) and its engine
+    waits in a background collective this rank has not started. This rank's engine is idle, so only
+    this rank's waiting thread could start it, and that thread waits for the peer: neither can go on.
+    Found, this rank's wait raises MismatchError (check_waiting), and each such peer is told, so that
+    its background wait raises too: an error on every rank instead of a hang. Checked after CROSSED_S
+    of waiting, then at 2x, 4x, ... (each check asks every peer once). `making`: the wait is ctx's
+    first collective, which makes its duplicates; the peers are then asked on its background
+    context's, where that has them."""
+    from . import engine
+
+    background = ctx._background
+    if ctx.monitor_comm is not None:
+        asked, about = ctx, ABOUT_ITSELF
+    elif background is not None and background.monitor_comm is not None:
+        asked, about = background, ABOUT_PARENT
+    else:
+        return
+    if not engine.idle():
+        return
+    number = ctx.entered + making  # the collective this thread waits in
+    position = -1 if background is None else background.entered  # what this rank has entered there
+    answers = _ask(asked, about, [r for r in range(ctx.size) if r != ctx.rank])
+    crossed = sorted(
+        r
+        for r, (entered, _, needs, background_seconds, blocked) in answers.items()
+        if entered < number and blocked and background_seconds >= 0 and needs > position
+    )
+    if not crossed or not engine.idle():
+        return
+    # Every peer is told, not only those found crossed: one slower to start waiting is in the same
+    # place a moment later, and none can finish what this rank now leaves unfinished.
+    told = np.array([position, number], np.int64)
+    peers = [r for r in range(ctx.size) if r != ctx.rank]
+    MPI.Request.Waitall([asked.monitor_comm.Isend(told, r, TAG_CROSSED) for r in peers])
+    world = _world_ranks(ctx)
+    what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
+    verb = "waits" if len(crossed) == 1 else "wait"
+    peers = f"{ranks_text(crossed)}{world(crossed)}"
+    ctx.crossed_here = (
+        f"crossed waits: gflow rank {ctx.rank}{world(None)} waits in a blocking collective "
+        f"(#{number} on a communicator of {ctx.size} ranks: {what}) that {peers} "
+        f"{'has' if len(crossed) == 1 else 'have'} not entered, and {ranks_text(crossed)} {verb} instead "
+        "for async work of this rank's (gflow's background channel) that this rank cannot start before "
+        f"this call returns. {_CROSSED_CAUSE}"
+    )
+    departures.append((ctx, None))
 
 
 def _world_ranks(ctx):

@@ -125,3 +125,30 @@ def test_stall_abort_ends_a_job_waiting_in_barrier():
     assert "ending the job (GFLOW_STALL_ABORT_S=3)" in output, output
     assert "finished" not in output, output
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_metric_reduced_on_rank_0_only_between_backward_and_step_fails_on_every_rank(size):
+    """Rank 0 logs its loss with hvd.allreduce between backward() and step() while the others step:
+    the blocking call ran on the caller's channel and the optimizer's reduction on the background one,
+    and each rank waited for the other forever (item 11). gflow now finds the crossed waits within
+    seconds: MismatchError (a HorovodInternalError on the ranks in step()) on every rank, in the first
+    step (the background channel still being made) and later, whether the gradients went during
+    backward or at step. On every rank, the same metric works."""
+    status, output = run_case(size, "metric", CASE_DEADLINE_S="60")
+    assert status == 0, output
+    for when in ("first", "third"):
+        for threshold in (1, 1 << 20):
+            for r in range(size):
+                said = rf"\[rank {r}: rank0 {when} {threshold}: raised after ([0-9.]+) s, crossed True, "
+                match = re.search(said + r"horovod True\]", output)
+                assert match and float(match.group(1)) < 8, (when, threshold, output)
+    assert all(f"[rank {r}: all third 1: trained 3 steps]" in output for r in range(size)), output
+
+
+def test_a_blocking_collective_on_one_rank_inside_a_data_parallel_step_fails_on_every_rank():
+    status, output = run_case(3, "kit-metric")
+    assert status == 0, output
+    for r in range(3):
+        said = re.search(rf"\[rank {r}: raised after ([0-9.]+) s, crossed True\]", output)
+        assert said and float(said.group(1)) < 8, output

@@ -73,6 +73,57 @@ elif mode == "homogeneous":  # only rank 0 asks (a local query in Horovod); then
     total = hvd.allreduce(torch.ones(1), op=hvd.Sum)
     sizes = world.allgather(hvd.local_size())
     say(f"sum {total.item():g}, expected homogeneous {len(set(sizes)) == 1}")
+elif mode == "metric":  # a metric reduced between backward and step (issue 24, item 11)
+    # Each episode on a communicator of its own (a failed one is left behind): who reduces it ("rank0"
+    # or "all"); in the first step or the third (when the optimizer's background channel exists);
+    # threshold 1 (every gradient sent during backward) or 1 MiB (everything sent at step). Rank 0
+    # alone: crossed waits, an error on every rank. Every rank: it works.
+    episodes = [("rank0", w, t) for w in ("first", "third") for t in (1, 1 << 20)] + [("all", "third", 1)]
+    for who, when, threshold in episodes:
+        hvd.init(comm=world.Dup())
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            threshold_bytes=threshold,
+        )  # fmt: skip
+        steps = 1 if when == "first" else 3
+        label = f"{who} {when} {threshold}"
+        for step in range(steps):
+            opt.zero_grad()
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + me))
+            loss = model(x).square().mean()
+            loss.backward()
+            start = time.monotonic()
+            try:
+                if step == steps - 1 and (who == "all" or me == 0):
+                    hvd.allreduce(loss.detach(), op=hvd.Sum, name="loss")
+                opt.step()
+            except gflow.MismatchError as exc:
+                crossed = "crossed waits" in str(exc) and "between backward() and step()" in str(exc)
+                horovod = isinstance(exc, hvd.HorovodInternalError) or me == 0
+                waited = time.monotonic() - start
+                say(f"{label}: raised after {waited:.1f} s, crossed {crossed}, horovod {horovod}")
+                break
+        else:
+            say(f"{label}: trained {steps} steps")
+elif mode == "kit-metric":  # gflow.DataParallel, a gflow.allreduce on rank 0 only inside the step
+    import numpy as np
+
+    rng = np.random.default_rng(me)
+    params = {k: rng.standard_normal(64).astype(np.float32) for k in ("a", "b", "c")}
+    dp = gflow.DataParallel(params, threshold_bytes=256)
+    for key in reversed(list(params)):
+        dp.push(key, rng.standard_normal(64).astype(np.float32))
+    start = time.monotonic()
+    try:
+        if me == 0:
+            gflow.allreduce(np.ones(1))
+        dp.synchronize()
+    except gflow.MismatchError as exc:
+        say(f"raised after {time.monotonic() - start:.1f} s, crossed {'crossed waits' in str(exc)}")
+    else:
+        say("synchronized")
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 faulthandler.cancel_dump_traceback_later()
