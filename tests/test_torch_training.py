@@ -550,3 +550,45 @@ def test_grad_scalers_at_different_scales_fail_on_every_rank():
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
         on_all_ranks(check, pattern)
+
+
+@pytest.mark.parallel(SIZES)
+def test_a_checkpoint_taken_after_unfreezing_resumes_where_the_layer_is_frozen_at_start():
+    """A restart builds the model as at the start (a layer frozen), wraps, loads a checkpoint taken
+    after the layer was unfrozen: the kit took the saved parameters (it refused the load: the number
+    of parameters differs), and the run goes on equal to the run never stopped."""
+
+    def run(stop_at=None):
+        torch.manual_seed(0)
+        model = Net()
+        model.body.weight.requires_grad_(False)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+            named_parameters=model.named_parameters(),
+        )
+        for step, (x, y) in enumerate(data(5)):
+            if step == 1:
+                model.body.weight.requires_grad_(True)
+            if step == stop_at:
+                saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
+                torch.manual_seed(1)
+                model = Net()
+                model.body.weight.requires_grad_(False)  # as at the start
+                opt = hvd.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                    named_parameters=model.named_parameters(),
+                )
+                model.load_state_dict(saved[0])
+                opt.load_state_dict(saved[1])
+                model.body.weight.requires_grad_(True)  # as the schedule has it by now
+            opt.zero_grad()
+            local_loss(model, x, y).backward()
+            opt.step()
+        return model
+
+    def check():
+        whole, resumed = run(), run(stop_at=3)
+        for (name, a), b in zip(whole.named_parameters(), resumed.parameters(), strict=True):
+            assert torch.equal(a, b), name
+
+    on_all_ranks(check)

@@ -121,8 +121,13 @@ class _DistributedOptimizer:
         )
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, probe_ctx
         self._index_of = {p: i for i, p in enumerate(params)}
+        self._gflow_hook(params)
+
+    def _gflow_hook(self, params) -> None:
+        """A gradient hook on each parameter that requires grad and has none yet (torch refuses one
+        on a frozen parameter: it gets its hook at the first step where it is reduced)."""
         for p in params:
-            if id(p) not in self._grad_hooks:
+            if id(p) not in self._grad_hooks and p.requires_grad:
                 self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(_make_hook(self))
 
     def _gflow_reset_step(self) -> None:
@@ -149,6 +154,8 @@ class _DistributedOptimizer:
                 )
             self._gflow_build(params)
             self._gflow_reset_step()
+        else:
+            self._gflow_hook(params)  # (a kit built from a checkpoint while some were frozen)
         self._gflow_take_momentum()
         self._touched = True
         self._reduced = self._user_synchronized = False
@@ -457,23 +464,43 @@ class _DistributedOptimizer:
         self._check_between_steps("load_state_dict")
         state_dict = dict(state_dict)
         kit_state = _as_arrays(state_dict.pop("gflow", None))
+        kit = self._dp, self._gflow_params, self._gflow_keys, self._probe_ctx, self._index_of
         before = None
-        if kit_state is not None:
-            before = self._dp.state_dict(), self._dp._lazy._snapshot()
-            if self._momentum_in_csc:  # CSC's momentum as it was saved (a schedule may have moved it)
-                self._dp.set_momentum(_saved_momentum(kit_state))
-            self._dp.load_state_dict(kit_state)
         try:
+            if kit_state is not None:
+                self._gflow_adopt_saved_parameters(kit_state)  # (a new kit, or the same one)
+                before = self._dp.state_dict(), self._dp._lazy._snapshot(), self._dp._lazy.sparse
+                if self._momentum_in_csc:  # CSC's momentum as it was saved (a schedule may have moved it)
+                    self._dp.set_momentum(_saved_momentum(kit_state))
+                self._dp.load_state_dict(kit_state)
             super().load_state_dict(state_dict)
             self._gflow_take_momentum()  # a plain SGD state dict brings its momentum back
         except Exception:
-            if before is not None:
+            if before is not None and self._dp is kit[0]:  # as it was, tuning progress included
+                if before[2] is not None:
+                    self._dp.set_momentum(before[2].get("momentum", 0.0))
                 self._dp.load_state_dict(before[0])
-                self._dp._lazy._restore(before[1])  # as it was, tuning progress included
+                self._dp._lazy._restore(before[1])
+            self._dp, self._gflow_params, self._gflow_keys, self._probe_ctx, self._index_of = kit
+            self._gflow_reset_step()
             raise
         self._gflow_reset_step()
         self._reduced = self._user_synchronized = False
         self._overflow = None
+
+    def _gflow_adopt_saved_parameters(self, kit_state) -> None:
+        """A checkpoint saved after a parameter was unfrozen or added (or frozen) names other
+        parameters than this optimizer reduces now: reduce those it names, where each name is one of
+        this optimizer's (its next step takes the parameters as they then require grad)."""
+        saved = kit_state.get("names") if isinstance(kit_state, dict) else None
+        if self._gflow_names is None or not isinstance(saved, list) or saved == self._gflow_keys:
+            return  # (the kit's own load reports whatever else differs)
+        by_name = {self._gflow_key(p, i): p for i, p in enumerate(self._gflow_reduced_params())}
+        by_name.update((name, p) for p, name in self._gflow_names.items())
+        params = [by_name.get(name) for name in saved]
+        if all(p is not None for p in params) and len(set(map(id, params))) == len(params) and params:
+            self._gflow_build(params)
+            self._gflow_reset_step()
 
     def _wrapped_state_dict(self):
         return super().state_dict()
