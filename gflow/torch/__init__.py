@@ -8,7 +8,7 @@
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
 Where gflow differs from Horovod (each is documented where it applies): every rank must start its
-collectives in the same order (names are not used to match them); only the global process set;
+collectives in the same order (a name= is checked, not used to reorder); only the global process set;
 Adasum is not implemented; join() works when every rank joins; allgather/broadcast *_async run at the
 call; broadcast_optimizer_state does not step an empty optimizer. gflow's errors (MismatchError, ...)
 raised here are also HorovodInternalErrors. `import gflow` never imports torch; this module does.
