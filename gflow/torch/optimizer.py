@@ -247,7 +247,7 @@ class _DistributedOptimizer:
                 overflow = exc
             except Exception as exc:  # noqa: BLE001 - every rank raises (gflow guarantees it)
                 raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
-            used, changed_on = self._gflow_agree(changed, scale)
+            used = self._gflow_agree(changed, scale)
             self._gflow_write_back(used, overflow)
         finally:
             self._gflow_reset_step()
@@ -273,7 +273,7 @@ class _DistributedOptimizer:
         if changed_on.any():
             raise RuntimeError(self._changed_message(changed, changed_on))
         _check_scales(agreed[2 * n :], scale)
-        return agreed[:n] > 0, changed_on
+        return agreed[:n] > 0
 
     def _changed_message(self, changed: list, changed_on) -> str:
         which = [i for i in range(len(changed_on)) if changed_on[i]]
@@ -425,10 +425,6 @@ class _DistributedOptimizer:
         self._dp.set_momentum(momenta.pop())
         for group in self.param_groups:
             group["momentum"] = 0.0
-
-    def add_param_group(self, param_group):
-        """Add a param group (torch's); its parameters are reduced from the next step on."""
-        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._touched:
