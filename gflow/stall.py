@@ -38,7 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._config import config
-from .errors import GflowError
+from .errors import GflowError, MismatchError
 
 POLL_S = 0.05
 ANSWER_S = 2.0
@@ -227,11 +227,9 @@ def raise_crossed(ctx, number: int) -> None:
     """Raise the MismatchError of crossed waits, where this thread's wait (collective #number on ctx)
     is one of them: found here (ctx.crossed_here), or told by a peer (ctx.crossed: the peer's place on
     its background context, which a wait here past it can never see reached)."""
-    from .errors import MismatchError
-
     if ctx.crossed_here is not None:
         text, ctx.crossed_here = ctx.crossed_here, None
-        ctx.failed = f"crossed waits: {text}"  # its unfinished collective's messages are still posted
+        ctx.failed = text  # its unfinished collective's messages are still posted
         raise MismatchError(text)
     if not ctx.is_background:
         return
