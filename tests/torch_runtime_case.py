@@ -112,6 +112,8 @@ elif mode == "kit-metric":  # gflow.DataParallel, a gflow.allreduce on rank 0 on
 
     rng = np.random.default_rng(me)
     params = {k: rng.standard_normal(64).astype(np.float32) for k in ("a", "b", "c")}
+    gflow.broadcast_parameters(params)  # (as a trainer starts; and the caller's channel exists then:
+    # Open MPI 4.1 can hang with two duplicates of one communicator outstanding, ompi#2025)
     dp = gflow.DataParallel(params, threshold_bytes=256)
     for key in reversed(list(params)):
         dp.push(key, rng.standard_normal(64).astype(np.float32))
