@@ -349,9 +349,13 @@ class DataParallel:
             self._error = error
             self._lazy.push(_Rejected())
 
-    def synchronize(self) -> bool:
+    def synchronize(self, *, commit: bool = True) -> bool:
         """End the step: push what is missing (zeros for parameters no gradient reached), reduce,
         and with a loss scaler unscale and agree on overflow.
+
+        commit=False (for a caller with checks of its own after the reduction, as gflow.torch's
+        optimizer has): with sparse=, the new residuals wait for commit_step(), or discard_step()
+        to forget the step.
 
         Returns:
             True when the step should be applied (always without a loss scaler); False when some
@@ -378,7 +382,7 @@ class DataParallel:
         error = self._error
         try:
             try:
-                self._lazy.flush()
+                self._lazy.flush(commit=False)
             except NonFiniteError:
                 if self._scaler is None or error is not None:
                     raise
@@ -391,6 +395,7 @@ class DataParallel:
             else:
                 apply = True
         except Exception as exc:
+            self._lazy.discard_step()  # (a scale the ranks disagree on: the residuals stay as they were)
             if error is None and isinstance(exc, NonFiniteError):
                 self._last = ready  # the step ran on every rank; gradients() shows what it left
             self._reset_step()
@@ -399,8 +404,18 @@ class DataParallel:
             raise
         self._last = ready
         self._reset_step()
-        self.step_count += 1
+        if commit:
+            self.commit_step()
         return apply
+
+    def commit_step(self) -> None:
+        """Commit the step of the last synchronize(commit=False) (sparse residuals, step_count)."""
+        self._lazy.commit_step()
+        self.step_count += 1
+
+    def discard_step(self) -> None:
+        """Forget the step of the last synchronize(commit=False): sparse residuals as before it."""
+        self._lazy.discard_step()
 
     def set_momentum(self, momentum: float) -> None:
         """With sparse=: change CSC's momentum correction factor between steps, on every rank alike

@@ -226,6 +226,45 @@ def test_ranks_with_different_loss_scales_fail_the_step_on_every_rank():
     on_all_ranks(recovered)
 
 
+@pytest.mark.parallel([2, 3])
+def test_a_step_refused_for_its_loss_scales_leaves_sparse_residuals_as_they_were():
+    """With sparse=, LossScaler.update's refusal (ranks at different scales) came after the residuals
+    were committed, so the refused step still changed later ones. It comes before now: a run that was
+    refused a step and went on ends bitwise equal to one that never made it."""
+
+    def run(refuse: bool):
+        params = make_params(9)
+        scaler = gflow.LossScaler(init_scale=2.0**4, growth_interval=100)
+        dp = DataParallel(params, sparse={"density": 0.3, "chunk_elems": 4}, loss_scaler=scaler)
+        grads = dp.gradient_buffers()
+        rng = rank_rng(9)
+        for step in range(4):
+            raw = random_grads(rng, params)
+            if step == 1 and not refuse:
+                continue
+            if step == 1 and WORLD.rank == 0:
+                scaler.load_state_dict(dict(scaler.state_dict(), scale=2.0**6))
+            for key in reversed(list(params)):
+                grads[key][...] = raw[key] * np.float32(dp.loss_scale)
+                dp.push(key)
+            if step == 1:
+                with pytest.raises(gflow.MismatchError, match="loss scales differ"):
+                    dp.synchronize()
+                scaler.load_state_dict(gflow.LossScaler(init_scale=2.0**4, growth_interval=100).state_dict())
+                continue
+            assert dp.synchronize()
+            for key in params:
+                params[key] -= 0.1 * grads[key]
+        return params
+
+    def check():
+        refused, skipped = run(True), run(False)
+        for key in refused:
+            np.testing.assert_array_equal(refused[key], skipped[key], err_msg=key)
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([1, 2, 3])
 def test_bad_pushes_raise_clear_errors_and_the_next_step_works():
     params = make_params(6)

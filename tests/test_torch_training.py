@@ -592,3 +592,176 @@ def test_a_checkpoint_taken_after_unfreezing_resumes_where_the_layer_is_frozen_a
             assert torch.equal(a, b), name
 
     on_all_ranks(check)
+
+
+# --- findings of the review of the fixes above -----------------------------------------------------
+
+
+@pytest.mark.parallel(SIZES)
+def test_gradients_set_by_hand_after_a_step_grad_scaler_skipped_are_reduced():
+    """Gradients from torch.autograd.grad assigned to p.grad (no hook fires) with PyTorch's AMP lines:
+    after a step GradScaler skipped, the next one was taken for reduced already, and each rank applied
+    its own gradient. Every step is reduced now: the weights stay alike and equal the reference."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = Net().double()
+    ref.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=100)
+
+    def check():
+        for step, (x, y) in enumerate(data(4)):
+            overflow = step == 1
+            factor = 1e38 if overflow and WORLD.rank == WORLD.size - 1 else 1.0
+            loss = scaler.scale(local_loss(model, x, y, factor))
+            for p, g in zip(
+                model.parameters(), torch.autograd.grad(loss, list(model.parameters())), strict=True
+            ):
+                p.grad = g
+            scaler.step(opt)
+            scaler.update()
+            if not overflow:
+                reference_step(ref, ref_opt, x, y)
+            assert_identical(model)
+            assert_close(model, ref)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_parameters_that_join_during_a_step_fail_it_on_every_rank():
+    """A layer unfrozen between the passes of backward_passes_per_step, or a parameter with a
+    gradient added to the groups between backward and step, was applied with each rank's local
+    gradient. Such a step now fails on every rank; the next step reduces the new parameter."""
+    for how in ("between passes", "add_param_group"):
+
+        def check(how=how):
+            torch.manual_seed(0)
+            model = Net()
+            extra = torch.nn.Parameter(torch.randn(3))
+            if how == "between passes":
+                model.body.weight.requires_grad_(False)
+            params = list(model.parameters())
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), backward_passes_per_step=2)
+            (x, y), (x2, y2) = data(2)
+            before = [p.detach().clone() for p in params]
+            if how == "between passes":
+                local_loss(model, x, y, 0.5).backward()
+                model.body.weight.requires_grad_(True)
+                local_loss(model, x2, y2, 0.5).backward()
+            else:
+                for _ in range(2):
+                    (local_loss(model, x, y, 0.5) + (extra * WORLD.rank).sum()).backward()
+                opt.add_param_group({"params": [extra]})
+            with pytest.raises(RuntimeError, match="the parameters to reduce changed during a step"):
+                opt.step()
+            assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+            opt.zero_grad()
+            extra.grad = None
+            for _ in range(2):
+                (local_loss(model, x, y, 0.5) + (extra * WORLD.rank).sum()).backward()
+            opt.step()
+            assert_identical(model)
+            assert_same_on_all_ranks(extra.detach().numpy())
+
+        on_all_ranks(check, how)
+
+
+@pytest.mark.parallel(SIZES)
+def test_a_refused_sparse_step_leaves_the_residuals_as_they_were():
+    """The checks that refuse a step after the reduction (a gradient changed between backward and
+    step, GradScalers at different scales; DataParallel's loss scales) ran after CSC had committed its
+    new residuals, so a refused step still changed the next ones. Now they run before the commit: a run
+    that failed a step and went on ends bitwise equal to one that never made it."""
+
+    def run(fail_at, how):
+        torch.manual_seed(0)
+        model = Net()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            sparse=dict(density=0.25, chunk_elems=8),
+        )  # fmt: skip
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=100)
+        for step, (x, y) in enumerate(data(4)):
+            opt.zero_grad()
+            if step == fail_at and how == "skip":
+                continue
+            if step == fail_at:
+                if how == "scale" and WORLD.rank == 0:
+                    scaler.update(2.0**9)
+                scaler.scale(local_loss(model, x, y)).backward()
+                if how == "changed" and WORLD.rank == 0:
+                    model.head.weight.grad.mul_(2)
+                with pytest.raises((RuntimeError, gflow.MismatchError)):
+                    scaler.step(opt)
+                if how == "scale":
+                    scaler.update(2.0**8)  # (the step raised before GradScaler recorded an inf check)
+                continue
+            scaler.scale(local_loss(model, x, y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        return model
+
+    for how in ("changed", "scale"):
+
+        def check(how=how):
+            failed, skipped = run(1, how), run(1, "skip")
+            for (name, a), b in zip(failed.named_parameters(), skipped.parameters(), strict=True):
+                assert torch.equal(a, b), name
+
+        on_all_ranks(check, how)
+
+
+@pytest.mark.parallel(SIZES)
+def test_barrier_between_backward_and_step_with_other_parameters_used_works():
+    """hvd.barrier() on every rank between backward and step, where rank 0 used a parameter the others
+    did not: the barrier had moved onto the background channel behind the segments, which those ranks
+    send at other times (MismatchError); it runs on the caller's channel again."""
+    torch.manual_seed(0)
+    model = Net()
+    extra = torch.nn.Parameter(torch.randn(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([*model.parameters(), extra], lr=0.1), threshold_bytes=1)
+
+    def check():
+        for x, y in data(3):
+            opt.zero_grad()
+            loss = local_loss(model, x, y) + (extra.sum() if WORLD.rank == 0 else 0)
+            loss.backward()
+            hvd.barrier()
+            opt.step()
+            assert_identical(model)
+            assert_same_on_all_ranks(extra.detach().numpy())
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_mixed_amp_recipes_and_predivide_factors_are_named():
+    """Horovod's AMP recipe on one rank and PyTorch's lines on the others said the scales differ
+    ("from -0 to 256"); a gradient_predivide_factor given on one rank only went unnoticed (each rank
+    scaled by its own). Both are MismatchErrors on every rank that say what differs."""
+    torch.manual_seed(0)
+    model = Net()
+    ((x, y),) = data(1)
+
+    def mixed():
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        with pytest.raises(gflow.MismatchError, match="same AMP recipe"):
+            amp_step(opt, scaler, local_loss(model, x, y), "horovod" if WORLD.rank == 0 else "plain", model)
+
+    def predivide():
+        factor = 2.0 if WORLD.rank == 0 else 1.0
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), gradient_predivide_factor=factor
+        )
+        opt.zero_grad()
+        local_loss(model, x, y).backward()
+        with pytest.raises(gflow.MismatchError, match="gradient_predivide_factor differ"):
+            opt.step()
+
+    on_all_ranks(mixed, "mixed recipes")
+    on_all_ranks(predivide, "predivide")

@@ -45,6 +45,17 @@ elif mode == "init-bad-rank":  # rank 0 names a rank COMM_WORLD does not have; t
         say(f"ValueError: {exc}")
     else:
         say("initialised")
+elif mode == "init-odd":  # rank 0 passes another form of comm= than the others' list of every rank
+    import numpy as np
+
+    odd = {"None": None, "WORLD": world, "range": range(p), "ndarray": np.arange(p), "set": set(range(p)),
+           "str": "0,1"}[sys.argv[2]]  # fmt: skip
+    try:
+        hvd.init(comm=odd if me == 0 else list(range(p)))
+    except ValueError as exc:
+        say(f"ValueError: {exc}")
+    else:
+        say(f"initialised on {hvd.size()} ranks")
 elif mode == "barrier-exit":  # rank 1 ends its program cleanly; the others call barrier()
     hvd.init()
     if me == 1:

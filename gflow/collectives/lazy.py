@@ -148,6 +148,7 @@ class LazyAllreduce:
         self._pool_index: dict = {}  # id(array handed out) -> its position
         self._reduce_in_place = False  # gradient_buffers(reduce_in_place=True): no copy back
         self._solo = None  # whether the communicator has one rank (found at the first push)
+        self._uncommitted: list = []  # sparse segments of a flush(commit=False), awaiting commit_step()
         self._reset()
 
     def _reset(self) -> None:
@@ -192,6 +193,10 @@ class LazyAllreduce:
         if self._error is not None:
             return  # this step already failed here
         if not self._pushes:
+            if self._uncommitted:  # (a caller's bug: DataParallel always decides)
+                raise RuntimeError(
+                    "LazyAllreduce.push: the last flush(commit=False) was not committed or discarded"
+                )
             self._begin_step()
         if not isinstance(scale, float):  # checked first: a bad scale must not leave half a push
             if isinstance(scale, bool) or not isinstance(scale, (int, np.integer, np.floating)):
@@ -457,8 +462,12 @@ class LazyAllreduce:
             )
         return np.zeros(nbytes, np.uint8) if memory is None else memory
 
-    def flush(self) -> None:
+    def flush(self, *, commit: bool = True) -> None:
         """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
+
+        commit=False keeps the sparse segments' new residuals aside until commit_step() (or
+        discard_step(), which leaves them as before the step): for a caller with checks of its own
+        after the reduction (DataParallel's loss-scale agreement), so a step they refuse is forgotten.
 
         Raises:
             TypeError, ValueError: one of this rank's pushes in this step failed its checks (the
@@ -472,9 +481,21 @@ class LazyAllreduce:
                 every rank; the pushed arrays hold the reduced values, inf/NaN included).
         """
         with timeline.span("lazy flush"):
-            self._flush()
+            self._flush(commit)
 
-    def _flush(self) -> None:
+    def commit_step(self) -> None:
+        """Commit the sparse residuals of the last flush(commit=False)."""
+        staged, self._uncommitted = self._uncommitted, []
+        for csc in staged:
+            csc.commit()
+
+    def discard_step(self) -> None:
+        """Forget the sparse residuals of the last flush(commit=False): each is as before that step."""
+        staged, self._uncommitted = self._uncommitted, []
+        for csc in staged:
+            csc.discard()
+
+    def _flush(self, commit: bool) -> None:
         ctx = context(self._comm).background()
         if self._error is None:
             self._fire()
@@ -510,7 +531,7 @@ class LazyAllreduce:
         overflow = False
         for (_, members, csc), result in zip(fired, results, strict=True):
             if csc is not None:
-                csc.commit()
+                self._uncommitted.append(csc)
             offset = 0
             for flat, kind, _ in members:
                 piece = result[offset : offset + flat.size]
@@ -532,6 +553,8 @@ class LazyAllreduce:
             self.threshold_bytes = tuner.threshold
             if line and ctx.rank == 0:
                 print(f"gflow: LazyAllreduce(threshold_bytes='auto'): {line}", file=sys.stderr, flush=True)
+        if commit:
+            self.commit_step()
         if overflow:
             raise CompressionOverflowError(overflow_message("LazyAllreduce", self.compression))
 
@@ -620,7 +643,9 @@ class LazyAllreduce:
         }  # fmt: skip
 
     def _in_step(self) -> bool:
-        return bool(self._pushes or self._members or self._fired or self._error is not None)
+        return bool(
+            self._pushes or self._members or self._fired or self._error is not None or self._uncommitted
+        )
 
     def state_dict(self) -> dict:
         """The settings, the world size and, with sparse=, each segment's SparseAllreduce state

@@ -123,20 +123,27 @@ def init(comm=None, process_sets=None) -> None:
         raise NotImplementedError(
             "init: gflow.torch supports only the global process set (process_sets=None)"
         )
-    if comm is None:
-        comm = MPI.COMM_WORLD
-    elif isinstance(comm, (list, tuple)):
-        ranks = _same_ranks_everywhere(comm)
-        group = MPI.COMM_WORLD.Get_group().Incl(ranks)
-        sub = MPI.COMM_WORLD.Create(group)  # collective over COMM_WORLD: every rank calls it
-        group.Free()
-        if sub == MPI.COMM_NULL:
-            raise ValueError(f"init: this rank ({MPI.COMM_WORLD.Get_rank()}) is not in comm={ranks}")
-        comm = sub
-    elif not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+    world = MPI.COMM_WORLD
+    is_world = comm is None or (isinstance(comm, MPI.Intracomm) and comm == world)
+    if is_world or not isinstance(comm, MPI.Intracomm):
+        # COMM_WORLD, or a list of its ranks: every rank of COMM_WORLD is here, so every one checks
+        # that all passed the same ranks (None and COMM_WORLD count as all of them, in order), and
+        # anything else (not a list of ranks) fails on every rank too, never leaving the others in
+        # Comm.Create.
+        everyone = list(range(world.Get_size()))
+        ranks = _same_ranks_everywhere(everyone if is_world else comm)
+        if ranks == everyone:
+            comm = world
+        else:
+            group = world.Get_group().Incl(ranks)
+            sub = world.Create(group)  # collective over COMM_WORLD: every rank calls it
+            group.Free()
+            if sub == MPI.COMM_NULL:
+                raise ValueError(f"init: this rank ({world.Get_rank()}) is not in comm={ranks}")
+            comm = sub
+    elif comm == MPI.COMM_NULL:
         raise TypeError(
-            "init: comm must be None, an mpi4py intracommunicator or a list of ranks, "
-            f"got {type(comm).__name__}"
+            "init: comm must be None, an mpi4py intracommunicator or a list of ranks, got COMM_NULL"
         )
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
@@ -162,8 +169,10 @@ def _same_ranks_everywhere(given) -> list:
     Raises ValueError on every rank otherwise, saying which ranks passed which list. A gflow collective
     on COMM_WORLD (watched: a rank that never calls init is a stall the inspector reports)."""
     size = MPI.COMM_WORLD.Get_size()
-    problem, value = 0, 0  # 1: not ints, 2: a rank out of range, 3: a rank twice, 4: empty
+    problem, value = 0, 0  # 1: not a list of ints, 2: a rank out of range, 3: a rank twice, 4: empty
     try:
+        if isinstance(given, (str, bytes, set, frozenset, dict)):  # (no order, or not ranks)
+            raise TypeError
         ranks = [int(r) for r in given]
     except (TypeError, ValueError):
         ranks, problem = [], 1
@@ -200,7 +209,7 @@ def _passed(row, size: int) -> str:
     """'[0, 8], and 8 is not a rank of COMM_WORLD (3 ranks)': one rank's list, as in its gathered row."""
     count, _, problem, value, nshown = row[:5]
     if problem == 1:
-        return "a list whose items are not all ints"
+        return "something that is not a list of ints (comm= takes None, a communicator or a list of ranks)"
     listed = ", ".join(map(str, row[5 : 5 + nshown])) + (f", ... ({count} in all)" if count > nshown else "")
     why = {
         2: f", and {value} is not a rank of COMM_WORLD ({size} ranks)",

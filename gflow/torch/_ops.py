@@ -812,14 +812,17 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
 
 
 def barrier(process_set=None) -> None:
-    """Wait until every rank has reached the barrier, and until the async operations this rank
-    started before have finished. A tiny allreduce on gflow's background channel, as join() is, not
-    MPI's Barrier: it waits where gflow's collectives wait, so a late rank is named by the stall
-    inspector (and GFLOW_STALL_ABORT_S ends the job), and a rank that left raises GflowError."""
+    """Wait until every rank has reached the barrier (async operations already started go on). A
+    tiny blocking gflow allreduce, not MPI's Barrier: it waits where gflow's collectives wait, so a
+    late rank is named by the stall inspector (and GFLOW_STALL_ABORT_S ends the job), a rank that left
+    raises GflowError, and a barrier on some ranks only while the others are in step() is found as
+    crossed waits. It runs on the caller's channel, as other blocking calls: on the background one it
+    would queue behind the optimizer's segments, which ranks that used other parameters send at
+    other times."""
     check_process_set(process_set, "barrier")
     try:
         tag, about = ("allreduce", _fingerprint("barrier")), "barrier()"  # (no tensor's call matches it)
-        gflow.allreduce_async(np.zeros(1, np.int32), comm=_comm(), _tag=tag, _about=about).wait()
+        allreduce_on(context(_comm()), np.zeros(1, np.int32), "sum", None, "auto", None, tag, about)
     except gflow.GflowError as exc:
         _raise(exc)
 

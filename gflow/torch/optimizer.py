@@ -61,6 +61,7 @@ class _DistributedOptimizer:
         self._gflow_params: list = []
         self._should_synchronize = True
         self._reduced = False  # synchronize() ended this step: p.grad holds the reduced gradients
+        self._reduced_grads: list = []  # (each p.grad then, its version then), for _still_reduced
         self._user_synchronized = False  # ... and the program called it (Horovod's warning in step)
         self._overflow = None
         self._touched = False
@@ -143,9 +144,7 @@ class _DistributedOptimizer:
         steps alike, so every rank's kit changes alike (the ranks agree on names and shapes in each
         segment: one that changed differently fails the step with MismatchError)."""
         params = self._gflow_reduced_params()
-        if len(params) != len(self._gflow_params) or any(
-            a is not b for a, b in zip(params, self._gflow_params, strict=True)
-        ):
+        if _changed_set(params, self._gflow_params):
             if self._sparse:
                 raise ValueError(
                     "DistributedOptimizer(sparse=...): the parameters to reduce changed after wrapping "
@@ -235,36 +234,62 @@ class _DistributedOptimizer:
             for index, p in enumerate(params):
                 if self._pushed[index] is None and p.grad is not None:
                     self._push(index, p)
-            # Gradients changed since backward pushed them: found here, agreed on below.
+            # Gradients changed since backward pushed them, and parameters that joined or left the
+            # reduced set since the step began: found here, agreed on below.
             changed = [
                 entry is not None and (params[i].grad is not entry[2] or entry[2]._version != entry[3])
                 for i, entry in enumerate(self._pushed)
             ]
+            moved = _changed_set(self._gflow_reduced_params(), params)
             overflow = None
             try:
-                self._dp.synchronize()
+                self._dp.synchronize(commit=False)
             except gflow.NonFiniteError as exc:  # on every rank alike: see the docstring
                 overflow = exc
             except Exception as exc:  # noqa: BLE001 - every rank raises (gflow guarantees it)
                 raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
-            used = self._gflow_agree(changed, scale)
+            try:
+                used = self._gflow_agree(changed, moved, scale)
+            except BaseException:
+                self._dp.discard_step()  # refused: CSC's residuals stay as before the step
+                raise
+            if overflow is None:
+                self._dp.commit_step()
             self._gflow_write_back(used, overflow)
         finally:
             self._gflow_reset_step()
         self._reduced = True
+        self._reduced_grads = [(g, g._version) for g in (p.grad for p in params) if g is not None]
 
-    def _gflow_agree(self, changed: list, scale: float | None):
-        """One small exchange after the kit's: which parameters some rank had a gradient for, which
-        some rank changed after pushing (as the highest such rank + 1), and the loss scale's range.
-        Asked only now, when every rank's background queue is empty: whether the kit's segments went
-        out during backward or at synchronize() depends on which parameters each rank used, so a
-        collective queued before them could meet a segment on another rank."""
+    def _still_reduced(self, unchanged: bool) -> bool:
+        """Whether the gradients are still those the last synchronize() reduced: no new step began
+        (a hook fired, or zero_grad()), and every gradient is the same tensor (and, with `unchanged`,
+        unchanged since). Else a step whose gradients were set by hand, after a step GradScaler
+        skipped, would be taken for reduced."""
+        if not self._reduced:
+            return False
+        live = [p.grad for p in self._gflow_params if p.grad is not None]
+        still = len(live) == len(self._reduced_grads) and all(
+            g is was and (not unchanged or g._version == version)
+            for g, (was, version) in zip(live, self._reduced_grads, strict=True)
+        )
+        self._reduced = still
+        return still
+
+    def _gflow_agree(self, changed: list, moved: bool, scale: float | None):
+        """One small exchange after the kit's, before its step is committed: which parameters some
+        rank had a gradient for, which some rank changed after pushing (as the highest such rank +
+        1), whether the reduced set changed during the step somewhere, and the ranges of what every
+        rank must hold alike (the loss scale, gradient_predivide_factor: max(v), max(-v)). Asked only
+        now, when every rank's background queue is empty: whether the kit's segments went out during
+        backward or at synchronize() depends on which parameters each rank used, so a collective
+        queued before them could meet a segment on another rank."""
         n, rank = len(self._pushed), _basics.rank()
-        mine = np.zeros(2 * n + 2)
+        mine = np.zeros(2 * n + 5)
         mine[:n] = [entry is not None for entry in self._pushed]
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
-        if scale is not None:
-            mine[2 * n :] = (scale, -scale)
+        factor = self.gradient_predivide_factor
+        mine[2 * n :] = (scale or 0.0, -(scale or 0.0), factor, -factor, float(moved))
         try:
             agreed = gflow.allreduce_async(mine, "max", comm=_basics.comm()).wait()
         except gflow.GflowError as exc:
@@ -272,7 +297,21 @@ class _DistributedOptimizer:
         changed_on = agreed[n : 2 * n]
         if changed_on.any():
             raise RuntimeError(self._changed_message(changed, changed_on))
-        _check_scales(agreed[2 * n :], scale)
+        if agreed[2 * n + 4]:
+            raise RuntimeError(
+                "DistributedOptimizer: the parameters to reduce changed during a step on some rank (one "
+                "unfrozen, frozen or added to the param groups after backward began: between the passes "
+                "of backward_passes_per_step, or between backward and step): the step is not applied, on "
+                "any rank. Change them between steps; zero_grad() and run the step again"
+            )
+        _check_scales(agreed[2 * n : 2 * n + 2], scale)
+        if agreed[2 * n + 2] != -agreed[2 * n + 3]:
+            raise as_horovod_error(
+                gflow.MismatchError(
+                    f"DistributedOptimizer: the ranks' gradient_predivide_factor differ (from "
+                    f"{-agreed[2 * n + 3]:g} to {agreed[2 * n + 2]:g}; this rank's is {factor:g})"
+                )
+            )
         return agreed[:n] > 0
 
     def _changed_message(self, changed: list, changed_on) -> str:
@@ -333,7 +372,7 @@ class _DistributedOptimizer:
         scaler.update()) are then right without optimizer.synchronize(); after a synchronize() of the
         program's own (Horovod's recipe) the ranks only agree on the scale."""
         scale = float(scaler.get_scale())
-        if not self._reduced:
+        if not self._still_reduced(unchanged=True):
             self._gflow_synchronize(scale)
             return
         try:
@@ -379,7 +418,7 @@ class _DistributedOptimizer:
                     stacklevel=2,
                 )
                 self.synchronize()
-            elif not self._reduced:
+            elif not self._still_reduced(unchanged=False):  # (GradScaler unscaled them in place)
                 self.synchronize()
         self._reduced = self._user_synchronized = False
         self._raise_overflow()
@@ -435,6 +474,7 @@ class _DistributedOptimizer:
                 "other ranks wait for it in step(): decide skips on the reduced gradients, after "
                 "synchronize(), as torch.amp.GradScaler does here.)"
             )
+        self._reduced = self._user_synchronized = False  # a new step's gradients come next
         return super().zero_grad(set_to_none)
 
     # --- checkpoints ------------------------------------------------------------------------------
@@ -509,13 +549,27 @@ class _DistributedOptimizer:
 _DistributedOptimizer.step.hooked = True
 
 
+def _changed_set(params: list, before: list) -> bool:
+    return len(params) != len(before) or any(a is not b for a, b in zip(params, before, strict=True))
+
+
 def _check_scales(agreed, scale) -> None:
-    """agreed: the ranks' max(scale) and max(-scale) (0, 0 where no rank gave one): they must match."""
-    if agreed[0] != -agreed[1]:
+    """agreed: the ranks' max(scale) and max(-scale) (a rank without a GradScaler gives 0): they must
+    match."""
+    largest, smallest = agreed[0], -agreed[1] + 0.0  # (+ 0.0: no "-0" in the message)
+    if smallest == 0 and largest > 0:
         raise as_horovod_error(
             gflow.MismatchError(
-                f"DistributedOptimizer: the ranks' GradScaler scales differ (from {-agreed[1]:g} to "
-                f"{agreed[0]:g}; this rank's is {scale}): each would unscale the reduced gradients by its "
+                "DistributedOptimizer: some ranks reduced their gradients through torch.amp.GradScaler "
+                "(its unscale_ or step) and others without one (optimizer.synchronize() or step() "
+                "first): the ranks must take the same AMP recipe. The step is not applied"
+            )
+        )
+    if largest != smallest:
+        raise as_horovod_error(
+            gflow.MismatchError(
+                f"DistributedOptimizer: the ranks' GradScaler scales differ (from {smallest:g} to "
+                f"{largest:g}; this rank's is {scale:g}): each would unscale the reduced gradients by its "
                 "own factor, so the step is not applied. Give every rank's GradScaler the same state "
                 "(load its state_dict on every rank)"
             )
