@@ -14,8 +14,9 @@ shared memory, through both training layers as trainers use them:
 
 both at their default fusion threshold (25 MiB). Each round runs both versions once each, in alternating
 order, --steps timed steps after --warmup; the figure per version is the median over rounds of each
-run's median step time (the slowest rank's). Writes bench/out/step_overhead.json and prints the ratio
-this tree / baseline (above 1: slower). Every rank runs with one BLAS/OpenMP/torch thread.
+run's median step time (the slowest rank's), and the ratio is the median over rounds of each round's
+ratio this tree / baseline (above 1: slower; a round's two runs are side by side, so the machine's
+drift cancels). Writes bench/out/step_overhead.json. Every rank runs with one BLAS/OpenMP/torch thread.
 """
 
 import argparse
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=15, help="timed steps per layer and run")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
@@ -133,16 +134,23 @@ def main() -> None:
     rows = []
     for layer in LAYERS:
         base, this = (float(np.median(times[name][layer])) for name in trees)
-        rows.append({"layer": layer, "baseline_ms": base * 1e3, "this_ms": this * 1e3, "ratio": this / base})
+        paired = [t / b for b, t in zip(times["baseline"][layer], times["this tree"][layer], strict=True)]
+        ratio, low, high = float(np.median(paired)), min(paired), max(paired)
+        rows.append({"layer": layer, "baseline_ms": base * 1e3, "this_ms": this * 1e3, "ratio": ratio,
+                     "ratio_range": [low, high]})  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_overhead.json"), "w") as f:
         json.dump(
             {"machine": _common.machine(), "procs": args.procs, "times": times, "rows": rows}, f, indent=1
         )
     print(f"\np = {args.procs}, ResNet-50 shapes, median of {args.rounds} rounds x {args.steps} steps")
-    print("| layer | baseline ms | this tree ms | this / baseline |\n|---|---|---|---|")
+    print("| layer | baseline ms | this tree ms | this / baseline (rounds' range) |\n|---|---|---|---|")
     for row in rows:
-        print(f"| {row['layer']} | {row['baseline_ms']:.1f} | {row['this_ms']:.1f} | {row['ratio']:.3f} |")
+        low, high = row["ratio_range"]
+        print(
+            f"| {row['layer']} | {row['baseline_ms']:.1f} | {row['this_ms']:.1f} | "
+            f"{row['ratio']:.3f} ({low:.2f}-{high:.2f}) |"
+        )
 
 
 if __name__ == "__main__":
