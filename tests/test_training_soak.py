@@ -571,9 +571,9 @@ def _push_loses_write_back(monkeypatch) -> None:
             grad = grad.clone() if isinstance(grad, torch.Tensor) else np.array(grad, copy=True)
         return push(self, key, grad)
 
-    def mutant_synchronize(self):
+    def mutant_synchronize(self, **kw):
         self._mutant_copied = False
-        return synchronize(self)
+        return synchronize(self, **kw)
 
     monkeypatch.setattr(gflow.DataParallel, "push", mutant_push)
     monkeypatch.setattr(gflow.DataParallel, "synchronize", mutant_synchronize)
