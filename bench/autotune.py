@@ -35,7 +35,7 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 def sweep_thresholds(total_bytes: int) -> list[int]:
     """The fixed thresholds: autotune's candidates (up to the first that holds the whole step),
     DDP's 25 MiB and the midpoints 3 and 12 MiB, so that the best fixed one is not autotune's grid."""
-    from gflow.collectives.autotune import CANDIDATES
+    from gflow.fusion.autotune import CANDIDATES
 
     grid = sorted(set(CANDIDATES) | {3 * 2**20, 12 * 2**20, 25 * 2**20})
     last = next((i for i, c in enumerate(grid) if c >= total_bytes), len(grid) - 1)
@@ -51,7 +51,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     import gflow
-    from gflow.collectives.autotune import size_text
+    from gflow.fusion.autotune import size_text
 
     comm = MPI.COMM_WORLD
     p, rank = comm.size, comm.rank
@@ -131,7 +131,7 @@ def worker(args) -> None:
 
 
 def report(out_dir: str, paths: list[str]) -> None:
-    from gflow.collectives.autotune import size_text
+    from gflow.fusion.autotune import size_text
 
     results = [json.load(open(path)) for path in paths]
     lines = [

@@ -43,8 +43,8 @@ import netem  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
-from gflow._workloads import ALEXNET, RESNET50  # noqa: E402
-from gflow.model import segments as model_segments  # noqa: E402
+from gflow.tools.cost_model import segments as model_segments  # noqa: E402
+from gflow.tools.workloads import ALEXNET, RESNET50  # noqa: E402
 
 MODELS = {"alexnet": ALEXNET, "resnet50": RESNET50, "1000x1000": [(1000,)] * 1000}
 EXPECTED_PARAMS = {"alexnet": 61_100_840, "resnet50": 25_557_032, "1000x1000": 1_000_000}
@@ -159,7 +159,7 @@ def worker(args) -> None:
         for name in ("per-tensor + overlap", "lazy + overlap"):
             runs.pop(name, None)
     if args.timeline:  # the lazy step again with the timeline on (its cost), alternating with the rest
-        from gflow import timeline
+        from gflow.runtime import timeline
 
         timeline.start_timeline(args.timeline)
         tracing, timeline._active = timeline._active, None  # on only inside the traced contender
@@ -286,7 +286,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threshold is None:
-        from gflow.collectives.lazy import DEFAULT_THRESHOLD_BYTES
+        from gflow.fusion.lazy import DEFAULT_THRESHOLD_BYTES
 
         args.threshold = DEFAULT_THRESHOLD_BYTES
     if args.worker:

@@ -99,7 +99,7 @@ def check_kernels(n: int) -> dict:
     """Each kernel against its host twin on random data, outputs poisoned first."""
     from numba import cuda
 
-    from gflow import host
+    from gflow.arrays import host_ops as host
     from gflow.cuda import ops as dev
 
     rng = np.random.default_rng(1)

@@ -1,4 +1,5 @@
-"""Host speed of the 16-bit loops (gflow/_half.py) against memcpy, counted alike: bytes read + written.
+"""Host speed of the 16-bit loops (gflow/arrays/half_kernels.py) against memcpy, counted alike:
+bytes read + written.
 
     python bench/half_host.py                 # 16M elements, 15 repetitions, one process
     python bench/half_host.py --elements 4M --reps 5
@@ -21,7 +22,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gflow import host  # noqa: E402
+from gflow.arrays import host_ops as host  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

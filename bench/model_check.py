@@ -1,18 +1,21 @@
-"""The cost model (gflow/model.py) against measurement, on points the calibration never saw.
+"""The cost model (gflow/tools/cost_model.py) against measurement, on points the calibration never saw.
 
     python bench/model_check.py                     # shared memory p = 2, 3, 4 and a 2 x 2 emulated cluster
     python bench/model_check.py --quick             # fewer sizes and repetitions
 
-`gflow.model.calibrate` runs once per environment (shared memory at p = 4; the emulated cluster of 2
+`gflow.tools.cost_model.calibrate` runs once per environment (shared memory at p = 4; the emulated
+cluster of 2
 nodes x 2 ranks at 1 Gbit/s per node link, bench/netem.py), in the same job as that environment's
 first timings, just before them (this machine's speed drifts by up to 1.5x between runs minutes
 apart), measuring ping-pongs, local loops and gflow's own allreduces at a few sizes that are not among
-those checked (see gflow/model.py; on shared memory it also measures the fixed costs with one rank per
+those checked (see gflow/tools/cost_model.py; on shared memory it also measures the fixed costs with
+one rank per
 core). Then gflow.allreduce is timed at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring,
 the hierarchical allreduce and auto, at p = 4, 3, 2 on shared memory and p = 4 in the cluster: none of
 these timings was used to calibrate, so all are held out. Contenders alternate; medians of the slowest rank.
 Last, bench/fusion.py's lazy ResNet-50 step at p = 4 under the emulated network (every rank a host, 1
-Gbit/s per link), without and with compute, against gflow.model.step_time (`--fusion-only` runs just
+Gbit/s per link), without and with compute, against gflow.tools.cost_model.step_time
+(`--fusion-only` runs just
 that). Writes bench/out/model_check.{json,md,png}: predicted against measured, and the share within 20%.
 """
 
@@ -36,11 +39,11 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     import gflow
-    import gflow.model
+    import gflow.tools.cost_model
 
     comm = MPI.COMM_WORLD
     if args.calibrate:  # in this job, just before the timings: the machine's speed drifts between runs
-        cal = gflow.model.calibrate(comm, progress=print if comm.rank == 0 else lambda _: None)
+        cal = gflow.tools.cost_model.calibrate(comm, progress=print if comm.rank == 0 else lambda _: None)
         if comm.rank == 0:
             cal.save(args.calibrate)
     rows = []
@@ -71,7 +74,7 @@ def calibrate_cmd(out: str) -> list[str]:
 
 def run_environment(args, name, nprocs_list, sizes, ranks_per_node, cluster=None):
     """Calibrate, then measure at each p, in one environment; returns the result records."""
-    from gflow import model
+    from gflow.tools import cost_model as model
 
     calib = os.path.join(args.out, f"calibration_{name}.json")
     records = []
@@ -109,8 +112,8 @@ def run_environment(args, name, nprocs_list, sizes, ranks_per_node, cluster=None
 def fusion_check(args) -> list[dict]:
     """bench/fusion.py's lazy ResNet-50 step at p = 4 under the emulated network (1 Gbit/s per link),
     without compute ("lazy") and with compute equal to one allreduce of all the bytes ("lazy +
-    overlap"), against gflow.model.step_time on a calibration made in the same network."""
-    from gflow import model
+    overlap"), against gflow.tools.cost_model.step_time on a calibration made in the same network."""
+    from gflow.tools import cost_model as model
 
     calib = os.path.join(args.out, "calibration_net4-1gbit.json")
     fusion = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fusion.py")

@@ -30,7 +30,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-from gflow.model import parse_rate  # noqa: E402 - --per-link here, and the other benchmarks' networks
+from gflow.tools.cost_model import parse_rate  # noqa: E402 - --per-link here, and the other benchmarks' networks
 
 TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 CPU_LIMIT_BITS = 16e9  # aggregate loopback rate the 2-core machine really sustains (see above)

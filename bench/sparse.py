@@ -32,7 +32,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     import gflow
-    from gflow.collectives.sparse import DEFAULT_CHUNK_ELEMS
+    from gflow.fusion.sparse import DEFAULT_CHUNK_ELEMS
 
     comm = MPI.COMM_WORLD
     p, n = comm.size, MODELS[args.model]

@@ -3,7 +3,7 @@
     git worktree add /tmp/base <commit before the change>
     python bench/step_overhead.py --baseline /tmp/base --procs 4 --rounds 5
 
-A step on ResNet-50's 161 parameter shapes (gflow._workloads.RESNET50, 25.6M float32), at p ranks on
+A step on ResNet-50's 161 parameter shapes (gflow.tools.workloads.RESNET50, 25.6M float32), at p ranks on
 shared memory, through both training layers as trainers use them:
 
     DistributedOptimizer  gflow.torch: zero_grad, a backward whose gradients are cheap to compute
@@ -44,7 +44,7 @@ def worker(args) -> None:
 
     import gflow
     import gflow.torch as hvd
-    from gflow._workloads import RESNET50
+    from gflow.tools.workloads import RESNET50
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

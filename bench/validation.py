@@ -25,9 +25,9 @@ def worker(out_dir: str) -> None:
     from mpi4py import MPI
 
     import gflow
-    from gflow._context import context
-    from gflow._validate import signature
     from gflow.collectives.recursive_doubling import allreduce_with_agreement
+    from gflow.runtime.context import context
+    from gflow.runtime.signature import signature
 
     comm = MPI.COMM_WORLD
     ctx = context(comm)

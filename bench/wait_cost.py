@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 import gflow
-from gflow import _context
+from gflow.runtime import context as _context
 
 DEFAULT_SIZES = [4096, 16384, 65536, 1 << 20, 4 << 20, 16 << 20]
 

@@ -1,20 +1,22 @@
 """gflow: GradientFlow-style collectives for data-parallel training on MPI.
 
-The public API; the implementation lives in the private modules.
+The public API. Where everything else lives: docs/architecture.md (one folder per layer, each
+importing only from those below it).
 """
 
 import os as _os
 
-from ._config import config
-from .collectives.api import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
-from .collectives.lazy import LazyAllreduce
-from .collectives.sparse import SparseAllreduce
-from .compression import LossScaler
-from .data_parallel import DataParallel, broadcast_parameters
-from .engine import Handle
+from .collectives.operations import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
 from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError
-from .failures import install as _install_excepthook
-from .timeline import start_timeline, stop_timeline
+from .fusion.lazy import LazyAllreduce
+from .fusion.sparse import SparseAllreduce
+from .runtime import lifecycle as _lifecycle  # noqa: F401 - registers the exit order
+from .runtime.config import config
+from .runtime.engine import Handle
+from .runtime.failures import install as _install_excepthook
+from .runtime.timeline import start_timeline, stop_timeline
+from .training.data_parallel import DataParallel, broadcast_parameters
+from .training.loss_scaler import LossScaler
 
 _install_excepthook()
 if _os.environ.get("GFLOW_TIMELINE"):

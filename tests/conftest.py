@@ -95,11 +95,11 @@ def _deadlock_watchdog(request):
 def _direct_transport_usable() -> bool:
     """The simulator's "device memory" is host memory, so MPI can take it as it is; a real GPU's only
     when the MPI library is CUDA-aware (or the user says so)."""
-    from gflow.cuda import arrays, transport
+    from gflow.cuda import memory, transport
 
     forced = os.environ.get("GFLOW_CUDA_AWARE_MPI")
     said = transport._library_cuda_support()
-    return arrays.SIMULATED or forced == "force" or said is True or (forced == "1" and said is None)
+    return memory.SIMULATED or forced == "force" or said is True or (forced == "1" and said is None)
 
 
 @pytest.fixture(

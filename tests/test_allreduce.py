@@ -143,7 +143,7 @@ def test_user_communicators_get_their_own_duplicate():
         expected = np.empty_like(x)
         sub.Allreduce(x, expected)
         np.testing.assert_array_equal(y, expected)
-        from gflow._context import context
+        from gflow.runtime.context import context
 
         assert context(sub) is context(sub)
         assert context(sub).comm != sub

@@ -12,7 +12,7 @@ import pytest
 from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
 
 import gflow
-from gflow.collectives import autotune
+from gflow.fusion import autotune
 
 SIZES = [1, 2, 3, 4]
 LAST = WORLD.size - 1

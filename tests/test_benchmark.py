@@ -1,4 +1,4 @@
-"""`python -m gflow bench` (gflow/benchmark.py): the nccl-tests style table, its check against MPI's own
+"""`python -m gflow bench` (gflow/tools/benchmark.py): the nccl-tests style table, its check against MPI's own
 Allreduce (which must be able to fail), and its refusals of bad input."""
 
 import argparse
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import WORLD, random_array, rank_rng
 
-from gflow import benchmark
+from gflow.tools import benchmark
 
 
 def bench_args(**overrides):

@@ -17,7 +17,7 @@ from helpers import WORLD, assert_same_on_all_ranks, on_all_ranks, rank_rng
 from numba import cuda
 
 import gflow
-from gflow import host
+from gflow.arrays import host_ops as host
 from gflow.cuda import ops as dev
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -341,7 +341,7 @@ def test_ranks_sending_other_dtypes_over_the_same_wire_all_raise():
 
 
 def test_the_cost_model_prices_bf16_as_fp16():
-    from gflow import model
+    from gflow.tools import cost_model as model
 
     kwargs = dict(ranks=8, ranks_per_node=4, algorithm="ring")
     assert (

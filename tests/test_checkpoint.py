@@ -13,7 +13,7 @@ from helpers import WORLD, assert_same_on_all_ranks, on_all_ranks, rank_rng
 from numba import cuda
 
 import gflow
-from gflow.data_parallel import DataParallel
+from gflow.training.data_parallel import DataParallel
 
 SIZES = [1, 2, 3, 4]
 SHAPES = {"w1": (16, 12), "b1": (12,), "w2": (12, 3), "b2": (3,)}

@@ -9,7 +9,7 @@ import pytest
 from helpers import WORLD, assert_close_to_reference, assert_same_on_all_ranks, on_all_ranks, rank_rng
 
 import gflow
-from gflow.data_parallel import DataParallel, broadcast_parameters
+from gflow.training.data_parallel import DataParallel, broadcast_parameters
 
 # The layers above the collectives run at 1-3 ranks: the collectives under them are tested at 1-4
 # (test_allreduce.py, test_hierarchical.py, ...), and 4 ranks each importing torch on the 2-core CI

@@ -22,8 +22,8 @@ from helpers import (
 from numba import cuda
 
 import gflow
-from gflow._array import is_device
-from gflow.cuda import arrays, transport
+from gflow.arrays.numpy_arrays import is_device
+from gflow.cuda import memory, transport
 
 SIZES = [1, 2, 3, 4]
 
@@ -33,8 +33,8 @@ class CAIOnly:
 
     def __init__(self, device_array):
         self._keep = device_array
-        host = device_array._ary if arrays.SIMULATED else None
-        pointer = host.ctypes.data if arrays.SIMULATED else device_array.device_ctypes_pointer.value
+        host = device_array._ary if memory.SIMULATED else None
+        pointer = host.ctypes.data if memory.SIMULATED else device_array.device_ctypes_pointer.value
         self.__cuda_array_interface__ = {
             "shape": tuple(device_array.shape),
             "typestr": np.dtype(device_array.dtype).str,
@@ -46,7 +46,7 @@ class CAIOnly:
 
 
 def to_host(a) -> np.ndarray:
-    return arrays.device_view(a).copy_to_host()
+    return memory.device_view(a).copy_to_host()
 
 
 def make(kind: str, host_array: np.ndarray):
@@ -119,7 +119,7 @@ def test_staging_warns_once_naming_the_variable(monkeypatch):
 
 @pytest.mark.parallel([1, 2])
 def test_cuda_aware_forced_on_an_mpi_that_says_no_is_refused_before_any_data_moves(monkeypatch):
-    from gflow._context import mpi_library
+    from gflow.runtime.mpi import mpi_library
 
     monkeypatch.setenv("GFLOW_CUDA_AWARE_MPI", "1")
     monkeypatch.setattr(transport, "_decided", None)

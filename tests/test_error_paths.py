@@ -15,7 +15,7 @@ from mpi4py import MPI
 from numba import cuda
 
 import gflow
-from gflow._config import MAX_SMALL_MESSAGE_BYTES
+from gflow.runtime.config import MAX_SMALL_MESSAGE_BYTES
 
 LAST = WORLD.size - 1
 

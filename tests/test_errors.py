@@ -169,7 +169,7 @@ def test_an_mpi_without_thread_multiple_is_named_before_any_data_moves():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    from gflow._context import mpi_library
+    from gflow.runtime.mpi import mpi_library
 
     assert "blocking 1.0" in done.stdout, done.stdout
     assert "refused:" in done.stdout and "MPI_THREAD_MULTIPLE" in done.stdout, done.stdout

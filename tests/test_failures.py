@@ -1,4 +1,4 @@
-"""When a rank fails (gflow/failures.py, stall.goodbye): an uncaught exception on one rank ends the
+"""When a rank fails (gflow/runtime/failures.py, stall.goodbye): an uncaught exception on one rank ends the
 whole job within seconds, naming the rank; a rank that leaves makes the others raise GflowError
 naming it. Each case is a real job under mpiexec (tests/failure_case.py), bounded in time."""
 

@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gflow
-from gflow._context import context
 from gflow.collectives.topology import parse_setting
+from gflow.runtime.context import context
 
 SIZES = [1, 2, 3, 4]
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]

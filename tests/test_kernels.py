@@ -1,4 +1,4 @@
-"""Every CUDA kernel against its NumPy twin in gflow/host.py, on random data with poisoned outputs.
+"""Every CUDA kernel against its NumPy twin in gflow/arrays/host_ops.py, on random data with poisoned outputs.
 
 Runs on Numba's CUDA simulator unless GFLOW_TEST_GPU=1 (see conftest.py); the simulator runs about
 10k threads a second, so arrays stay small.
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from gflow import host
+from gflow.arrays import host_ops as host
 from gflow.cuda import ops as dev
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
@@ -133,7 +133,8 @@ def test_pack_and_scatter_add_match_numpy(n, chunk):
 
 
 def test_host_float16_conversions_are_exact():
-    """gflow/_half.py against NumPy's own float16 casts: every float16 value, and random float32."""
+    """gflow/arrays/half_kernels.py against NumPy's own float16 casts: every float16 value, and
+    random float32."""
     every = np.arange(65536, dtype=np.uint16).view(np.float16)
     decoded = np.full(65536, -1.0, np.float32)
     host.cast_scaled(decoded, every, 1.0)

@@ -21,9 +21,9 @@ from helpers import (
 from numba import cuda
 
 import gflow
-from gflow._context import TAG_RING_AG, CommContext
 from gflow.collectives import ring
-from gflow.cuda import arrays
+from gflow.cuda import memory
+from gflow.runtime.context import TAG_RING_AG, CommContext
 
 SIZES = [1, 2, 3, 4]
 LIMITS = [64, 102]  # 102: not a multiple of 4 or 8 bytes
@@ -209,7 +209,7 @@ def test_under_the_limit_each_step_is_one_message(messages):
 
 
 def to_host(a) -> np.ndarray:
-    return arrays.device_view(a).copy_to_host()
+    return memory.device_view(a).copy_to_host()
 
 
 @pytest.mark.parallel(SIZES)

@@ -1,4 +1,5 @@
-"""The cost model (gflow/model.py) and its command line: calibrate, predict, and refuse bad input."""
+"""The cost model (gflow/tools/cost_model.py) and its command line: calibrate, predict, and refuse
+bad input."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 import pytest
 from helpers import WORLD
 
-from gflow import model
+from gflow.tools import cost_model as model
 
 CAL = model.Calibration()
 

@@ -1,4 +1,4 @@
-"""The stall inspector (gflow/stall.py): a rank waiting on a late peer names it, in blocking calls and
+"""The stall inspector (gflow/runtime/stall.py): a rank waiting on a late peer names it, in blocking calls and
 in the background engine; GFLOW_STALL_ABORT_S ends the job with that message; bad settings are named."""
 
 import os

@@ -1,4 +1,5 @@
-"""The timeline (gflow/timeline.py): GFLOW_TIMELINE / start_timeline write a Chrome trace per rank with
+"""The timeline (gflow/runtime/timeline.py): GFLOW_TIMELINE / start_timeline write a Chrome trace per
+rank with
 the collectives, their phases, waits, LazyAllreduce's pushes, fires and flush and the engine's jobs;
 `gflow timeline merge|plot` read them; an unwritable path warns and training goes on."""
 
@@ -12,7 +13,7 @@ import pytest
 from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
 
 import gflow
-from gflow import timeline
+from gflow.runtime import timeline
 
 
 def cli(*args):

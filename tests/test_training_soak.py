@@ -352,7 +352,7 @@ def soak(prog: Program) -> dict:
     final = run_on_channel(prog)
     # The same program never stopped: bitwise the same weights. Not where a plain torch state dict
     # resumed CSC over a compressed wire: each rank's residual then holds the wire's rounding of what
-    # it sent (gflow/collectives/sparse.py), gflow's state, which a plain state dict does not carry
+    # it sent (gflow/fusion/sparse.py), gflow's state, which a plain state dict does not carry
     # (the fresh optimizer's residuals stay zero: DistributedOptimizer.load_state_dict); such a run is
     # checked against the reference only, as every run is after every step. (Nor where the program
     # ended before its checkpoint: then nothing was resumed.)

@@ -29,9 +29,9 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 
-from .. import stall, timeline
-from .._config import config
-from .._context import CommContext, watched
+from ..runtime import stall, timeline
+from ..runtime.config import config
+from ..runtime.context import CommContext, watched
 from . import ring
 from .topology import Topology, discover, shard_block
 

@@ -1,7 +1,7 @@
 """Recursive doubling with an agreement header: the latency path, and the check that ranks agree.
 
 Every message is one host byte buffer, [header | payload]. The header carries the sender's call
-signature (gflow/_validate.py) or, once a disagreement has been seen, the record of two ranks found to
+signature (gflow/runtime/signature.py) or, once a disagreement has been seen, the record of two ranks found to
 disagree. Merging two headers is a reduction like the payload's, so after the rounds every rank holds
 the same verdict: all agree, or "rank a called X, rank b called Y"; then every rank raises, or none
 does. Nobody hangs on a mismatch: all ranks run the same schedule whatever they were called with, and
@@ -22,11 +22,12 @@ The lower-ranked operand always goes first, so every rank computes bitwise the s
 import numpy as np
 from mpi4py import MPI
 
-from .. import host, stall
-from .._config import MAX_SMALL_MESSAGE_BYTES
-from .._context import TAG_AGREE, CommContext
-from .._validate import SIG_LEN, describe
+from ..arrays import host_ops as host
 from ..errors import GflowError, MismatchError
+from ..runtime import stall
+from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
+from ..runtime.context import TAG_AGREE, CommContext
+from ..runtime.signature import SIG_LEN, describe
 
 _MAGIC = 0x67666C6F77  # "gflow"
 _OK, _MISMATCH = 0, 1

@@ -25,9 +25,9 @@ latencies, which is why small messages take recursive doubling instead.
 import numpy as np
 from mpi4py import MPI
 
-from .. import timeline
-from .._config import config
-from .._context import TAG_RING_AG, TAG_RING_RS, CommContext
+from ..runtime import timeline
+from ..runtime.config import config
+from ..runtime.context import TAG_RING_AG, TAG_RING_RS, CommContext
 
 # MPI-3 libraries (Open MPI 4, say) count in C ints: a single message of 2**31 bytes or more may fail.
 MAX_MESSAGE_BYTES = 2**30

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from .._config import config
 from ..errors import MismatchError
+from ..runtime.config import config
 
 SETTING = "GFLOW_RANKS_PER_NODE"
 

@@ -1,7 +1,7 @@
 """Numba CUDA kernels for gflow's per-element work.
 
 Each kernel is a grid-stride loop, so any launch size covers any length. gflow/cuda/ops.py launches them
-and gflow/host.py holds their NumPy twins (same names, same meaning); tests run these under
+and gflow/arrays/host_ops.py holds their NumPy twins (same names, same meaning); tests run these under
 NUMBA_ENABLE_CUDASIM=1 against the twins.
 """
 
@@ -10,7 +10,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
-from .arrays import SIMULATED
+from .memory import SIMULATED
 
 # Threads per block for the chunk-norm reduction (a power of two: the tree reduction halves it).
 NORM_THREADS = 128
@@ -160,7 +160,8 @@ def fill(x, value):
 
 
 # --- bfloat16, as bits (uint16 device arrays: Numba has no bfloat16 array type) ---------------------
-# The twins of gflow/_half.py's bfloat16 loops: float32 arithmetic, one rounding to nearest even; NaN
+# The twins of gflow/arrays/half_kernels.py's bfloat16 loops: float32 arithmetic, one rounding to
+# nearest even; NaN
 # becomes the quiet NaN of its sign. Bit casts are libdevice's on the GPU; the simulator runs these
 # device functions as Python, where NumPy's scalar views do the same.
 if SIMULATED:

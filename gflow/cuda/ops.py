@@ -1,4 +1,5 @@
-"""Per-element operations on device arrays: the CUDA twins of gflow/host.py (same names, same meaning).
+"""Per-element operations on device arrays: the CUDA twins of gflow/arrays/host_ops.py (same names,
+same meaning).
 
 Arguments are Numba device arrays (gflow/cuda/arrays.py turns CuPy arrays and other
 __cuda_array_interface__ objects into zero-copy Numba views). bfloat16 lives on the device as uint16
@@ -10,9 +11,9 @@ functions whose result the host needs (an overflow flag) synchronize before retu
 import numpy as np
 from numba import cuda
 
-from .._validate import BFLOAT16
+from ..runtime.signature import BFLOAT16
 from . import kernels
-from .arrays import SIMULATED, mpi_buffer
+from .memory import SIMULATED, mpi_buffer
 
 kind = "device"
 buffer = mpi_buffer

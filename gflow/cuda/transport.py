@@ -11,6 +11,8 @@ import ctypes
 import os
 import warnings
 
+from .memory import SIMULATED
+
 _ENV = "GFLOW_CUDA_AWARE_MPI"
 _decided = None
 _warned = False
@@ -69,7 +71,7 @@ def cuda_aware() -> bool:
         if value not in ("", "0", "1", "force"):
             raise ValueError(f"{_ENV} must be 0, 1 or force, got {value!r}")
         if value == "1" and not arrays_simulated() and _library_cuda_support() is False:
-            from .._context import mpi_library
+            from ..runtime.mpi import mpi_library
 
             raise ValueError(
                 f"{_ENV}=1 asks gflow to hand device buffers to MPI, but {mpi_library()} says it is not "
@@ -84,9 +86,7 @@ def cuda_aware() -> bool:
 
 def arrays_simulated() -> bool:
     """Numba's CUDA simulator: its "device memory" is host memory, which any MPI can read."""
-    from . import arrays
-
-    return arrays.SIMULATED
+    return SIMULATED
 
 
 def note_staging() -> None:

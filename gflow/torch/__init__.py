@@ -44,7 +44,6 @@ from ._basics import (
     rank,
     remove_process_set,
     rocm_built,
-    shutdown,
     size,
 )
 from ._ops import (
@@ -65,6 +64,7 @@ from ._ops import (
     grouped_allreduce_async_,
     join,
     poll,
+    shutdown,
     synchronize,
 )
 from .compression import Compression, Compressor

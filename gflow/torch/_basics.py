@@ -1,4 +1,5 @@
-"""Horovod's basics over mpi4py: init/shutdown, ranks and sizes, what is built, reduction ops, errors.
+"""Horovod's basics over mpi4py: init, ranks and sizes, what is built, reduction ops, errors
+(shutdown is in _ops.py: it forgets the async handles too).
 
 `init()` takes the communicator (COMM_WORLD, an mpi4py intracommunicator, or a list of world ranks, as
 Horovod's does) and reads the topology once: local_* from MPI's COMM_TYPE_SHARED split (the ranks
@@ -18,7 +19,7 @@ from mpi4py import MPI
 import gflow
 
 from ..errors import GflowError
-from ..stall import ranks_text
+from ..runtime.stall import ranks_text
 
 # Horovod's reduction ops are plain ints (its C library's enum values); so are these.
 Average = 0
@@ -219,12 +220,9 @@ def _passed(row, size: int) -> str:
     return f"[{listed}]{why.get(problem, '')}"
 
 
-def shutdown() -> None:
-    """Forget the communicator; is_initialized() is then False until the next init(). MPI stays up
-    (mpi4py finalizes it at exit), and async operations started before still complete."""
-    from . import _ops
-
-    _ops.forget_handles()
+def forget_comm() -> None:
+    """shutdown()'s half here (the other, forgetting async handles, is _ops'): is_initialized() is
+    then False until the next init()."""
     _state.comm = None
     _state.rank = _state.size = _state.local_rank = _state.local_size = -1
     _state.cross_rank = _state.cross_size = -1

@@ -35,8 +35,7 @@ import torch
 
 import gflow
 
-from .._context import context
-from ..collectives.api import (
+from ..collectives.operations import (
     FINGERPRINT_BITS,
     allgather_on,
     allreduce_on,
@@ -44,6 +43,7 @@ from ..collectives.api import (
     reject,
     rejected_in_background,
 )
+from ..runtime.context import context
 from . import _basics
 from ._basics import Adasum, Average, Max, Min, Product, Sum, as_horovod_error, check_process_set
 from .compression import wire_compression
@@ -78,8 +78,12 @@ def _register(pending: _Pending) -> int:
     return handle
 
 
-def forget_handles() -> None:
+def shutdown() -> None:
+    """Forget the communicator and the async handles; is_initialized() is then False until the next
+    init(). MPI stays up (mpi4py finalizes it at exit), and async operations started before still
+    complete."""
     _handle_map.clear()
+    _basics.forget_comm()
 
 
 def poll(handle) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 import gflow
 
-from ..data_parallel import DataParallel
+from ..training.data_parallel import DataParallel
 from . import _basics
 from ._basics import Adasum, Average, Sum, as_horovod_error, check_process_set
 from .compression import Compression, wire_compression

@@ -39,8 +39,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import gflow
 
-from .._context import context
-from ..collectives.api import reject
+from ..collectives.operations import reject
+from ..runtime.context import context
 from . import _basics
 from ._basics import as_horovod_error, check_process_set
 

@@ -5,37 +5,20 @@ attribute, so it is freed with it and a reused handle never finds a stale one. T
 private duplicate can never match the user's own messages.
 """
 
-import atexit
 import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import GflowError
 from . import stall, timeline
-from ._config import config
-from .errors import GflowError
+from .config import config
 
 # Tags inside the private communicator; one per phase, so a protocol bug shows up as a mismatch.
 TAG_AGREE = 11
 TAG_RING_RS = 12
 TAG_RING_AG = 13
-
-
-def mpi_library() -> str:
-    """The MPI library mpi4py runs on, in a line ("MPICH Version: 5.0.2", "Open MPI v4.1.4, ...")."""
-    return MPI.Get_library_version().splitlines()[0].strip()
-
-
-def thread_level_name(level: int) -> str:
-    """'MPI_THREAD_MULTIPLE' for MPI.THREAD_MULTIPLE, and so on."""
-    names = {
-        MPI.THREAD_SINGLE: "SINGLE",
-        MPI.THREAD_FUNNELED: "FUNNELED",
-        MPI.THREAD_SERIALIZED: "SERIALIZED",
-        MPI.THREAD_MULTIPLE: "MULTIPLE",
-    }
-    return "MPI_THREAD_" + names.get(level, str(level))
 
 
 def rd_schedule(rank: int, size: int):
@@ -292,13 +275,10 @@ class CommContext:
                     self.monitor_comm = None
 
 
-def _free_all() -> None:
-    """At exit, before mpi4py finalizes MPI: free gflow's duplicates, so MPI finds none left over."""
+def free_all() -> None:
+    """At exit (lifecycle.py), before mpi4py finalizes MPI and after the background thread stopped:
+    free gflow's duplicates, so MPI finds none left over."""
     global _world
-    from . import engine
-
-    engine.shutdown()  # its collectives use these duplicates
-    stall.goodbye()  # peers waiting for this rank in a collective it will never make raise at once
     if stall.busy_elsewhere():  # a thread of the program's is inside a collective: freeing its
         return  # communicators under it would crash it; MPI_Finalize takes them as they are
     for ctx in list(_by_handle.values()):
@@ -317,8 +297,6 @@ _world = None
 # The attribute is the source of truth; this is a faster index of it (Get_attr costs ~1 us),
 # emptied for a communicator when MPI deletes the attribute, i.e. when the communicator is freed.
 _by_handle: dict = {}
-# Registered after mpi4py's exit handler (mpi4py is imported first), so it runs before it.
-atexit.register(_free_all)
 
 
 def context(comm=None) -> CommContext:

@@ -109,12 +109,13 @@ class Config:
             size, so its shared-memory window holds two slots of at most this per rank and
             communicator (GFLOW_SHARED_MEMORY_MAX_BYTES).
         stall_warning_s: a rank that has waited on its peers this long in a collective says which
-            ranks have not entered it yet, on stderr (GFLOW_STALL_WARNING_S; 0: never; gflow/stall.py).
+            ranks have not entered it yet, on stderr (GFLOW_STALL_WARNING_S; 0: never;
+            gflow/runtime/stall.py).
         stall_abort_s: ... and after this long ends the job with MPI_Abort (GFLOW_STALL_ABORT_S;
             default 0: never).
         abort_on_exception: an exception that nothing catches ends the whole job with MPI_Abort,
             naming this rank, instead of leaving the other ranks waiting for it
-            (GFLOW_ABORT_ON_EXCEPTION, default on; gflow/failures.py).
+            (GFLOW_ABORT_ON_EXCEPTION, default on; gflow/runtime/failures.py).
     """
 
     validate: bool = True

@@ -1,4 +1,4 @@
-"""PyTorch tensors as kinds of array (see gflow/_array.py).
+"""PyTorch tensors as kinds of array (see gflow/arrays/kinds.py).
 
 A CPU tensor is worked on through a zero-copy NumPy view of its storage (`t.detach().numpy()`), so it
 takes exactly the host path; results are tensors. A CUDA tensor is a device array: its
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch.autograd.graph import increment_version
 
-from ._array import HOST
-from ._validate import BFLOAT16
+from ..runtime.signature import BFLOAT16
+from .numpy_arrays import HOST
 
 _NUMPY_OF = {
     torch.float16: np.dtype(np.float16),
@@ -142,7 +142,7 @@ class TorchCUDA:
     name = "device"
 
     def __init__(self):
-        from .cuda.arrays import DEVICE
+        from ..cuda.arrays import DEVICE
 
         self._device = DEVICE
 

@@ -2,7 +2,7 @@
 
 CSC touches every element of the gradient each step; done as separate NumPy passes (u = m*u + g,
 v += u, |v|, per-chunk sums) that is seven or more sweeps of memory. Fused, it is one: read g, u, v,
-write the new u, v, and sum |v| per chunk on the way (gflow/host.py's accumulate_norms calls this).
+write the new u, v, and sum |v| per chunk on the way (gflow/arrays/host_ops.py's accumulate_norms calls this).
 The new state goes to separate arrays (which may be the old ones), so a step that fails later can
 leave the old state as it was.
 """

@@ -9,14 +9,13 @@ never meet the blocking calls the caller's thread makes meanwhile. That needs MP
 which mpi4py asks for by default; the engine checks it on first use.
 """
 
-import atexit
 import queue
 import threading
 
 from mpi4py import MPI
 
+from ..errors import GflowError
 from . import stall, timeline
-from .errors import GflowError
 
 
 class Handle:
@@ -82,7 +81,7 @@ class Engine:
         with self._lock:
             if self._thread is None:
                 if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-                    from ._context import mpi_library, thread_level_name
+                    from .mpi import mpi_library, thread_level_name
 
                     raise GflowError(
                         f"gflow's background thread (async calls, LazyAllreduce) needs MPI initialised "
@@ -127,9 +126,8 @@ class Engine:
             thread.join(timeout)
 
 
-_engine = Engine()
-# Registered after mpi4py's own exit handler, so it runs first: the thread stops before MPI finalizes.
-atexit.register(_engine.shutdown)
+_engine = Engine()  # stopped at exit by lifecycle.py, before MPI finalizes
+stall.register_engine(_engine.idle)
 
 
 def shutdown(timeout: float = 10.0) -> None:

@@ -34,17 +34,18 @@ import zlib
 
 import numpy as np
 
-from .. import engine, timeline
-from .._array import HOST, check_array, check_writable
-from .._config import config
-from .._context import context
-from .._validate import DTYPE_CODE, check_dtype, check_op, holds, signature
-from ..compression import check_compression, decode, encode, overflow_message, wire_dtype
+from ..arrays.codecs import check_compression, decode, encode, overflow_message, wire_dtype
+from ..arrays.kinds import check_array, check_writable
+from ..arrays.numpy_arrays import HOST
+from ..collectives import hierarchical
+from ..collectives.operations import allreduce_on, rejected_in_background
+from ..collectives.recursive_doubling import allreduce_with_agreement
 from ..errors import CompressionOverflowError
-from . import hierarchical
-from .api import allreduce_on, rejected_in_background
+from ..runtime import engine, timeline
+from ..runtime.config import config
+from ..runtime.context import context
+from ..runtime.signature import DTYPE_CODE, check_dtype, check_op, holds, signature
 from .autotune import ThresholdTuner
-from .recursive_doubling import allreduce_with_agreement
 from .sparse import SparseAllreduce
 
 # What the push-order checksum covers, per tensor: size, dtype and number of axes, then the shape.
@@ -86,7 +87,7 @@ class LazyAllreduce:
             Dense only: sparse segments keep residuals, so their sizes must not change.
         op: "sum", "mean", "max" or "min" (or MPI.SUM/MAX/MIN), applied to every pushed tensor.
         compression: None, "fp16" or "bf16" (float32/float64 gradients travel as float16 or
-            bfloat16; see gflow/compression.py).
+            bfloat16; see gflow/arrays/codecs.py).
         comm: the communicator (default COMM_WORLD).
         sparse: None, or SparseAllreduce settings (density, chunk_elems, momentum, warmup_steps) to
             send each fused segment by coarse-grained sparse communication: fusion + fp16 + CSC +
@@ -631,7 +632,7 @@ class LazyAllreduce:
         return None if self._tuner is None else self._tuner.results
 
     def _settings(self) -> dict:
-        from .._state import compression_name
+        from ..runtime.checkpoint import compression_name
 
         sparse = None
         if self.sparse is not None:  # as SparseAllreduce reads them, so {} and the defaults compare equal
@@ -659,7 +660,7 @@ class LazyAllreduce:
         Raises:
             RuntimeError: a step is in flight (pushed, not flushed).
         """
-        from .. import _state as st
+        from ..runtime import checkpoint as st
 
         if self._in_step():
             raise RuntimeError("LazyAllreduce.state_dict: a step is in flight (pushed, not flushed)")
@@ -686,7 +687,7 @@ class LazyAllreduce:
                 on another rank, or is malformed. Nothing is changed then.
             RuntimeError: a step is in flight (pushed, not flushed).
         """
-        from .. import _state as st
+        from ..runtime import checkpoint as st
 
         who = "LazyAllreduce.load_state_dict"
         if self._in_step():
@@ -707,7 +708,7 @@ class LazyAllreduce:
             except ValueError as exc:
                 raise ValueError(f"{who}: segment {index}: {exc}") from None
             loaded[int(index)] = csc
-        tuned = st._plain(state.get("tuned_threshold_bytes"))
+        tuned = st.plain_value(state.get("tuned_threshold_bytes"))
         if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
             raise ValueError(f"{who}: tuned_threshold_bytes must be an int >= 1 or None, got {tuned!r}")
         tuner = self._load_tuner(state, tuned, who)
@@ -720,11 +721,11 @@ class LazyAllreduce:
     def _load_tuner(self, state: dict, tuned: int | None, who: str):
         """load_state_dict's tuner: the state's position as a new ThresholdTuner; None for a fixed
         threshold, or for a state saved before the position was (tuned_threshold_bytes alone)."""
-        from .. import _state as st
+        from ..runtime import checkpoint as st
 
         if "tuner" not in state:
             return None
-        saved = st._plain(state["tuner"])
+        saved = st.plain_value(state["tuner"])
         if self._tuner is None or saved is None:
             if (saved is None) != (self._tuner is None):
                 expected = "None (a fixed threshold)" if self._tuner is None else "a dict (threshold 'auto')"

@@ -1,6 +1,6 @@
 """The public collectives: argument checks, algorithm choice, and the call into the algorithms.
 
-Each public function checks its arguments, which gives it the kind of array it holds (gflow/_array.py),
+Each public function checks its arguments, which gives it the kind of array it holds (gflow/arrays/kinds.py),
 then works on flat views of the kind's memory: the kind's transport hands them to MPI (directly, or
 staged through pinned host memory for device arrays without a CUDA-aware MPI) and gives the ops for
 the memory MPI sees; the *_flat functions of collectives/common.py do the rest. Results are made by
@@ -12,17 +12,15 @@ import zlib
 
 import numpy as np
 
-from .. import engine, timeline
-from .._array import check_array, kind_of
-from .._config import config
-from .._context import CommContext, context
-from .._validate import DTYPE_CODE, check_op, check_root, rejected_signature, signature
-from ..compression import COMPRESSIONS, check_compression, decode, encode, overflow_message, wire_dtype
+from ..arrays.codecs import COMPRESSIONS, check_compression, decode, encode, overflow_message, wire_dtype
+from ..arrays.kinds import check_array, kind_of
 from ..errors import CompressionOverflowError, MismatchError
-from .common import allgather_flat, allreduce_flat, broadcast_flat, reduce_scatter_flat
+from ..runtime import engine, timeline
+from ..runtime.config import config
+from ..runtime.context import CommContext, context
+from ..runtime.signature import DTYPE_CODE, check_op, check_root, rejected_signature, signature
+from .dispatch import allgather_flat, allreduce_flat, broadcast_flat, choose, reduce_scatter_flat
 from .recursive_doubling import allreduce_with_agreement
-
-ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")
 
 
 def reject(ctx: CommContext, collective: str) -> None:
@@ -35,28 +33,6 @@ def reject(ctx: CommContext, collective: str) -> None:
         except MismatchError as exc:
             if ctx.is_background:  # as the peers' engines mark theirs (see CommContext.check_usable)
                 ctx.failed = f"{collective} (rejected arguments): {exc}"
-
-
-def _choose(algorithm: str, nbytes: int, ring_only: bool = False) -> str:
-    """The algorithm for a message of nbytes, as far as it can be told before the ranks talk: "auto"
-    above config.small_message_bytes stays "auto" (ring or hierarchical, settled from the topology
-    after the agreement). Where the transport is ring_only (device memory straight to MPI), the
-    latency path is out: a small "auto" or "recursive_doubling" takes the ring, once the request
-    itself has been checked."""
-    if algorithm == "auto":
-        chosen = "recursive_doubling" if nbytes <= config.small_message_bytes else "auto"
-    elif algorithm in ("ring", "hierarchical"):
-        chosen = algorithm
-    elif algorithm == "recursive_doubling":
-        if nbytes > config.small_message_bytes:
-            raise ValueError(
-                f"algorithm='recursive_doubling' takes at most config.small_message_bytes = "
-                f"{config.small_message_bytes} bytes, got {nbytes}"
-            )
-        chosen = algorithm
-    else:
-        raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
-    return "ring" if ring_only and chosen == "recursive_doubling" else chosen
 
 
 def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
@@ -76,7 +52,7 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
             collectives/hierarchical.py), or "recursive_doubling" (only up to
             config.small_message_bytes).
         compression: None, "fp16" to send float16 on the wire, or "bf16" to send bfloat16
-            (floating dtypes; the result comes back in x's dtype). See gflow/compression.py.
+            (floating dtypes; the result comes back in x's dtype). See gflow/arrays/codecs.py.
 
     Returns:
         An array of x's shape and dtype holding the reduction, bitwise identical on every rank.
@@ -151,7 +127,7 @@ def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True, h
     codec = check_compression(compression, dtype) if compression is not None else None
     count = kind.size(x)
     nbytes = count * (2 if codec else dtype.itemsize)
-    chosen = _choose(algorithm, nbytes, kind.transport().ring_only)
+    chosen = choose(algorithm, nbytes, kind.transport().ring_only)
     result = kind.prepare_out(x, out, dtype, count) if (need_out or out is not None) else None
     return kind, dtype, name, chosen, codec, result
 

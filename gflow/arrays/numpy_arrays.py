@@ -1,26 +1,10 @@
-"""One adapter per kind of array: the collectives are written once over it and never ask what they hold.
-
-`check_array(x)` validates an argument and returns (kind, dtype). A kind knows how to view an array of
-its own flat (to read, or to read and write back), make a result of the same kind, check an `out=`,
-run a background collective as if in the caller's thread, and hand buffers to MPI through its
-transport: host memory directly; device memory directly (a CUDA-aware MPI) or staged through pinned
-host memory. The kinds:
-
-- HOST: NumPy arrays (ndarray subclasses are read as plain arrays; results are plain arrays);
-- device arrays: anything with __cuda_array_interface__ (CuPy, Numba, ...), gflow/cuda/arrays.py;
-- PyTorch tensors, gflow/_torch_arrays.py: a CPU tensor is handled through a zero-copy NumPy view
-  and its results are tensors; a CUDA tensor goes through __cuda_array_interface__. torch is never
-  imported here: a tensor can only exist once its user has imported torch.
-
-These checks run on every call, so the common case (a NumPy array) is kept to a few lookups.
-"""
-
-import sys
+"""NumPy arrays, the HOST kind (the kinds are described in kinds.py), and Direct: the transport of
+memory MPI reads as it is (host memory; device memory with a CUDA-aware MPI)."""
 
 import numpy as np
 
-from . import host
-from ._validate import check_dtype
+from ..runtime.signature import check_dtype
+from . import host_ops as host
 
 
 def is_device(x) -> bool:
@@ -35,6 +19,10 @@ def plain(x):
     if type(x) is np.ndarray or not isinstance(x, np.ndarray):
         return x
     return x.view(np.ndarray)
+
+
+def raise_read_only(name: str):
+    raise ValueError(f"{name} is read-only; the result is written into it: pass a writable array")
 
 
 class Direct:
@@ -133,7 +121,8 @@ class HostArrays:
             return np.empty(x.shape, dtype=dtype)
         if out is x:
             self.write_view(out, name)
-            check_writable(out, name)
+            if not out.flags.writeable:
+                raise_read_only(name)
             return out
         if not isinstance(out, np.ndarray):
             raise TypeError(
@@ -144,7 +133,8 @@ class HostArrays:
         if out.size != count:
             raise ValueError(f"{name}: expected {count} elements, got {out.size}")
         self.write_view(out, name)
-        check_writable(out, name)
+        if not out.flags.writeable:
+            raise_read_only(name)
         if np.may_share_memory(out, x) and not _same_memory(out, x):
             raise ValueError(
                 f"{name} overlaps x in part: pass out=x (or an array over exactly x's memory) to "
@@ -179,36 +169,3 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
         and a.flags.c_contiguous
         and b.flags.c_contiguous
     )
-
-
-def kind_of(x, name: str = "x"):
-    """The kind of x (see the module docstring); a TypeError naming what was got otherwise."""
-    if isinstance(x, np.ndarray):
-        return HOST
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        from ._torch_arrays import tensor_kind
-
-        return tensor_kind(x, name)
-    if is_device(x):
-        from .cuda.arrays import DEVICE
-
-        return DEVICE
-    raise TypeError(
-        f"{name}: expected a NumPy array, a torch tensor or an object with __cuda_array_interface__, "
-        f"got {type(x).__name__}"
-    )
-
-
-def check_array(x, name: str = "x"):
-    """Validate an input array; return (kind, dtype)."""
-    if type(x) is np.ndarray:
-        return HOST, check_dtype(x.dtype)
-    kind = kind_of(x, name)
-    return kind, kind.check(x, name)
-
-
-def check_writable(x, name: str, kind=None) -> None:
-    """Results are written into x: refuse a read-only array before any data moves."""
-    if not (kind or kind_of(x, name)).writable(x):
-        raise ValueError(f"{name} is read-only; the result is written into it: pass a writable array")

@@ -74,7 +74,7 @@ def _wrong_elements(comm, x, y, op: str, dtype, compression) -> int:
     if np.dtype(dtype).kind in "iu" and not compression:
         wrong = int(np.count_nonzero(y != exact.astype(dtype)))
     else:
-        from .compression import wire_dtype
+        from ..arrays.codecs import wire_dtype
 
         eps = np.finfo(wire_dtype(compression) if compression else dtype).eps
         magnitude = np.empty_like(wide)
@@ -95,9 +95,9 @@ def _wrong_elements(comm, x, y, op: str, dtype, compression) -> int:
 
 def check_arguments(args) -> None:
     """ValueError naming the setting, for what gflow.allreduce would refuse at every size."""
-    from ._config import config
-    from ._validate import check_op
-    from .compression import check_compression
+    from ..arrays.codecs import check_compression
+    from ..runtime.config import config
+    from ..runtime.signature import check_op
 
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"-n must be >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup}")
@@ -122,8 +122,8 @@ def run(args, out=sys.stdout) -> int:
 
     import gflow
 
-    from ._context import mpi_library
-    from .collectives.topology import discover
+    from ..collectives.topology import discover
+    from ..runtime.mpi import mpi_library
 
     comm = MPI.COMM_WORLD
     p, rank = comm.size, comm.rank

@@ -1,14 +1,21 @@
-"""What every kind of array shares once its arguments are checked: the agreement before a bandwidth
-algorithm, and each collective on flat contiguous buffers given the ops for their kind of memory."""
+"""Every algorithm choice, and what every kind of array shares once its arguments are checked.
+
+choose() decides what can be decided before the ranks talk (the latency path or a bandwidth
+algorithm); settle_auto() decides "auto" after the agreement, from the topology, alike on every rank.
+Then the agreement before a bandwidth algorithm, and each collective on flat contiguous buffers given
+the ops for their kind of memory. (The settings that "auto" depends on are folded into the
+signature by runtime/signature.py, so ranks configured differently fail the agreement.)"""
 
 from mpi4py import MPI
 
-from .. import timeline
-from .._config import config
-from .._context import CommContext
-from .._validate import KIND_CODE, signature
+from ..runtime import timeline
+from ..runtime.config import config
+from ..runtime.context import CommContext
+from ..runtime.signature import KIND_CODE, signature
 from . import hierarchical, ring
 from .recursive_doubling import allreduce_with_agreement
+
+USER_ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")  # what algorithm= takes
 
 
 def _agree(ctx: CommContext, sig: tuple) -> None:
@@ -22,7 +29,7 @@ def _predivided(ctx: CommContext, src, ops, name: str):
     """(src, op) to reduce: for a "mean" of 2-byte floats (float16, bfloat16), a copy of src already
     divided by the world size, summed. Summing first would overflow where the mean fits (two ranks of
     40000 in float16: inf, where 40000 is right); the 2-byte wire codecs divide first for the same
-    reason (gflow/compression.py). The copy is scratch, so a failed call changes no array of the
+    reason (gflow/arrays/codecs.py). The copy is scratch, so a failed call changes no array of the
     caller's."""
     if name != "mean" or src.dtype.itemsize != 2 or ctx.size == 1:
         return src, name
@@ -55,6 +62,28 @@ def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, nam
             hierarchical.allreduce(ctx, src, dst, ops, name, host_memory)
         else:
             ring.allreduce(ctx, src, dst, ops, name)
+
+
+def choose(algorithm: str, nbytes: int, ring_only: bool = False) -> str:
+    """The algorithm for a message of nbytes, as far as it can be told before the ranks talk: "auto"
+    above config.small_message_bytes stays "auto" (ring or hierarchical, settled from the topology
+    after the agreement). Where the transport is ring_only (device memory straight to MPI), the
+    latency path is out: a small "auto" or "recursive_doubling" takes the ring, once the request
+    itself has been checked."""
+    if algorithm == "auto":
+        chosen = "recursive_doubling" if nbytes <= config.small_message_bytes else "auto"
+    elif algorithm in ("ring", "hierarchical"):
+        chosen = algorithm
+    elif algorithm == "recursive_doubling":
+        if nbytes > config.small_message_bytes:
+            raise ValueError(
+                f"algorithm='recursive_doubling' takes at most config.small_message_bytes = "
+                f"{config.small_message_bytes} bytes, got {nbytes}"
+            )
+        chosen = algorithm
+    else:
+        raise ValueError(f"algorithm: expected one of {USER_ALGORITHMS}, got {algorithm!r}")
+    return "ring" if ring_only and chosen == "recursive_doubling" else chosen
 
 
 def settle_auto(ctx: CommContext, nbytes: int, host_memory: bool) -> str:

@@ -19,7 +19,7 @@ import time
 
 from mpi4py import MPI
 
-from ._config import config
+from .config import config
 
 _previous = None
 # MPI_Abort kills every rank at once; the launcher may not yet have forwarded what this rank just

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from ._config import config
+from .config import config
 
 # bfloat16 is ml_dtypes' (what JAX uses; NumPy has none): its str is '<V2', like any 2-byte void.
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)

@@ -33,7 +33,7 @@ import statistics
 
 import numpy as np
 
-from .._state import _plain
+from ..runtime.checkpoint import plain_value
 
 CANDIDATES = tuple(2**k for k in range(18, 27))  # 256 KiB ... 64 MiB
 WARMUP_STEPS = 1
@@ -261,7 +261,7 @@ class ThresholdTuner:
 def _field(state: dict, key: str):
     if key not in state:
         raise ValueError(f"tuner: the state lacks {key!r}")
-    return _plain(state[key])
+    return plain_value(state[key])
 
 
 def _int(state: dict, key: str, low: int, high: int | None = None) -> int:
@@ -290,7 +290,7 @@ def _sequence(value, name: str) -> list:
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"tuner.{name}: expected a list, got {type(value).__name__}")
-    return [_plain(v) for v in value]
+    return [plain_value(v) for v in value]
 
 
 def _ints(state: dict, key: str) -> list:
@@ -301,7 +301,7 @@ def _ints(state: dict, key: str) -> list:
 
 
 def _candidate(key, name: str) -> int:
-    key = _plain(key)
+    key = plain_value(key)
     if isinstance(key, bool) or not isinstance(key, int) or key not in CANDIDATES:
         raise ValueError(f"tuner.{name}: expected candidates out of {list(CANDIDATES)} as keys, got {key!r}")
     return key

@@ -1,12 +1,12 @@
 """Per-element operations on host (NumPy) arrays.
 
-The CUDA twins live in gflow/cuda/kernels.py with the same names and meaning; gflow/_array.py picks
+The CUDA twins live in gflow/cuda/kernels.py with the same names and meaning; gflow/arrays/kinds.py picks
 one set per array, so the collectives are written once and never ask what kind of array they hold.
 """
 
 import numpy as np
 
-from ._validate import BFLOAT16
+from ..runtime.signature import BFLOAT16
 
 kind = "host"
 
@@ -46,15 +46,16 @@ def reduce(out: np.ndarray, low: np.ndarray, high: np.ndarray, op: str) -> None:
 
     Callers pass the operand from the lower rank(s) first, so every rank that combines the same two
     partial results gets the same bits even where op is not bitwise commutative (NaN payloads, +-0).
-    float16 and bfloat16 go through gflow/_half.py: NumPy's own float16 arithmetic (and ml_dtypes'
+    float16 and bfloat16 go through gflow/arrays/half_kernels.py: NumPy's own float16 arithmetic
+    (and ml_dtypes'
     bfloat16) is 20x slower than float32.
     """
     if out.dtype.char == "e":
-        from ._half import reduce_half
+        from .half_kernels import reduce_half
 
         reduce_half(out.view(_U16), low.view(_U16), high.view(_U16), _HALF_OP[op])
     elif out.dtype == BFLOAT16:
-        from ._half import reduce_bf16
+        from .half_kernels import reduce_bf16
 
         reduce_bf16(out.view(_U16), low.view(_U16), high.view(_U16), _HALF_OP[op])
     else:
@@ -85,7 +86,7 @@ def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
         and all(part.flags.writeable for part in parts)
     ):
         # (Numba types a read-only array apart from a writable one, and indexes only uniform tuples.)
-        from ._fused import fused_sum
+        from .sum_kernels import fused_sum
 
         fused_sum(out, tuple(parts))
         return
@@ -97,7 +98,7 @@ def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
 def divide(x: np.ndarray, divisor: int) -> None:
     """x /= divisor in place (op='mean', floating dtypes only)."""
     if x.dtype == BFLOAT16:
-        from ._half import divide_bf16
+        from .half_kernels import divide_bf16
 
         divide_bf16(x.view(_U16), np.float32(divisor))
         return
@@ -108,19 +109,19 @@ def cast_scaled(dst: np.ndarray, src: np.ndarray, scale: float) -> bool:
     """dst = src * scale, cast to dst's dtype. Returns True if any value overflowed dst's range or
     was NaN/inf (those elements hold inf/NaN in dst)."""
     if dst.dtype.char == "e" and src.dtype.char in "fd":
-        from ._half import encode_half
+        from .half_kernels import encode_half
 
         return bool(encode_half(dst.view(_U16), src, np.float32(scale)))
     if src.dtype.char == "e" and dst.dtype.char in "fd":
-        from ._half import decode_half
+        from .half_kernels import decode_half
 
         return bool(decode_half(dst, src.view(_U16), np.float32(scale)))
     if dst.dtype == BFLOAT16 and src.dtype.char in "fd":
-        from ._half import encode_bf16
+        from .half_kernels import encode_bf16
 
         return bool(encode_bf16(dst.view(_U16), src, np.float32(scale)))
     if src.dtype == BFLOAT16 and dst.dtype.char in "fd":
-        from ._half import decode_bf16
+        from .half_kernels import decode_bf16
 
         return bool(decode_bf16(dst, src.view(_U16), np.float32(scale)))
     scaled = np.multiply(src, np.float32(scale), dtype=np.result_type(src.dtype, np.float32))
@@ -211,8 +212,8 @@ def to_numpy(x: np.ndarray) -> np.ndarray:
 
 def accumulate_norms(u_out, v_out, u, v, g, momentum: float, chunk: int) -> np.ndarray:
     """accumulate() then chunk_norms() of v_out, fused into one pass over memory
-    (gflow/_sparse_host.py)."""
-    from ._sparse_host import accumulate_norms as fused
+    (gflow/arrays/csc_kernels.py)."""
+    from .csc_kernels import accumulate_norms as fused
 
     norms = np.empty((v.size + chunk - 1) // chunk, dtype=np.float32)
     fused(u_out, v_out, u, v, g, v.dtype.type(momentum), chunk, norms)

@@ -18,7 +18,6 @@ an event costs a few microseconds and turning it into JSON a few more, in batche
 and at stop_timeline() or exit (bench/RESULTS.md, "Timeline").
 """
 
-import atexit
 import json
 import os
 import threading
@@ -197,9 +196,6 @@ def stop_timeline() -> None:
     timeline, _active = _active, None
     if timeline is not None:
         timeline.close()
-
-
-atexit.register(stop_timeline)
 
 
 def merge(paths: list[str], out: str) -> int:

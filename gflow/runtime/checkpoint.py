@@ -28,10 +28,10 @@ def header(kind: str) -> dict:
 def check_header(state, kind: str, who: str) -> None:
     if not isinstance(state, dict):
         raise TypeError(f"{who}: expected a state dict, got {type(state).__name__}")
-    fmt = _plain(state.get("format"))
+    fmt = plain_value(state.get("format"))
     if fmt != f"gflow.{kind}":
         raise ValueError(f"{who}: expected a state dict of format 'gflow.{kind}', got format {fmt!r}")
-    version = _plain(state.get("version"))
+    version = plain_value(state.get("version"))
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:
         raise ValueError(
             f"{who}: state format version {version!r} is not one this gflow reads (1 to {VERSION})"
@@ -43,7 +43,7 @@ def get(state: dict, key: str, who: str):
     value = state.get(key, _MISSING)
     if value is _MISSING:
         raise ValueError(f"{who}: the state dict lacks {key!r}")
-    return _plain(value)
+    return plain_value(value)
 
 
 def check_equal(state: dict, expected: dict, who: str) -> None:
@@ -66,7 +66,7 @@ def check_world_size(state: dict, size: int, who: str) -> None:
         )
 
 
-def _plain(value):
+def plain_value(value):
     """A 0-d NumPy value (as np.savez gives back) as the Python scalar it was saved from."""
     if isinstance(value, np.ndarray) and value.ndim == 0:
         value = value[()]
@@ -77,38 +77,6 @@ def _plain(value):
 
 def compression_name(compression) -> str:
     return "none" if compression is None else compression
-
-
-def to_host(x, ops):
-    """A host copy of a state array (None stays None)."""
-    if x is None:
-        return None
-    return np.array(ops.to_numpy(x), copy=True)
-
-
-def ops_for_kind(kind: str):
-    """The ops module of the kind of memory state arrays were saved from."""
-    if kind == "host":
-        from . import host
-
-        return host
-    if kind == "device":
-        from .cuda import ops
-
-        return ops
-    raise ValueError(f"unknown kind of memory {kind!r} in the state dict (expected 'host' or 'device')")
-
-
-def from_host(a: np.ndarray, ops):
-    """A new array of ops' kind holding a copy of the host array a (flat)."""
-    a = np.ascontiguousarray(a).reshape(-1)
-    if ops.kind == "host":
-        return a.copy()
-    from .cuda import arrays
-
-    x = ops.empty(a.size, a.dtype)
-    arrays.from_host(x, a)
-    return x
 
 
 def get_count(state: dict, key: str, who: str) -> int:

@@ -1,4 +1,4 @@
-"""Parameter shapes of the models the benchmarks and the cost model (gflow/model.py) use."""
+"""Parameter shapes of the models the benchmarks and the cost model (gflow/tools/cost_model.py) use."""
 
 # torchvision.models.alexnet(): parameter shapes in model.parameters() order (61,100,840 in all).
 ALEXNET = [

@@ -51,13 +51,13 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ._config import (
+from ..runtime.config import (
     DEFAULT_HIERARCHICAL_MIN_BYTES,
     DEFAULT_RING_SEGMENT_BYTES,
     DEFAULT_SHARED_MEMORY_MIN_BYTES,
     DEFAULT_SMALL_MESSAGE_BYTES,
 )
-from ._workloads import MODELS
+from .workloads import MODELS
 
 BACKWARD_SHARE = 2 / 3  # of a step's compute: what communication can hide behind
 CALIBRATION_ENV = "GFLOW_CALIBRATION"
@@ -375,9 +375,9 @@ def calibrate(comm=None, progress=print) -> Calibration:
 
     import gflow
 
-    from . import host
-    from .collectives.topology import discover
-    from .compression import WIRE_DTYPE, decode, encode
+    from ..arrays import host_ops as host
+    from ..arrays.codecs import WIRE_DTYPE, decode, encode
+    from ..collectives.topology import discover
 
     comm = comm or MPI.COMM_WORLD
     topo = discover(comm)

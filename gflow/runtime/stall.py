@@ -22,7 +22,7 @@ entered fewer collectives there, is late). Where none exists (the very first col
 communicator, blocking or async) the message says that some rank has not entered it and that which
 one cannot be told yet.
 
-The same monitor learns which ranks have left (gflow/failures.py): a rank whose interpreter exits
+The same monitor learns which ranks have left (gflow/runtime/failures.py): a rank whose interpreter exits
 says goodbye on every watched duplicate, with the number of collectives it completed there. A peer
 that is in, or later enters, a collective past that number can never finish it, and raises
 GflowError naming the rank that left (check_waiting), instead of waiting forever. A rank that is
@@ -37,8 +37,8 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 
-from ._config import config
-from .errors import GflowError, MismatchError
+from ..errors import GflowError, MismatchError
+from .config import config
 
 POLL_S = 0.05
 ANSWER_S = 2.0
@@ -117,7 +117,7 @@ def start() -> bool:
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:  # the monitor would call MPI beside the caller
         if not _warned_off and (config.stall_warning_s > 0 or config.stall_abort_s > 0):
             _warned_off = True
-            from ._context import mpi_library, thread_level_name
+            from .mpi import mpi_library, thread_level_name
 
             warnings.warn(
                 "gflow: the stall inspector and the check for ranks that left are off: they need MPI "
@@ -434,6 +434,16 @@ def _ask(asked, about, peers) -> dict:
     return answers
 
 
+# engine.idle, registered by engine.py: the engine sits above this module (it marks its waits here)
+_engine_idle = None
+
+
+def register_engine(idle) -> None:
+    """engine.py hands over its idle() here, for the crossed-waits check."""
+    global _engine_idle
+    _engine_idle = idle
+
+
 def _check_crossed(ctx, making: bool) -> None:
     """Crossed waits (a deadlock across gflow's two channels): this rank's thread waits in a blocking
     collective on ctx, the caller's channel, that a peer has not entered, while that peer's program
@@ -445,8 +455,6 @@ def _check_crossed(ctx, making: bool) -> None:
     of waiting, then at 2x, 4x, ... (each check asks every peer once). `making`: the wait is ctx's
     first collective, which makes its duplicates; the peers are then asked on its background
     context's, where that has them."""
-    from . import engine
-
     background = ctx._background
     if ctx.monitor_comm is not None:
         asked, about = ctx, ABOUT_ITSELF
@@ -454,7 +462,7 @@ def _check_crossed(ctx, making: bool) -> None:
         asked, about = background, ABOUT_PARENT
     else:
         return
-    if not engine.idle():
+    if not _engine_idle():
         return
     number = ctx.entered + making  # the collective this thread waits in
     position = -1 if background is None else background.entered  # what this rank has entered there
@@ -464,7 +472,7 @@ def _check_crossed(ctx, making: bool) -> None:
         for r, (entered, _, needs, background_seconds, blocked) in answers.items()
         if entered < number and blocked and background_seconds >= 0 and needs > position
     )
-    if not crossed or not engine.idle():
+    if not crossed or not _engine_idle():
         return
     # Every peer is told, not only those found crossed: one slower to start waiting is in the same
     # place a moment later, and none can finish what this rank now leaves unfinished.
@@ -505,7 +513,7 @@ def _world_ranks(ctx):
 
 def _brief(sig) -> str:
     """'allreduce of 1048576 float32 (host array), op=sum': what the waiting rank called."""
-    from ._validate import CODE_COLLECTIVE, CODE_DTYPE, CODE_KIND, CODE_OP, SIG_REJECTED
+    from .signature import CODE_COLLECTIVE, CODE_DTYPE, CODE_KIND, CODE_OP, SIG_REJECTED
 
     collective = CODE_COLLECTIVE.get(int(sig[0]), "a collective")
     if int(sig[7]) == SIG_REJECTED:

@@ -37,13 +37,13 @@ import zlib
 
 import numpy as np
 
-from .. import timeline
-from .._array import check_array
-from .._context import CommContext, context
-from .._validate import DTYPE_CODE, check_op
-from ..compression import check_compression, overflow_message, wire_dtype
+from ..arrays.codecs import check_compression, overflow_message, wire_dtype
+from ..arrays.kinds import check_array, from_host, ops_for_memory, to_host
+from ..collectives.operations import allreduce_on, reject
 from ..errors import CompressionOverflowError, MismatchError, NonFiniteError
-from .api import allreduce_on, reject
+from ..runtime import timeline
+from ..runtime.context import CommContext, context
+from ..runtime.signature import DTYPE_CODE, check_op
 
 # 1024 float32 per chunk: the norms then add 1/1024 (0.1%) of the dense bytes, so CSC at 1% sends
 # about 1.1% of what a dense allreduce sends (bench/RESULTS.md).
@@ -328,7 +328,7 @@ class SparseAllreduce:
         self._staged = None
 
     def _settings(self) -> dict:
-        from .._state import compression_name
+        from ..runtime.checkpoint import compression_name
 
         return {
             "density": self.density, "chunk_elems": self.chunk_elems, "momentum": self.momentum,
@@ -346,7 +346,7 @@ class SparseAllreduce:
         Raises:
             RuntimeError: a step is in flight (inside LazyAllreduce: pushed, not flushed).
         """
-        from .. import _state as st
+        from ..runtime import checkpoint as st
 
         if self._staged is not None:
             raise RuntimeError("SparseAllreduce.state_dict: a step is in flight; take it between steps")
@@ -358,8 +358,8 @@ class SparseAllreduce:
             world_size=size,
             rank=rank,
             step_count=self.step_count,
-            residual=st.to_host(v, self._ops),
-            velocity=st.to_host(u, self._ops),
+            residual=to_host(v, self._ops),
+            velocity=to_host(u, self._ops),
             grad_shape=None if v is None else np.array(self._shape, dtype=np.int64),
             grad_dtype=None if v is None else np.dtype(v.dtype).name,
             memory=None if v is None else self._ops.kind,
@@ -375,7 +375,7 @@ class SparseAllreduce:
                 malformed. Nothing is changed then.
             RuntimeError: a step is in flight.
         """
-        from .. import _state as st
+        from ..runtime import checkpoint as st
 
         who = "SparseAllreduce.load_state_dict"
         if self._staged is not None:
@@ -405,8 +405,8 @@ class SparseAllreduce:
                 if not isinstance(a, np.ndarray) or a.size != length or a.dtype != dtype:
                     got = f"{a.size} {a.dtype} elements" if isinstance(a, np.ndarray) else type(a).__name__
                     raise ValueError(f"{who}: {name}: expected {length} {dtype} elements, got {got}")
-            ops = st.ops_for_kind(st.get(state, "memory", who))
-            self._state = (st.from_host(u, ops), st.from_host(v, ops))
+            ops = ops_for_memory(st.get(state, "memory", who))
+            self._state = (from_host(u, ops), from_host(v, ops))
             self._ops, self._shape = ops, shape
         self._spare, self._staged, self.stats = None, None, {}
         self.step_count = step_count

@@ -23,14 +23,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import _state as st
-from ._array import check_array, check_writable
-from ._context import context
-from ._validate import is_floating
-from .collectives.api import broadcast, reject
-from .collectives.lazy import LazyAllreduce
-from .compression import LossScaler
-from .errors import NonFiniteError
+from ..arrays.kinds import check_array, check_writable
+from ..collectives.operations import broadcast, reject
+from ..errors import NonFiniteError
+from ..fusion.lazy import LazyAllreduce
+from ..runtime import checkpoint as st
+from ..runtime.context import context
+from ..runtime.signature import is_floating
+from .loss_scaler import LossScaler
 
 # The fusion segment size for training (DataParallel, gflow.torch), measured end to end (bench/RESULTS.md,
 # "The fusion threshold for training"). With float32 on the wire, 25 MiB (DDP's bucket_cap_mb): with
@@ -185,7 +185,7 @@ class DataParallel:
             raise TypeError(
                 f"loss_scaler must be a gflow.LossScaler or None, got {type(loss_scaler).__name__}"
             )
-        if loss_scaler is not None and loss_scaler._comm is not comm:
+        if loss_scaler is not None and loss_scaler.comm is not comm:
             raise ValueError(
                 "loss_scaler must agree on overflow over DataParallel's communicator: make it with "
                 "gflow.LossScaler(comm=...) and the same comm you pass here"

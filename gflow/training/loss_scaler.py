@@ -1,73 +1,13 @@
-"""Mixed-precision communication: float32/float64 values travel as float16 ("fp16") or bfloat16
-("bf16") and come back in their dtype.
-
-A stateless codec, as Horovod's: only the 2-byte payload goes on the wire, and each ring step reduces it
-in float32 and rounds once. For op="mean" each rank divides by the world size *before* casting (PyTorch
-DDP's fp16 hook), so the sum is already the mean and cannot overflow where the mean would not. fp16
-keeps 11 significant bits but overflows above 65504, so training needs loss scaling (gflow.LossScaler);
-bf16 has float32's range (no overflow below its largest value, 3.39e38, so no scaler) and 8 significant
-bits. Values beyond the wire's range are never silently turned into inf: an overflow or a NaN anywhere
-makes the reduced result non-finite on every rank alike, and every rank raises CompressionOverflowError.
-"""
+"""Dynamic loss scaling for fp16 training, agreed across ranks (a training concern: it calls
+allreduce, so it sits above the collectives, not beside the codecs)."""
 
 import numpy as np
 
-from . import timeline
-from ._validate import BFLOAT16, holds, is_floating
-from .errors import MismatchError
-
-COMPRESSIONS = (None, "fp16", "bf16")
-WIRE_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}
-WIRE_DTYPE = WIRE_DTYPES["fp16"]
-_RANGE = {"fp16": "+-65504", "bf16": "+-3.39e38"}
-
-
-def wire_dtype(codec: str) -> np.dtype:
-    return WIRE_DTYPES[codec]
-
-
-def check_compression(compression, dtype: np.dtype):
-    """Return the canonical compression (None, "fp16" or "bf16"), or raise for unknown names, for
-    non-floats and for a 16-bit input sent as the other 16-bit type (it would lose range or digits)."""
-    if compression is None or compression == "none":
-        return None
-    if compression.__class__ is not str or compression not in WIRE_DTYPES:
-        raise ValueError(f"compression: expected None, 'fp16' or 'bf16', got {compression!r}")
-    if not is_floating(dtype):
-        raise TypeError(f"compression={compression!r} needs a floating dtype, got {dtype}")
-    other = {"fp16": BFLOAT16, "bf16": np.dtype(np.float16)}[compression]
-    if dtype == other:
-        raise TypeError(
-            f"compression={compression!r} on a {dtype} input: {dtype} is already 2 bytes on the wire, and "
-            f"as {WIRE_DTYPES[compression]} it would lose {'range' if compression == 'fp16' else 'digits'}; "
-            f"pass compression=None (or {'bf16' if compression == 'fp16' else 'fp16'!r})"
-        )
-    return compression
-
-
-def overflow_message(who: str, codec: str) -> str:
-    """What CompressionOverflowError says: why the reduced 2-byte result is not finite."""
-    remedy = "scale the values down (gflow.LossScaler) or " if codec == "fp16" else ""
-    return (
-        f"{who} with compression={codec!r}: the {WIRE_DTYPES[codec]} result holds inf or NaN (a value or a "
-        f"sum beyond {_RANGE[codec]}, or a NaN/inf input on some rank); {remedy}use compression=None"
-    )
-
-
-def encode(ops, wire, src, op: str, size: int, scale: float = 1.0) -> None:
-    """Cast src (times scale) into the 2-byte wire buffer, dividing by size first for a mean."""
-    with timeline.span(f"{_name(wire)} encode", elements=wire.size):
-        ops.cast_scaled(wire, src, scale / size if op == "mean" else scale)
-
-
-def decode(ops, dst, wire) -> bool:
-    """Cast the reduced wire buffer back into dst; True if any value is NaN or inf."""
-    with timeline.span(f"{_name(wire)} decode", elements=wire.size):
-        return ops.cast_scaled(dst, wire, 1.0)
-
-
-def _name(wire) -> str:
-    return "bf16" if holds(wire.dtype) == BFLOAT16 else "fp16"
+from ..arrays.kinds import check_array, check_writable
+from ..collectives.operations import allreduce
+from ..errors import MismatchError
+from ..runtime import checkpoint as st
+from ..runtime.signature import is_floating
 
 
 class LossScaler:
@@ -119,6 +59,11 @@ class LossScaler:
     def scale(self) -> float:
         return self._scale
 
+    @property
+    def comm(self):
+        """The communicator the scale is agreed on (None: MPI.COMM_WORLD)."""
+        return self._comm
+
     def unscale(self, grad) -> bool:
         """Divide grad by the scale in place (host or device array); True if it holds inf or NaN.
 
@@ -126,8 +71,6 @@ class LossScaler:
             TypeError: grad is not a floating array gflow accepts. ValueError: grad is read-only, or a device
                 array that is not C-contiguous (host arrays of any layout are unscaled in place).
         """
-        from ._array import check_array, check_writable
-
         kind, dtype = check_array(grad, "grad")
         if not is_floating(dtype):
             raise TypeError(f"unscale needs a floating gradient, got {dtype}")
@@ -147,8 +90,6 @@ class LossScaler:
                 sum by its own factor. A checkpoint loaded on some ranks only does that: load the
                 scaler's state on every rank (it is the same on all of them).
         """
-        from .collectives.api import allreduce
-
         # One exchange: max(overflow), max(scale) and max(-scale), so the scales agree iff the last two
         # are opposite.
         mine = np.array([1.0 if overflow else 0.0, self._scale, -self._scale])
@@ -179,8 +120,6 @@ class LossScaler:
     def state_dict(self) -> dict:
         """The scale and its counters, with the settings and world size, for a checkpoint (the same
         on every rank: the scale is agreed by all of them)."""
-        from . import _state as st
-
         state = st.header("LossScaler")
         state.update(self._settings())
         state.update(
@@ -198,8 +137,6 @@ class LossScaler:
             ValueError: the state was saved with other settings or at another world size, or is
                 malformed. Nothing is changed then.
         """
-        from . import _state as st
-
         who = "LossScaler.load_state_dict"
         st.check_header(state, "LossScaler", who)
         st.check_equal(state, self._settings(), who)

@@ -1,0 +1,320 @@
+"""Command line: `python -m gflow demo|bench|timeline|info|calibrate|model`.
+
+mpiexec -n 4 python -m gflow demo     # gflow's allreduce beside MPI's own, checked and timed
+mpiexec -n 4 python -m gflow bench -b 4K -e 256M -f 2 --check    # nccl-tests' all_reduce_perf
+python -m gflow timeline merge trace.*.json -o trace.json        # GFLOW_TIMELINE's files, merged
+python -m gflow info                  # what this installation sees: paste it into bug reports
+mpiexec -n 4 python -m gflow info     # ... and the nodes (topology) gflow finds among the ranks
+mpiexec -n 4 python -m gflow calibrate --out calib.json    # the cost model's constants, measured
+python -m gflow model --ranks 512 --ranks-per-node 8 --link 56gbit --workload alexnet
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from . import benchmark
+
+
+def demo(sizes_bytes: list[int], repeats: int) -> int:
+    """Allreduce random float32 data with gflow and with MPI's own Allreduce; check and time both."""
+    import numpy as np
+    from mpi4py import MPI
+
+    import gflow
+    from gflow.runtime.mpi import mpi_library
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.rank, comm.size
+    if rank == 0:
+        print(f"gflow {gflow.__version__} on {size} ranks, {mpi_library()}")
+        print(f"{'size':>9} {'gflow (ms)':>11} {'MPI (ms)':>10} {'speedup':>8}  result")
+    failures = 0
+    for nbytes in sizes_bytes:
+        x = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
+        ours, theirs = np.empty_like(x), np.empty_like(x)
+        times = {"gflow": [], "mpi": []}
+        for _ in range(repeats):  # alternate, so both see the same machine
+            for name in times:
+                comm.Barrier()
+                t = time.perf_counter()
+                if name == "gflow":
+                    gflow.allreduce(x, out=ours)
+                else:
+                    comm.Allreduce(x, theirs)
+                times[name].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+        # Both sum in float32 in different orders: compare against float64 with that rounding allowed.
+        exact = np.sum(comm.allgather(x.astype(np.float64)), axis=0)
+        tol = (
+            2 * size * np.finfo(np.float32).eps * np.sum(comm.allgather(np.abs(x).astype(np.float64)), axis=0)
+        )
+        same_everywhere = len(set(comm.allgather(ours.tobytes()))) == 1
+        ok = bool(np.all(np.abs(ours - exact) <= tol)) and same_everywhere
+        failures += not ok
+        g, m = float(np.median(times["gflow"])), float(np.median(times["mpi"]))
+        if rank == 0:
+            label = f"{nbytes / 2**20:g} MB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KB"
+            verdict = "correct, identical on all ranks" if ok else "WRONG"
+            print(f"{label:>9} {g * 1e3:11.3f} {m * 1e3:10.3f} {m / g:7.2f}x  {verdict}", flush=True)
+    if rank == 0:
+        print("all results correct" if not failures else f"{failures} sizes gave wrong results")
+    return 1 if failures else 0
+
+
+def info() -> int:
+    """Print the MPI library, thread level, package versions and whether a GPU is seen."""
+    import numpy as np
+    from mpi4py import MPI
+
+    import gflow
+    from gflow.runtime.mpi import mpi_library, thread_level_name
+
+    lines = {
+        "gflow": gflow.__version__,
+        "python": sys.version.split()[0],
+        "mpi4py": __import__("mpi4py").__version__,
+        "MPI library": mpi_library(),
+        "MPI standard": "{}.{}".format(*MPI.Get_version()),
+        "thread level": thread_level_name(MPI.Query_thread()),
+        "world size": MPI.COMM_WORLD.size,
+        "topology": _topology(),
+        "numpy": np.__version__,
+        "validate": gflow.config.validate,
+        "small_message_bytes": gflow.config.small_message_bytes,
+        "ring_segment_bytes": gflow.config.ring_segment_bytes,
+        "shared_memory_min_bytes": gflow.config.shared_memory_min_bytes,
+        "hierarchical_min_bytes": gflow.config.hierarchical_min_bytes,
+        "shared_memory_max_bytes": gflow.config.shared_memory_max_bytes,
+    }
+    for name in ("numba", "numba_cuda", "cupy", "torch"):
+        try:
+            module = __import__(name)
+            lines[name] = getattr(module, "__version__", "installed")
+        except ImportError:
+            lines[name] = "not installed"
+    try:
+        from numba import cuda
+
+        lines["GPU"] = ", ".join(
+            d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in cuda.gpus
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure here just means no usable GPU
+        lines["GPU"] = f"none seen ({type(exc).__name__})"
+    if not lines["GPU"]:
+        lines["GPU"] = "none seen"
+    try:
+        from ..cuda import transport
+
+        lines["device buffers"] = transport.describe()
+    except Exception as exc:  # noqa: BLE001 - Numba's CUDA support may fail to load without a GPU
+        lines["device buffers"] = f"unavailable ({type(exc).__name__})"
+    if MPI.COMM_WORLD.rank == 0:
+        width = max(map(len, lines))
+        for key, value in lines.items():
+            print(f"{key:>{width}}: {value}")
+    return 0
+
+
+def _topology() -> str:
+    """The nodes gflow sees on COMM_WORLD (collective: under mpiexec every rank runs info)."""
+    from mpi4py import MPI
+
+    from ..collectives.topology import discover
+
+    try:
+        return discover(MPI.COMM_WORLD).describe()
+    except Exception as exc:  # noqa: BLE001 - a bad setting is what info is asked to show
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def calibrate_command(args) -> int:
+    from mpi4py import MPI
+
+    from . import cost_model as model
+
+    rank = MPI.COMM_WORLD.rank
+    cal = model.calibrate(
+        progress=(lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    )
+    if rank == 0:
+        for path in dict.fromkeys([args.out, model.LAST_CALIBRATION]):
+            cal.save(path)
+        print(f"wrote {args.out} (and {model.LAST_CALIBRATION}, the default for `gflow model`)")
+    return 0
+
+
+def model_command(parser, args) -> int:
+    from . import cost_model as model
+
+    try:
+        base = model.Calibration.load(args.calibration)
+        link = model.parse_rate(args.link)
+        if link <= 0 or args.ranks < 1 or args.ranks_per_node < 1:
+            raise ValueError("--link, --ranks and --ranks-per-node must be positive")
+        if os.path.exists(args.workload):
+            with open(args.workload) as f:
+                sizes = [int(float(v)) * 4 for v in f.read().replace(",", " ").split()][::-1]
+            if not sizes or min(sizes) <= 0:
+                raise ValueError(f"{args.workload}: expected positive element counts")
+            v100 = None
+        else:
+            sizes = model.workload_sizes(args.workload)
+            v100 = model.V100[args.workload]
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        parser.error(str(exc))
+    if args.compute_ms is None and v100 is None:
+        parser.error("--compute-ms is needed for a workload given as a file")
+    batch = args.batch or (v100["batch"] if v100 else 1)
+    compute_s = args.compute_ms / 1e3 if args.compute_ms is not None else batch / v100["images_per_s"]
+    cal = model.cluster(base, link, args.latency_us * 1e-6, args.ranks_per_node, gpu=not args.cpu)
+    rows = model.predict(sizes, args.ranks, args.ranks_per_node, compute_s, batch, cal, args.density)
+    print(
+        f"{args.workload}: {sum(sizes) / 2**20:.1f} MiB of fp32 gradients in {len(sizes)} tensors; "
+        f"{args.ranks} ranks, {args.ranks_per_node} per node, {args.link} and {args.latency_us:g} us "
+        f"between nodes; compute {compute_s * 1e3:.1f} ms per step, batch {batch} per rank"
+    )
+    print(f"calibration: {base.source}; Python cost per ring step {base.py_step * 1e6:.1f} us")
+    print(
+        f"{'technique':<40} {'comm/step':>10} {'iteration':>10} {'images/s':>10} {'speedup':>8} {'eff.':>6}"
+    )
+    for row in rows:
+        print(
+            f"{row['technique']:<40} {row['comm_s'] * 1e3:8.1f}ms {row['iteration_s'] * 1e3:8.1f}ms "
+            f"{row['images_per_s']:10.0f} {row['speedup']:7.1f}x {row['efficiency']:6.0%}"
+        )
+    if args.plot:
+        _plot_model(args, sizes, compute_s, batch, cal)
+    return 0
+
+
+def _plot_model(args, sizes, compute_s, batch, cal) -> None:
+    from . import cost_model as model
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        return
+    ranks = [r for r in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if r <= max(args.ranks, 8)]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    per_rank = [
+        model.predict(sizes, r, min(args.ranks_per_node, r), compute_s, batch, cal, args.density)
+        for r in ranks
+    ]
+    for i, row in enumerate(per_rank[0]):  # one line per technique, the first dashed (the baseline)
+        speedups = [rows[i]["speedup"] for rows in per_rank]
+        ax.plot(ranks, speedups, marker="o", ms=3, label=row["technique"], ls="-" if i else "--")
+    ax.plot(ranks, ranks, color="gray", lw=1, ls=":", label="linear")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("ranks (GPUs)")
+    ax.set_ylabel("speedup over one rank")
+    ax.set_title(f"gflow model: {args.workload}, {args.ranks_per_node} per node, {args.link}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"wrote {args.plot}")
+
+
+def bench_command(parser, args) -> int:
+    from mpi4py import MPI
+
+    try:
+        benchmark.check_arguments(args)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    rejected = MPI.COMM_WORLD.allgather(error is not None)  # every rank stops if any rank's are bad
+    if error is not None and (MPI.COMM_WORLD.rank == rejected.index(True)):
+        parser.error(error)  # one message, from the first rank that refused
+    if any(rejected):
+        return 2
+    return benchmark.run(args)
+
+
+def timeline_command(parser, args) -> int:
+    from ..runtime import timeline
+
+    try:
+        if args.action == "merge":
+            count = timeline.merge(args.files, args.out)
+            print(f"wrote {args.out}: {count} events from {len(args.files)} file(s)")
+        else:
+            if len(args.files) != 1:
+                raise ValueError("plot takes one trace (merge the ranks' files first)")
+            timeline.plot(args.files[0], args.out, args.start_ms, args.end_ms)
+            print(f"wrote {args.out}")
+    except ImportError:
+        parser.error("plot needs matplotlib (pip install matplotlib)")
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(str(exc))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser(
+        "demo", help="allreduce with gflow and with MPI's own, side by side (run under mpiexec)"
+    )
+    d.add_argument(
+        "--sizes", default="4K,64K,1M,4M,16M", help="message sizes (K/M suffixes), comma-separated"
+    )
+    d.add_argument("--repeats", type=int, default=15)
+    b = sub.add_parser(
+        "bench",
+        help="allreduce bandwidth over a range of sizes, nccl-tests style (run under mpiexec)",
+        description=benchmark.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    benchmark.add_arguments(b)
+    t = sub.add_parser("timeline", help="merge the ranks' timeline files, or plot one (PNG)")
+    t.add_argument("action", choices=["merge", "plot"])
+    t.add_argument("files", nargs="+", help="merge: every rank's file; plot: one (merged) trace")
+    t.add_argument("-o", "--out", required=True, help="the merged trace (JSON) or the picture (PNG)")
+    t.add_argument("--start-ms", type=float, help="plot: from this time (ms after the first span)")
+    t.add_argument("--end-ms", type=float, help="plot: up to this time")
+    sub.add_parser("info", help="versions, MPI library and thread level, GPU seen or not")
+    c = sub.add_parser("calibrate", help="measure the cost model's constants (run under mpiexec)")
+    c.add_argument("--out", default="gflow-calibration.json", help="the JSON file to write")
+    m = sub.add_parser("model", help="predict allreduce and step times at scale from a calibration")
+    m.add_argument("--ranks", type=int, required=True)
+    m.add_argument("--ranks-per-node", type=int, default=8)
+    m.add_argument("--link", default="56gbit", help="between nodes, per node: e.g. 56gbit, 10gbit")
+    m.add_argument("--latency-us", type=float, default=5.0, help="between nodes (default 5: InfiniBand)")
+    m.add_argument("--workload", default="alexnet", help="alexnet, resnet50, or a file of element counts")
+    m.add_argument(
+        "--compute-ms", type=float, help="compute per step (default: a V100's, see gflow/tools/cost_model.py)"
+    )
+    m.add_argument("--batch", type=int, help="images per rank per step")
+    m.add_argument("--density", type=float, default=0.01, help="CSC's density for the CSC row")
+    m.add_argument("--calibration", help="a `gflow calibrate` JSON (default: the last one, else defaults)")
+    m.add_argument(
+        "--cpu", action="store_true", help="ranks on CPUs: keep the calibration's per-element costs"
+    )
+    m.add_argument("--plot", default="gflow-model.png", help="speedup against ranks (PNG); '' for none")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    if args.command == "calibrate":
+        return calibrate_command(args)
+    if args.command == "model":
+        return model_command(m, args)
+    if args.command == "bench":
+        return bench_command(b, args)
+    if args.command == "timeline":
+        return timeline_command(t, args)
+    units = {"K": 2**10, "M": 2**20}
+    sizes = [
+        int(float(s[:-1]) * units[s[-1].upper()]) if s[-1].upper() in units else int(s)
+        for s in args.sizes.split(",")
+    ]
+    return demo(sizes, args.repeats)
