@@ -4,6 +4,7 @@ custom trainer (NumPy; CuPy when a GPU is present and cupy imports) to copy from
     mpiexec -n 4 .venv/bin/python examples/train_mlp.py                          # dense fp32
     mpiexec -n 4 .venv/bin/python examples/train_mlp.py --compression fp16 --loss-scale
     mpiexec -n 4 .venv/bin/python examples/train_mlp.py --density 0.01 --epochs 60  # CSC at 1%
+    mpiexec -n 4 .venv/bin/python examples/train_mlp.py --topk 0.05     # your own compression: a hook
     mpiexec -n 4 .venv/bin/python examples/train_mlp.py --checkpoint /tmp/mlp --epochs 10
     mpiexec -n 4 .venv/bin/python examples/train_mlp.py --checkpoint /tmp/mlp --epochs 20 --resume
 
@@ -168,6 +169,13 @@ def parse_args(argv=None):
         help="coarse-grained sparse communication at this density (e.g. 0.01)",
     )
     parser.add_argument("--chunk-elems", type=int, default=32, help="CSC chunk length")
+    parser.add_argument(
+        "--topk",
+        type=float,
+        default=None,
+        metavar="DENSITY",
+        help="reduce through a user-level hook instead: top-k with error feedback (examples/topk_hook.py)",
+    )
     parser.add_argument("--warmup-epochs", type=float, default=2.0, help="CSC warm-up from dense")
     parser.add_argument("--loss-scale", action="store_true", help="dynamic loss scaling")
     parser.add_argument("--checkpoint", metavar="PATH", help="save PATH.rank<r>.pkl after every epoch")
@@ -177,6 +185,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
+    if args.topk is not None and (args.density is not None or args.compression != "none" or args.checkpoint):
+        parser.error("--topk is a compression of its own: not with --density, --compression or --checkpoint")
     return args  # fmt: skip
 
 
@@ -207,6 +217,10 @@ def main(argv=None) -> float:
         sparse=sparse,
         loss_scaler=gflow.LossScaler(init_scale=2.0**10, growth_interval=200) if args.loss_scale else None,
     )
+    if args.topk is not None:
+        from topk_hook import TopK, topk_hook  # (examples/topk_hook.py, beside this file)
+
+        dp.register_hook(TopK(args.topk), topk_hook)
     grads = dp.gradient_buffers()
     velocity = {k: xp.zeros_like(v) for k, v in params.items()}
     order_rng = np.random.default_rng(args.seed + 1)  # the data order: the same on every rank
@@ -225,6 +239,7 @@ def main(argv=None) -> float:
     if rank == 0 and first_epoch == 0:
         kind = "CuPy" if xp is not np else "NumPy"
         mode = f"CSC density {args.density}" if sparse else "dense"
+        mode = f"top-k hook, density {args.topk}" if args.topk is not None else mode
         scaling = "on" if args.loss_scale else "off"
         print(f"{size} ranks, {kind}, {mode}, compression={args.compression}, loss scaling={scaling}, "
               f"{steps_per_epoch} steps/epoch")  # fmt: skip

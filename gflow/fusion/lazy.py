@@ -23,21 +23,16 @@ residuals only then. After an error every rank's pushed arrays keep their local 
 residual is as before the step: nothing is lost or counted twice, and the step can be retried.
 """
 
-import itertools
-import math
-import os
 import struct
 import sys
 import time
-import warnings
 import zlib
 
 import numpy as np
 
-from ..arrays.codecs import check_compression, decode, encode, overflow_message, wire_dtype
+from ..arrays.codecs import check_compression, overflow_message
 from ..arrays.kinds import check_array, check_writable
 from ..arrays.numpy_arrays import HOST
-from ..collectives import hierarchical
 from ..collectives.operations import allreduce_on, rejected_in_background
 from ..collectives.recursive_doubling import allreduce_with_agreement
 from ..errors import CompressionOverflowError
@@ -46,31 +41,12 @@ from ..runtime.config import config
 from ..runtime.context import context
 from ..runtime.signature import DTYPE_CODE, check_dtype, check_op, holds, signature
 from .autotune import ThresholdTuner
+from .pool import GradientPool, check_shapes, pool_memory, shape_bytes
 from .sparse import SparseAllreduce
+from .strategies import Codec, Dense, Hook, Segment, Sparse
 
 # What the push-order checksum covers, per tensor: size, dtype and number of axes, then the shape.
 _SIZE_AND_TYPE = struct.Struct("<qqq")
-_SHAPES = [struct.Struct(f"<{n}q") for n in range(8)]
-
-
-def _shape_bytes(shape) -> bytes:
-    n = len(shape)
-    return (_SHAPES[n] if n < len(_SHAPES) else struct.Struct(f"<{n}q")).pack(*shape)
-
-
-def _check_shape(shape) -> tuple:
-    """A gradient_buffers() shape as a tuple of non-negative ints, or TypeError/ValueError."""
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-        shape = (shape,)
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(f"gradient_buffers: a shape must be a tuple of ints, got {shape!r}") from None
-    if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in dims):
-        raise ValueError(f"gradient_buffers: a shape must be a tuple of non-negative ints, got {shape!r}")
-    return tuple(int(n) for n in dims)
-
-
 # Measured with bench/fusion.py (bench/RESULTS.md): larger segments stop paying on this machine.
 DEFAULT_THRESHOLD_BYTES = 4 * 2**20
 
@@ -138,16 +114,12 @@ class LazyAllreduce:
                 )
             SparseAllreduce(op=op, compression=compression, comm=comm, **sparse)  # checks the settings
         self.sparse = sparse
-        self._csc: dict = {}  # segment index -> its SparseAllreduce (each segment keeps its residual)
         self.threshold_bytes = int(threshold_bytes)
         self._checked_dtype = None
         self.op, self.compression, self._comm = op, compression, comm
+        self._strategy = self._built_in_strategy()  # how each segment is reduced (strategies.py)
         self._buffers: list = []  # per segment, the buffer its result lands in, reused step after step
-        self._pool = None  # the flat pool gradient_buffers() carved its arrays from, in push order
-        self._pool_arrays: list = []  # the arrays handed out
-        self._pool_offsets: list = []  # where each starts in the pool (elements), and where the last ends
-        self._pool_index: dict = {}  # id(array handed out) -> its position
-        self._reduce_in_place = False  # gradient_buffers(reduce_in_place=True): no copy back
+        self._pool = GradientPool()  # what gradient_buffers() handed out
         self._solo = None  # whether the communicator has one rank (found at the first push)
         self._uncommitted: list = []  # sparse segments of a flush(commit=False), awaiting commit_step()
         self._reset()
@@ -226,13 +198,13 @@ class LazyAllreduce:
                 self._fail_step(exc)
                 return
             self._checked_dtype = dtype if kind is HOST else None
-        pushed = _SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype], len(shape)) + _shape_bytes(shape)
+        pushed = _SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype], len(shape)) + shape_bytes(shape)
         if name is not None:
             pushed += str(name).encode()
         self._pushes += 1
         if timeline._active is not None and self._filling_since is None:
             self._filling_since = time.time_ns()  # the segment's first push (see _fire)
-        if self._alone() and scale == 1.0 and not self.sparse and not self.compression:
+        if self._alone() and scale == 1.0 and type(self._strategy) is Dense:
             # One rank: every op's result is the gradient itself, already where flush() would write it.
             # Skipping the fusion buffer saves two passes over the gradients (as DDP does alone).
             self._checksum = zlib.crc32(pushed, self._checksum)
@@ -244,7 +216,7 @@ class LazyAllreduce:
         self._members.append((flat, kind, grad))
         self._member_arrays.append(grad)
         self._member_scales.append(scale)
-        on_wire = 2 if (self.compression and not self.sparse) else dtype.itemsize
+        on_wire = self._strategy.wire_dtype(dtype).itemsize
         self._pending_bytes += flat.size * on_wire
         self._step_bytes += flat.size * on_wire
         self._checksum = zlib.crc32(pushed, self._checksum)
@@ -254,7 +226,7 @@ class LazyAllreduce:
     def _begin_step(self) -> None:
         """The step's first push: its checksum starts from the threshold (ranks that fuse differently
         must disagree at the first segment), and tuning times the step from here."""
-        where = (self.threshold_bytes, self._tuner is not None)
+        where = (self.threshold_bytes, self._tuner is not None, isinstance(self._strategy, Hook))
         if self._tuner is not None:
             where += self._tuner.position()  # ranks elsewhere in the schedule would part ways later
             self._step_started = time.perf_counter()
@@ -276,68 +248,86 @@ class LazyAllreduce:
             return
         kind = members[0][1]
         ops = kind.ops
-        cast = self.compression and not self.sparse  # CSC keeps residuals in full precision
-        dtype = wire_dtype(self.compression) if cast else holds(members[0][0].dtype)  # (views' bits)
+        strategy = self._strategy
+        dtype = strategy.wire_dtype(members[0][0].dtype)
         total = sum(m.size for m, _, _ in members)
         index = len(self._fired)
-        csc = self._csc.get(index) if self.sparse else None
-        if csc is not None and csc.residual is not None and csc.residual.size != total:
-            self._fail_step(
-                ValueError(
-                    f"LazyAllreduce(sparse=...): segment {index} holds {total} elements in this step "
-                    f"and {csc.residual.size} in earlier ones; each sparse segment keeps its own "
-                    "residual, so every step must push the same tensors in the same order"
-                )
-            )
-            return
-        buffer = self._buffers[index] if index < len(self._buffers) else None
-        if buffer is None or buffer.size != total or buffer.dtype != ops.storage(dtype):
-            buffer = ops.empty(total, dtype)
-            self._buffers[index : index + 1] = [buffer]
         ctx = context(self._comm).background()
         name = check_op(self.op, holds(members[0][0].dtype))
-        in_pool = self._pool_run(pushed) if all(scale == 1.0 for scale in scales) else None
-        if in_pool is not None:
-            # The gradients already sit in the pool: reduce from there into `buffer` and write the
-            # result back at flush(), so that a failed step leaves them as they are; or, when asked,
-            # straight into the pool.
-            source = in_pool
-            members = [] if self._reduce_in_place else [(source, kind, None)]
-            if self._reduce_in_place:
-                buffer = source
-        else:
-            source, offset = buffer, 0
-            for (flat, _, _), scale in zip(members, scales, strict=True):
-                piece = buffer[offset : offset + flat.size]
-                if cast:
-                    encode(ops, piece, flat, name, ctx.size, scale)
-                elif scale != 1.0:
-                    ops.cast_scaled(piece, flat, scale)
-                else:
-                    ops.copy(piece, flat)
-                offset += flat.size
-            ops.fence()
-        if self.sparse:
-            if csc is None:
-                csc = self._csc[index] = SparseAllreduce(
-                    op=name, compression=self.compression, comm=self._comm, **self.sparse
-                )
-            checksum = self._checksum
-            # The update goes into `buffer`, reused step after step (a new array each step cost a
-            # fresh allocation and its page faults); it is the source itself unless the source is
-            # the gradient pool, which must keep its values until the whole step has succeeded.
-            run = lambda: csc.step_on(ctx, source, extra=checksum, out=buffer)  # noqa: E731
-        else:
-            wire_op = "sum" if (self.compression and name == "mean") else name
-            tag = ("lazy", self._checksum)
-            run = lambda: allreduce_on(ctx, source, wire_op, buffer, "auto", None, tag, holds=dtype)  # noqa: E731
-        run = kind.in_background(run)
-        handle = engine.submit(f"lazy allreduce segment {index}", run, keep=(source, buffer), ctx=ctx)
+        try:
+            if isinstance(strategy, Sparse):
+                strategy.check_size(index, total)
+            buffer = self._buffers[index] if index < len(self._buffers) else None
+            if buffer is None or buffer.size != total or buffer.dtype != ops.storage(dtype):
+                buffer = ops.empty(total, dtype)
+                self._buffers[index : index + 1] = [buffer]
+            in_pool = None
+            if strategy.uses_pool and all(scale == 1.0 for scale in scales):
+                in_pool = self._pool.run(pushed)
+            if in_pool is not None:
+                # The gradients already sit in the pool: reduce from there into `buffer` and write
+                # the result back at flush(), so that a failed step leaves them as they are; or,
+                # when asked, straight into the pool.
+                source = in_pool
+                members = [] if self._pool.reduce_in_place else [(source, kind, None)]
+                if self._pool.reduce_in_place:
+                    buffer = source
+            else:
+                source, offset = buffer, 0
+                for (flat, _, _), scale in zip(members, scales, strict=True):
+                    strategy.fill(ops, buffer[offset : offset + flat.size], flat, name, ctx.size, scale)
+                    offset += flat.size
+                ops.fence()
+            shapes = [tuple(kind.shape(a)) for a in pushed] if isinstance(strategy, Hook) else None
+            segment = Segment(
+                index, source, name, self._comm, shapes, context=ctx, out=buffer, checksum=self._checksum,
+                dtype=dtype,
+            )  # fmt: skip
+            handle, to_commit = strategy.start(segment, kind)
+        except Exception as exc:  # noqa: BLE001 - this rank's step fails; the peers' fail with it
+            self._fail_step(exc)
+            return
         if self._filling_since is not None:  # one span per segment: from its first push to its fire
             timeline.complete("segment filling", self._filling_since, segment=index, tensors=len(pushed),
                               bytes=total * dtype.itemsize)  # fmt: skip
             self._filling_since = None
-        self._fired.append((handle, members, csc))
+        self._fired.append((handle, members, to_commit))
+
+    def _built_in_strategy(self):
+        if self.sparse is not None:
+            return Sparse(self.op, self.compression, self._comm, self.sparse)
+        return Codec(self.compression) if self.compression else Dense()
+
+    @property
+    def _csc(self) -> dict:
+        """Segment index -> its SparseAllreduce, each keeping its residual (empty unless sparse)."""
+        return getattr(self._strategy, "segments", {})
+
+    def register_hook(self, state, hook) -> None:
+        """Reduce each fused segment with `hook(state, segment)` instead of gflow's allreduce: your own
+        compression, in the shape of DDP's communication hooks (gflow/fusion/strategies.py says what
+        a hook gets and returns; examples/topk_hook.py is one). hook=None goes back to gflow's own.
+        Every rank registers the same hook, between the same two steps (ranks that differ fail the
+        step's final exchange, on every rank).
+
+        Raises:
+            TypeError: hook is not callable. ValueError: with compression= or sparse= (the
+                built-in strategies a hook replaces). RuntimeError: a step is in flight.
+        """
+        if hook is not None and not callable(hook):
+            raise TypeError(
+                f"register_hook: hook must be callable (state, segment), got {type(hook).__name__}"
+            )
+        if self.sparse is not None or self.compression:
+            raise ValueError(
+                "register_hook: a hook replaces gflow's own reduction of the segments; make the object "
+                "without compression= and sparse= (it then does its own)"
+            )
+        if self._in_step():
+            raise RuntimeError(
+                "register_hook: a step is in flight (pushed, not flushed); register between steps"
+            )
+        self._strategy = Dense() if hook is None else Hook(state, hook)
 
     def set_momentum(self, momentum: float) -> None:
         """With sparse=: change CSC's momentum correction factor, in every segment, between steps
@@ -353,20 +343,7 @@ class LazyAllreduce:
         SparseAllreduce(momentum=momentum)  # checks it before anything changes
         for csc in self._csc.values():
             csc.set_momentum(momentum)
-        self.sparse = dict(self.sparse, momentum=float(momentum))
-
-    def _pool_run(self, pushed):
-        """The piece of the pool holding `pushed` when they are consecutive arrays gradient_buffers()
-        handed out, in order (then they already sit side by side, whatever the threshold); else None."""
-        start = self._pool_index.get(id(pushed[0]))
-        if start is None:
-            return None
-        end = start + len(pushed)
-        if end > len(self._pool_arrays) or any(
-            a is not b for a, b in zip(pushed, self._pool_arrays[start:end], strict=True)
-        ):
-            return None
-        return self._pool[self._pool_offsets[start] : self._pool_offsets[end]]
+        self.sparse = self._strategy.settings = dict(self.sparse, momentum=float(momentum))
 
     def gradient_buffers(self, shapes, dtype=np.float32, *, reduce_in_place: bool = False) -> list:
         """Host arrays for gradients, carved out of the fusion pool (DDP's gradient_as_bucket_view).
@@ -409,59 +386,13 @@ class LazyAllreduce:
                 )
             dtype = check_dtype(np.dtype(dtype))
             check_op(self.op, dtype)
-            shapes = [_check_shape(shape) for shape in shapes]
-            sizes = [math.prod(shape) for shape in shapes]
-            total = sum(sizes) * dtype.itemsize
-            machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if total > machine:
-                raise ValueError(
-                    f"gradient_buffers: the shapes hold {total} bytes of {dtype.name}, more than this "
-                    f"machine's memory ({machine} bytes)"
-                )
+            shapes = check_shapes(shapes, dtype)
         except Exception as exc:
             if not self._alone():  # the peers are about to allocate with this rank: they must fail too
                 rejected_in_background(context(self._comm), "gradient_buffers", exc).wait()  # raises exc
             raise
-        # One flat pool, the arrays side by side in push order: any run of them that a segment
-        # fuses is one piece of it, whatever the threshold (it changes while threshold "auto" tunes).
-        count = sum(sizes)
-        memory = self._pool_memory(-(-count * dtype.itemsize // 64) * 64, shapes, dtype, count)
-        self._reduce_in_place = bool(reduce_in_place)
-        self._pool = memory.view(dtype)[:count]
-        self._pool_offsets = [0, *itertools.accumulate(sizes)]
-        self._pool_arrays = [
-            self._pool[start : start + size].reshape(shape)
-            for start, size, shape in zip(self._pool_offsets, sizes, shapes, strict=False)
-        ]
-        self._pool_index = {id(a): i for i, a in enumerate(self._pool_arrays)}
-        return list(self._pool_arrays)
-
-    def _pool_memory(self, nbytes: int, shapes, dtype, count: int):
-        """Zeroed bytes for the pool: in the node's shared memory when that helps (agreed by every
-        rank, on the background channel, in order with the segments), else private memory."""
-        if self._alone():
-            return np.zeros(nbytes, np.uint8)
-        parent = context(self._comm)
-        ctx = parent.background()
-        layout = b"".join(_shape_bytes(shape) for shape in shapes) + struct.pack("<q", len(shapes))
-        sig = signature("gradient_buffers", "mpi", count, dtype, None, extra=zlib.crc32(layout))
-
-        def allocate():
-            ctx.check_usable()
-            if config.validate:
-                allreduce_with_agreement(ctx, sig, config.small_message_bytes)
-            return hierarchical.shared_pool(ctx, nbytes)
-
-        handle = engine.submit("gradient_buffers", allocate, ctx=ctx, on_failure=parent.reset_background)
-        memory, why_not = handle.wait()
-        if why_not:
-            warnings.warn(
-                f"gflow: LazyAllreduce.gradient_buffers: the gradient pool stays in private memory (the "
-                f"hierarchical allreduce's node phase then copies it in): a shared pool needs {why_not}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return np.zeros(nbytes, np.uint8) if memory is None else memory
+        memory = pool_memory(None if self._alone() else context(self._comm), shapes, dtype)
+        return self._pool.carve(memory, shapes, dtype, reduce_in_place)
 
     def flush(self, *, commit: bool = True) -> None:
         """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
@@ -535,11 +466,7 @@ class LazyAllreduce:
                 self._uncommitted.append(csc)
             offset = 0
             for flat, kind, _ in members:
-                piece = result[offset : offset + flat.size]
-                if self.compression and not self.sparse:
-                    overflow |= decode(kind.ops, flat, piece)
-                else:
-                    kind.ops.copy(flat, piece)
+                overflow |= self._strategy.finish(kind.ops, flat, result[offset : offset + flat.size])
                 offset += flat.size
             if members:
                 members[0][1].ops.fence()
@@ -601,10 +528,12 @@ class LazyAllreduce:
     def _snapshot(self):
         """What load_state_dict() changes, for a caller that must undo a load (DataParallel's). The
         tuner itself is enough: a load replaces it (and _csc), never changes it."""
-        return self._tuner, self.threshold_bytes, self._csc
+        return self._tuner, self.threshold_bytes, dict(self._csc)
 
     def _restore(self, snapshot) -> None:
-        self._tuner, self.threshold_bytes, self._csc = snapshot
+        self._tuner, self.threshold_bytes, segments = snapshot
+        if isinstance(self._strategy, Sparse):
+            self._strategy.segments = segments
 
     def _adopt_tuning(self, tuning) -> None:
         """Take another rank's tuning (broadcast_optimizer_state): its whole position (a tuner
@@ -712,7 +641,8 @@ class LazyAllreduce:
         if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
             raise ValueError(f"{who}: tuned_threshold_bytes must be an int >= 1 or None, got {tuned!r}")
         tuner = self._load_tuner(state, tuned, who)
-        self._csc = loaded
+        if isinstance(self._strategy, Sparse):
+            self._strategy.segments = loaded
         if tuner is None:  # a state without the tuner's position (older gflow): tune again unless settled
             self._adopt_tuning(tuned)
         else:

@@ -422,6 +422,13 @@ class DataParallel:
         (a momentum schedule). See LazyAllreduce.set_momentum."""
         self._lazy.set_momentum(momentum)
 
+    def register_hook(self, state, hook) -> None:
+        """Reduce each fused segment of gradients with `hook(state, segment)`: your own compression
+        (DDP's register_comm_hook). See LazyAllreduce.register_hook and gflow/fusion/strategies.py."""
+        if self._in_step():
+            raise RuntimeError("DataParallel.register_hook: a step is in flight (pushed, not synchronized)")
+        self._lazy.register_hook(state, hook)
+
     def _zero_gradient(self, slot: int):
         if self._buffers is not None:
             grad = self._buffers[slot]

@@ -1,0 +1,125 @@
+"""The gradient pool: one flat array that LazyAllreduce.gradient_buffers() carves gradients out of
+(DDP's gradient_as_bucket_view), so backward writes them where the segments read them: no copy in.
+
+The arrays sit side by side in push order, so any run of them that a segment fuses is one piece of
+the pool, whatever the threshold (it changes while threshold "auto" tunes). Where the hierarchical
+allreduce's node phase would run, the pool lives in the node's MPI shared-memory window, and the
+node phase reads each rank's gradients where backward wrote them (collectives/hierarchical.py).
+"""
+
+import itertools
+import math
+import os
+import struct
+import warnings
+import zlib
+
+import numpy as np
+
+from ..collectives import hierarchical
+from ..collectives.recursive_doubling import allreduce_with_agreement
+from ..runtime import engine
+from ..runtime.config import config
+from ..runtime.signature import signature
+
+_SHAPES = [struct.Struct(f"<{n}q") for n in range(8)]
+
+
+def shape_bytes(shape) -> bytes:
+    """A shape as bytes, for the checksums ranks agree on."""
+    n = len(shape)
+    return (_SHAPES[n] if n < len(_SHAPES) else struct.Struct(f"<{n}q")).pack(*shape)
+
+
+def _check_shape(shape) -> tuple:
+    """A gradient_buffers() shape as a tuple of non-negative ints, or TypeError/ValueError."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"gradient_buffers: a shape must be a tuple of ints, got {shape!r}") from None
+    if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in dims):
+        raise ValueError(f"gradient_buffers: a shape must be a tuple of non-negative ints, got {shape!r}")
+    return tuple(int(n) for n in dims)
+
+
+def check_shapes(shapes, dtype: np.dtype) -> list:
+    """gradient_buffers()' shapes as tuples, if this machine can hold them; else TypeError/ValueError."""
+    shapes = [_check_shape(shape) for shape in shapes]
+    total = sum(math.prod(shape) for shape in shapes) * dtype.itemsize
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total > machine:
+        raise ValueError(
+            f"gradient_buffers: the shapes hold {total} bytes of {dtype.name}, more than this "
+            f"machine's memory ({machine} bytes)"
+        )
+    return shapes
+
+
+def pool_memory(parent, shapes, dtype: np.dtype):
+    """Zeroed bytes for a pool of `shapes` (64-byte aligned size): in the node's shared memory when
+    that helps (agreed by every rank of `parent`, the caller's CommContext, on its background channel,
+    in order with the segments), else private memory. parent None: one rank alone."""
+    count = sum(math.prod(shape) for shape in shapes)
+    nbytes = -(-count * dtype.itemsize // 64) * 64
+    if parent is None:
+        return np.zeros(nbytes, np.uint8)
+    ctx = parent.background()
+    layout = b"".join(shape_bytes(shape) for shape in shapes) + struct.pack("<q", len(shapes))
+    sig = signature("gradient_buffers", "mpi", count, dtype, None, extra=zlib.crc32(layout))
+
+    def allocate():
+        ctx.check_usable()
+        if config.validate:
+            allreduce_with_agreement(ctx, sig, config.small_message_bytes)
+        return hierarchical.shared_pool(ctx, nbytes)
+
+    handle = engine.submit("gradient_buffers", allocate, ctx=ctx, on_failure=parent.reset_background)
+    memory, why_not = handle.wait()
+    if why_not:
+        warnings.warn(
+            f"gflow: LazyAllreduce.gradient_buffers: the gradient pool stays in private memory (the "
+            f"hierarchical allreduce's node phase then copies it in): a shared pool needs {why_not}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return np.zeros(nbytes, np.uint8) if memory is None else memory
+
+
+class GradientPool:
+    """The arrays gradient_buffers() handed out, and where each sits in the pool."""
+
+    def __init__(self):
+        self.flat = None  # the pool, in the gradients' dtype
+        self.arrays: list = []  # the arrays handed out
+        self.offsets: list = []  # where each starts in the pool (elements), and where the last ends
+        self.index: dict = {}  # id(array handed out) -> its position
+        self.reduce_in_place = False  # gradient_buffers(reduce_in_place=True): no copy back
+
+    def carve(self, memory, shapes, dtype: np.dtype, reduce_in_place: bool) -> list:
+        """Make `memory` the pool and hand out one array per shape (a new list of them)."""
+        sizes = [math.prod(shape) for shape in shapes]
+        count = sum(sizes)
+        self.reduce_in_place = bool(reduce_in_place)
+        self.flat = memory.view(dtype)[:count]
+        self.offsets = [0, *itertools.accumulate(sizes)]
+        self.arrays = [
+            self.flat[start : start + size].reshape(shape)
+            for start, size, shape in zip(self.offsets, sizes, shapes, strict=False)
+        ]
+        self.index = {id(a): i for i, a in enumerate(self.arrays)}
+        return list(self.arrays)
+
+    def run(self, pushed):
+        """The piece of the pool holding `pushed` when they are consecutive arrays handed out, in
+        order (then they already sit side by side, whatever the threshold); else None."""
+        start = self.index.get(id(pushed[0]))
+        if start is None:
+            return None
+        end = start + len(pushed)
+        if end > len(self.arrays) or any(
+            a is not b for a, b in zip(pushed, self.arrays[start:end], strict=True)
+        ):
+            return None
+        return self.flat[self.offsets[start] : self.offsets[end]]
