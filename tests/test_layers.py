@@ -68,3 +68,36 @@ def test_the_device_kind_is_loaded_lazily_only_by_the_array_adapters(copy):
     done = lint(copy)
     assert done.returncode != 0
     assert "gflow.arrays.codecs -> gflow.cuda.ops" in done.stdout, done.stdout
+
+
+def test_every_kind_ops_and_transport_has_what_the_protocols_ask():
+    """gflow/arrays/protocols.py written down and kept: each implementation has every member (the
+    collectives call them without asking which kind they hold)."""
+    from gflow.arrays import host_ops
+    from gflow.arrays.numpy_arrays import HOST, Direct
+    from gflow.arrays.protocols import ArrayKind, ArrayOps, Transport
+    from gflow.cuda import arrays as device_arrays
+    from gflow.cuda import ops as device_ops
+
+    for kind in (HOST, device_arrays.DEVICE):
+        assert isinstance(kind, ArrayKind), kind
+    for ops in (host_ops, device_ops):
+        assert isinstance(ops, ArrayOps), ops
+    for transport in (Direct(host_ops), device_arrays.Staged()):
+        assert isinstance(transport, Transport), transport
+
+    class HalfAKind:  # the check can fail: a kind without most members is refused
+        name = "host"
+        ops = host_ops
+
+    assert not isinstance(HalfAKind(), ArrayKind)
+
+
+def test_the_torch_kinds_have_what_the_protocol_asks():
+    torch = pytest.importorskip("torch")
+    from gflow.arrays.kinds import kind_of
+    from gflow.arrays.protocols import ArrayKind
+    from gflow.arrays.torch_tensors import TorchCUDA
+
+    assert isinstance(kind_of(torch.zeros(3)), ArrayKind)
+    assert isinstance(TorchCUDA(), ArrayKind)

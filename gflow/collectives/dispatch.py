@@ -47,7 +47,7 @@ def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, nam
         if dst is not src:
             ops.copy(dst, src)
     elif chosen == "recursive_doubling":
-        with timeline.span("recursive doubling", bytes=dst.nbytes) if timeline._active else timeline.OFF:
+        with timeline.span("recursive doubling", bytes=dst.nbytes) if timeline.active() else timeline.OFF:
             allreduce_with_agreement(
                 ctx, sig, config.small_message_bytes, src, dst, "sum" if name == "mean" else name
             )

@@ -22,6 +22,8 @@ from ..runtime.signature import DTYPE_CODE, check_op, check_root, rejected_signa
 from .dispatch import allgather_flat, allreduce_flat, broadcast_flat, choose, reduce_scatter_flat
 from .recursive_doubling import allreduce_with_agreement
 
+_USER_CALL = ("allreduce", 0)  # a user's call: the ranks agree on x's shape (allreduce_on)
+
 
 def reject(ctx: CommContext, collective: str) -> None:
     """This rank's arguments failed its local checks: tell the peers (when validating), so they raise
@@ -84,9 +86,7 @@ def rejected_in_background(parent: CommContext, collective: str, error: Exceptio
     )
 
 
-def allreduce_async(
-    x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None, _tag=None, _about=None
-):
+def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
     """Start an allreduce on gflow's background thread and return at once.
 
     Arguments as for allreduce; they are checked now, in the caller's thread. Every rank must start
@@ -100,17 +100,19 @@ def allreduce_async(
         After a GflowError, async collectives already queued fail too (on every rank alike); wait on
         the failed handle on every rank before starting new ones.
     """
-    # _tag and _about are internal (gflow.torch's): what the ranks agree on in place of x's shape
-    # (a fingerprint of the tensors' shapes, Horovod's op and the scale factors), and how this rank's
-    # call reads in a MismatchError; see allreduce_on.
-    parent = context(comm)
+    return allreduce_async_on(context(comm), x, op, out=out, algorithm=algorithm, compression=compression)
+
+
+def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto", compression=None,
+                       tag=_USER_CALL, about=None):  # fmt: skip
+    """allreduce_async on a given context; `tag` and `about` as for allreduce_on (gflow.torch's: what
+    the ranks agree on in place of x's shape, and how this rank's call reads in a MismatchError)."""
     try:
         kind = check_allreduce(x, op, out, algorithm, compression, need_out=False)[0]
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
     ctx = parent.background()
-    tag = _USER_CALL if _tag is None else _tag
-    run = lambda: allreduce_on(ctx, x, op, out, algorithm, compression, tag, _about)  # noqa: E731
+    run = lambda: allreduce_on(ctx, x, op, out, algorithm, compression, tag, about)  # noqa: E731
     run = kind.in_background(run, x, *([] if out is None else [out]))
     return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
 
@@ -132,7 +134,6 @@ def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True, h
     return kind, dtype, name, chosen, codec, result
 
 
-_USER_CALL = ("allreduce", 0)
 FINGERPRINT_BITS = 31  # broadcast keeps the root in the low 32 bits of the same int64 field
 
 
@@ -183,7 +184,7 @@ def allreduce_on(
     run = lambda: _allreduce_checked(  # noqa: E731
         ctx, kind, x, dtype, name, chosen, codec, result, algorithm, tag
     )
-    if timeline._active is None:  # (the span's arguments cost more than the span)
+    if not timeline.active():  # (the span's arguments cost more than the span)
         return run() if about is None else _annotated(run, about)
     count = int(np.prod(kind.shape(x), dtype=np.int64))
     with timeline.span(

@@ -202,7 +202,7 @@ class LazyAllreduce:
         if name is not None:
             pushed += str(name).encode()
         self._pushes += 1
-        if timeline._active is not None and self._filling_since is None:
+        if timeline.active() and self._filling_since is None:
             self._filling_since = time.time_ns()  # the segment's first push (see _fire)
         if self._alone() and scale == 1.0 and type(self._strategy) is Dense:
             # One rank: every op's result is the gradient itself, already where flush() would write it.
@@ -525,12 +525,13 @@ class LazyAllreduce:
         self._tuner = ThresholdTuner()
         self.threshold_bytes = self._tuner.threshold
 
-    def _snapshot(self):
+    def snapshot(self):
         """What load_state_dict() changes, for a caller that must undo a load (DataParallel's). The
         tuner itself is enough: a load replaces it (and _csc), never changes it."""
         return self._tuner, self.threshold_bytes, dict(self._csc)
 
-    def _restore(self, snapshot) -> None:
+    def restore(self, snapshot) -> None:
+        """Undo a load: back to what snapshot() gave."""
         self._tuner, self.threshold_bytes, segments = snapshot
         if isinstance(self._strategy, Sparse):
             self._strategy.segments = segments
@@ -566,7 +567,7 @@ class LazyAllreduce:
         sparse = None
         if self.sparse is not None:  # as SparseAllreduce reads them, so {} and the defaults compare equal
             csc = SparseAllreduce(op=self.op, compression=self.compression, **self.sparse)
-            sparse = {k: v for k, v in csc._settings().items() if k not in ("op", "compression")}
+            sparse = {k: v for k, v in csc.settings().items() if k not in ("op", "compression")}
         return {
             "threshold_bytes": "auto" if self._tuner is not None else self.threshold_bytes, "op": self.op,
             "compression": compression_name(self.compression), "sparse": sparse,

@@ -327,7 +327,7 @@ class SparseAllreduce:
         """Forget the last step: the state stays as before it."""
         self._staged = None
 
-    def _settings(self) -> dict:
+    def settings(self) -> dict:
         from ..runtime.checkpoint import compression_name
 
         return {
@@ -353,7 +353,7 @@ class SparseAllreduce:
         rank, size = st.world(self._comm)
         u, v = self._state or (None, None)
         state = st.header("SparseAllreduce")
-        state.update(self._settings())
+        state.update(self.settings())
         state.update(
             world_size=size,
             rank=rank,
@@ -381,7 +381,7 @@ class SparseAllreduce:
         if self._staged is not None:
             raise RuntimeError(f"{who}: a step is in flight; load between steps")
         st.check_header(state, "SparseAllreduce", who)
-        st.check_equal(state, self._settings(), who)
+        st.check_equal(state, self.settings(), who)
         rank, size = st.world(self._comm)
         st.check_world_size(state, size, who)
         saved_rank = st.get(state, "rank", who)

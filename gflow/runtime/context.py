@@ -85,7 +85,7 @@ def watched(wait):
             mark = stall.mark()
         mark.since = monotonic()
         try:
-            if timeline._active is None:
+            if not timeline.active():
                 return wait(requests)
             with timeline.span("wait"):
                 return wait(requests)

@@ -93,7 +93,7 @@ class Engine:
                 self._thread.start()
             self._submitted += 1
             self._queue.put((fn, handle, ctx))
-        if timeline._active is not None:
+        if timeline.active():
             timeline.counter("engine queue", self._queue.qsize())
         return handle
 

@@ -67,6 +67,11 @@ class _Span:
         self.args.update(args)
 
 
+def active() -> bool:
+    """Whether a timeline is being written (callers skip building a span's arguments when not)."""
+    return _active is not None
+
+
 def span(name: str, **args):
     """A context manager timing `name` on this thread's row (OFF when no timeline is on)."""
     timeline = _active

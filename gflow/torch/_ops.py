@@ -38,6 +38,7 @@ import gflow
 from ..collectives.operations import (
     FINGERPRINT_BITS,
     allgather_on,
+    allreduce_async_on,
     allreduce_on,
     broadcast_on,
     reject,
@@ -323,15 +324,10 @@ def _allreduce_async(tensor, output, op, prescale, postscale, compression, where
 
 def _start(plan: _Plan):
     """The background allreduce of a checked plan (not Product)."""
-    return gflow.allreduce_async(
-        plan.src,
-        plan.gop,
-        comm=_comm(),
-        out=plan.out,
-        compression=plan.compression,
-        _tag=plan.tag,
-        _about=plan.about,
-    )
+    return allreduce_async_on(
+        context(_comm()), plan.src, plan.gop, out=plan.out, compression=plan.compression, tag=plan.tag,
+        about=plan.about,
+    )  # fmt: skip
 
 
 def _op_args(op, average, where):

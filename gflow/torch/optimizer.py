@@ -505,7 +505,7 @@ class _DistributedOptimizer:
         try:
             if kit_state is not None:
                 self._gflow_adopt_saved_parameters(kit_state)  # (a new kit, or the same one)
-                before = self._dp.state_dict(), self._dp._lazy._snapshot(), self._dp._lazy.sparse
+                before = self._dp.state_dict(), self._dp.snapshot(), self._dp.sparse
                 if self._momentum_in_csc:  # CSC's momentum as it was saved (a schedule may have moved it)
                     self._dp.set_momentum(_saved_momentum(kit_state))
                 self._dp.load_state_dict(kit_state)
@@ -516,7 +516,7 @@ class _DistributedOptimizer:
                 if before[2] is not None:
                     self._dp.set_momentum(before[2].get("momentum", 0.0))
                 self._dp.load_state_dict(before[0])
-                self._dp._lazy._restore(before[1])
+                self._dp.restore(before[1])
             self._dp, self._gflow_params, self._gflow_keys, self._probe_ctx, self._index_of = kit
             self._gflow_reset_step()
             raise

@@ -422,6 +422,20 @@ class DataParallel:
         (a momentum schedule). See LazyAllreduce.set_momentum."""
         self._lazy.set_momentum(momentum)
 
+    @property
+    def sparse(self) -> dict | None:
+        """The SparseAllreduce settings in use (with a momentum schedule: the current momentum), or None."""
+        return self._lazy.sparse
+
+    def snapshot(self):
+        """What load_state_dict() changes beyond state_dict() (the tuner's position, the sparse
+        segments' objects), for a caller that must undo a load: see restore()."""
+        return self._lazy.snapshot()
+
+    def restore(self, snapshot) -> None:
+        """Undo a load: back to what snapshot() gave (after load_state_dict of the state before)."""
+        self._lazy.restore(snapshot)
+
     def register_hook(self, state, hook) -> None:
         """Reduce each fused segment of gradients with `hook(state, segment)`: your own compression
         (DDP's register_comm_hook). See LazyAllreduce.register_hook and gflow/fusion/strategies.py."""
@@ -506,13 +520,13 @@ class DataParallel:
                 f"{'has none' if scaler_state is None else 'has one'}"
             )
         lazy_state = st.get(state, "lazy", who)
-        before = self._lazy._snapshot()
+        before = self._lazy.snapshot()
         self._lazy.load_state_dict(lazy_state)
         if self._scaler is not None:
             try:
                 self._scaler.load_state_dict(scaler_state)
             except Exception:
-                self._lazy._restore(before)
+                self._lazy.restore(before)
                 raise
         self.step_count = step_count
 
