@@ -433,7 +433,7 @@ def test_a_malformed_tuner_state_is_refused_naming_the_field_and_changes_nothing
     for match, broken in bad.items():
         expect(ValueError, lambda broken=broken: lazy.load_state_dict(dict(good, tuner=broken)), match)
     expect(ValueError, lambda: lazy.load_state_dict(dict(good, tuner=None)), "tuner: expected a dict")
-    expect(ValueError, lambda: lazy._adopt_tuning(dict(saved, index=-1)), "tuner.index")
+    expect(ValueError, lambda: lazy.adopt_tuning(dict(saved, index=-1)), "tuner.index")
     assert lazy._tuner is tuner and tuner.position() == position and lazy.threshold_bytes == CANDIDATES[1]
     # A position in the second round; lists as tuples, arrays or NumPy scalars (what a round trip through
     # other formats may make of them) load alike.
@@ -475,12 +475,12 @@ def test_ranks_adopt_root_tuning_position():
         checked_step(lazy, grads, rng)
     root = WORLD.bcast(lazy._tuner.state_dict() if WORLD.rank == 0 else None)
     fresh = gflow.LazyAllreduce("auto", op="sum")
-    fresh._adopt_tuning(root)
+    fresh.adopt_tuning(root)
     assert fresh._tuner.position() == lazy._tuner.position() and fresh.threshold_bytes == lazy.threshold_bytes
     assert 5 + tune(fresh, grads, rng) == TUNING_STEPS
     settled = fresh.threshold_bytes
     again = gflow.LazyAllreduce("auto", op="sum")
-    again._adopt_tuning(WORLD.bcast(settled if WORLD.rank == 0 else None))  # a settled threshold, as before
+    again.adopt_tuning(WORLD.bcast(settled if WORLD.rank == 0 else None))  # a settled threshold, as before
     assert not again.tuning and again.threshold_bytes == settled
     checked_step(again, grads, rng)
 
@@ -502,7 +502,7 @@ def test_a_distributed_optimizer_checkpoint_mid_tuning_goes_through_torch_load()
 
     opt = make()
     position = _tuner_in_round(True).state_dict()
-    opt._dp._lazy._adopt_tuning(position)
+    opt._dp._lazy.adopt_tuning(position)
     file = io.BytesIO()
     torch.save(opt.state_dict(), file)
     file.seek(0)

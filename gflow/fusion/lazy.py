@@ -21,6 +21,10 @@ A step is all or nothing: results are written into the pushed arrays (pool views
 every segment and the final exchange succeeded on every rank, and sparse segments commit their new
 residuals only then. After an error every rank's pushed arrays keep their local values and every
 residual is as before the step: nothing is lost or counted twice, and the step can be retried.
+
+This file is the step's state machine (push, fire, flush and their failure rules, read together,
+hence its length); checkpoints are in lazy_state.py, the pool in pool.py, how a segment is reduced
+in strategies.py, threshold tuning in autotune.py.
 """
 
 import struct
@@ -39,9 +43,10 @@ from ..errors import CompressionOverflowError
 from ..runtime import engine, timeline
 from ..runtime.config import config
 from ..runtime.context import context
-from ..runtime.signature import DTYPE_CODE, check_dtype, check_op, holds, signature
+from ..runtime.signature import DTYPE_CODE, check_op, holds, signature
 from .autotune import ThresholdTuner
-from .pool import GradientPool, check_shapes, pool_memory, shape_bytes
+from .lazy_state import LazyCheckpoint
+from .pool import GradientPool, PooledGradients, shape_bytes
 from .sparse import SparseAllreduce
 from .strategies import Codec, Dense, Hook, Segment, Sparse
 
@@ -51,7 +56,7 @@ _SIZE_AND_TYPE = struct.Struct("<qqq")
 DEFAULT_THRESHOLD_BYTES = 4 * 2**20
 
 
-class LazyAllreduce:
+class LazyAllreduce(LazyCheckpoint, PooledGradients):
     """Fused, overlapped allreduce of a stream of tensors (see the module docstring).
 
     Args:
@@ -345,55 +350,6 @@ class LazyAllreduce:
             csc.set_momentum(momentum)
         self.sparse = self._strategy.settings = dict(self.sparse, momentum=float(momentum))
 
-    def gradient_buffers(self, shapes, dtype=np.float32, *, reduce_in_place: bool = False) -> list:
-        """Host arrays for gradients, carved out of the fusion pool (DDP's gradient_as_bucket_view).
-
-        Give the shapes in the order the gradients will be pushed. Writing each gradient into its
-        array and pushing that array costs no copy into the pool; flush() copies the results back
-        into it once the whole step has succeeded. With reduce_in_place=True (dense segments only)
-        the pool is reduced in place instead, saving that copy (one pass over the gradients; 30% of
-        a ResNet-50 step at p = 4 here, bench/RESULTS.md), at a price: after a failed step the
-        arrays may hold reduced values, so recompute the gradients before retrying. Not with dense
-        compression (the pool would hold the 2-byte type, so pushing casts anyway); sparse segments
-        keep full precision, so they may.
-
-        Collective: every rank calls it, with the same shapes and dtype (a rank whose arguments fail
-        its checks raises its error, the others MismatchError). Where the hierarchical allreduce's
-        node phase would run (nodes of several ranks with shared memory; on one node, three ranks or
-        more), the pool is allocated in an MPI shared-memory window of the node, so that the node
-        phase reads each rank's gradients where backward wrote them (collectives/hierarchical.py).
-        It reads the communicator's topology (GFLOW_RANKS_PER_NODE) if no allreduce has yet. Each
-        call allocates a new pool, kept until the process ends; past
-        hierarchical.MAX_SHARED_POOLS of them, or without room in /dev/shm, the pool is in private
-        memory (with a warning) and the node phase copies it in.
-
-        Called while this rank has a step in flight, it abandons that step (as a failed one: the
-        pushed arrays keep their values) and raises RuntimeError; the other ranks' call raises
-        MismatchError.
-        """
-        if self._in_step():
-            self._fail_step(RuntimeError("gradient_buffers: a step was in flight (pushed, not flushed)"))
-            self.flush()  # raises, once the step's segments are done: this rank starts clean
-        try:
-            if self.compression and not self.sparse:
-                raise ValueError(
-                    f"gradient_buffers: the pool would be 2-byte with compression={self.compression!r}; push "
-                    "ordinary arrays"
-                )
-            if reduce_in_place and self.sparse:
-                raise ValueError(
-                    "gradient_buffers: reduce_in_place applies to dense segments, not sparse ones"
-                )
-            dtype = check_dtype(np.dtype(dtype))
-            check_op(self.op, dtype)
-            shapes = check_shapes(shapes, dtype)
-        except Exception as exc:
-            if not self._alone():  # the peers are about to allocate with this rank: they must fail too
-                rejected_in_background(context(self._comm), "gradient_buffers", exc).wait()  # raises exc
-            raise
-        memory = pool_memory(None if self._alone() else context(self._comm), shapes, dtype)
-        return self._pool.carve(memory, shapes, dtype, reduce_in_place)
-
     def flush(self, *, commit: bool = True) -> None:
         """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
 
@@ -525,34 +481,6 @@ class LazyAllreduce:
         self._tuner = ThresholdTuner()
         self.threshold_bytes = self._tuner.threshold
 
-    def snapshot(self):
-        """What load_state_dict() changes, for a caller that must undo a load (DataParallel's). The
-        tuner itself is enough: a load replaces it (and _csc), never changes it."""
-        return self._tuner, self.threshold_bytes, dict(self._csc)
-
-    def restore(self, snapshot) -> None:
-        """Undo a load: back to what snapshot() gave."""
-        self._tuner, self.threshold_bytes, segments = snapshot
-        if isinstance(self._strategy, Sparse):
-            self._strategy.segments = segments
-
-    def _adopt_tuning(self, tuning) -> None:
-        """Take another rank's tuning (broadcast_optimizer_state): its whole position (a tuner
-        state_dict(), so every rank goes on with root's schedule) or its settled threshold (an int;
-        None: tuning from the start). Every rank calls it, between steps.
-
-        Raises:
-            ValueError: a malformed position (nothing is changed then).
-        """
-        if self._tuner is None:
-            return
-        if isinstance(tuning, dict):
-            self._tuner = ThresholdTuner.from_state(tuning)
-        elif tuning is None or tuning != self._tuner.settled:
-            self._tuner = ThresholdTuner()
-            self._tuner.settled = tuning
-        self.threshold_bytes = self._tuner.threshold
-
     @property
     def tuning(self) -> bool:
         return self._tuner is not None and self._tuner.settled is None
@@ -561,114 +489,7 @@ class LazyAllreduce:
     def tuning_results(self) -> dict | None:
         return None if self._tuner is None else self._tuner.results
 
-    def _settings(self) -> dict:
-        from ..runtime.checkpoint import compression_name
-
-        sparse = None
-        if self.sparse is not None:  # as SparseAllreduce reads them, so {} and the defaults compare equal
-            csc = SparseAllreduce(op=self.op, compression=self.compression, **self.sparse)
-            sparse = {k: v for k, v in csc.settings().items() if k not in ("op", "compression")}
-        return {
-            "threshold_bytes": "auto" if self._tuner is not None else self.threshold_bytes, "op": self.op,
-            "compression": compression_name(self.compression), "sparse": sparse,
-        }  # fmt: skip
-
     def _in_step(self) -> bool:
         return bool(
             self._pushes or self._members or self._fired or self._error is not None or self._uncommitted
         )
-
-    def state_dict(self) -> dict:
-        """The settings, the world size and, with sparse=, each segment's SparseAllreduce state
-        (keyed by segment index; per rank: every rank saves its own). Dense fusion keeps nothing
-        from step to step besides its settings and, with threshold_bytes="auto", where its tuning
-        is: "tuner" holds the whole position (the round, the candidates, the steps and this rank's
-        step times so far), so a run restarted mid-tuning goes on with the same schedule, and
-        tuned_threshold_bytes the threshold settled on (None while tuning; what older checkpoints
-        hold alone: loading one of those tunes again from the start).
-
-        Raises:
-            RuntimeError: a step is in flight (pushed, not flushed).
-        """
-        from ..runtime import checkpoint as st
-
-        if self._in_step():
-            raise RuntimeError("LazyAllreduce.state_dict: a step is in flight (pushed, not flushed)")
-        rank, size = st.world(self._comm)
-        segments = {}
-        for index, csc in sorted(self._csc.items()):
-            segment = csc.state_dict()
-            # The segments' SparseAllreduce objects run on this object's communicator (see _fire).
-            segment["rank"], segment["world_size"] = rank, size
-            segments[index] = segment
-        state = st.header("LazyAllreduce")
-        state.update(self._settings())
-        state.update(world_size=size, segments=segments)
-        # With "auto", the threshold settled on (what older gflow reads) and the tuner's whole position.
-        state["tuned_threshold_bytes"] = None if self._tuner is None else self._tuner.settled
-        state["tuner"] = None if self._tuner is None else self._tuner.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a state_dict() of this rank.
-
-        Raises:
-            ValueError: the state was saved with other settings, at another world size or (sparse)
-                on another rank, or is malformed. Nothing is changed then.
-            RuntimeError: a step is in flight (pushed, not flushed).
-        """
-        from ..runtime import checkpoint as st
-
-        who = "LazyAllreduce.load_state_dict"
-        if self._in_step():
-            raise RuntimeError(f"{who}: a step is in flight (pushed, not flushed); load between steps")
-        st.check_header(state, "LazyAllreduce", who)
-        st.check_equal(state, self._settings(), who)
-        st.check_world_size(state, st.world(self._comm)[1], who)
-        segments = st.get(state, "segments", who)
-        if not isinstance(segments, dict):
-            raise ValueError(f"{who}: segments must be a dict, got {type(segments).__name__}")
-        if segments and self.sparse is None:
-            raise ValueError(f"{who}: the state holds sparse segments; this object is dense")
-        loaded = {}
-        for index, segment in segments.items():
-            csc = SparseAllreduce(op=self.op, compression=self.compression, comm=self._comm, **self.sparse)
-            try:
-                csc.load_state_dict(segment)
-            except ValueError as exc:
-                raise ValueError(f"{who}: segment {index}: {exc}") from None
-            loaded[int(index)] = csc
-        tuned = st.plain_value(state.get("tuned_threshold_bytes"))
-        if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
-            raise ValueError(f"{who}: tuned_threshold_bytes must be an int >= 1 or None, got {tuned!r}")
-        tuner = self._load_tuner(state, tuned, who)
-        if isinstance(self._strategy, Sparse):
-            self._strategy.segments = loaded
-        if tuner is None:  # a state without the tuner's position (older gflow): tune again unless settled
-            self._adopt_tuning(tuned)
-        else:
-            self._tuner, self.threshold_bytes = tuner, tuner.threshold
-
-    def _load_tuner(self, state: dict, tuned: int | None, who: str):
-        """load_state_dict's tuner: the state's position as a new ThresholdTuner; None for a fixed
-        threshold, or for a state saved before the position was (tuned_threshold_bytes alone)."""
-        from ..runtime import checkpoint as st
-
-        if "tuner" not in state:
-            return None
-        saved = st.plain_value(state["tuner"])
-        if self._tuner is None or saved is None:
-            if (saved is None) != (self._tuner is None):
-                expected = "None (a fixed threshold)" if self._tuner is None else "a dict (threshold 'auto')"
-                raise ValueError(f"{who}: tuner: expected {expected}, got {type(saved).__name__}")
-            return None
-        try:
-            tuner = ThresholdTuner.from_state(saved)
-        except ValueError as exc:
-            raise ValueError(f"{who}: {exc}") from None
-        if tuner.settled != tuned:
-            raise ValueError(
-                f"{who}: tuned_threshold_bytes and tuner.settled differ: expected the same threshold, "
-                f"got {tuned!r} and {tuner.settled!r}"
-            )
-        return tuner

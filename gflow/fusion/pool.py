@@ -17,10 +17,12 @@ import zlib
 import numpy as np
 
 from ..collectives import hierarchical
+from ..collectives.operations import rejected_in_background
 from ..collectives.recursive_doubling import allreduce_with_agreement
 from ..runtime import engine
 from ..runtime.config import config
-from ..runtime.signature import signature
+from ..runtime.context import context
+from ..runtime.signature import check_dtype, check_op, signature
 
 _SHAPES = [struct.Struct(f"<{n}q") for n in range(8)]
 
@@ -123,3 +125,57 @@ class GradientPool:
         ):
             return None
         return self.flat[self.offsets[start] : self.offsets[end]]
+
+
+class PooledGradients:
+    """LazyAllreduce.gradient_buffers() (a mixin of LazyAllreduce, lazy.py; self._pool is its
+    GradientPool)."""
+
+    def gradient_buffers(self, shapes, dtype=np.float32, *, reduce_in_place: bool = False) -> list:
+        """Host arrays for gradients, carved out of the fusion pool (DDP's gradient_as_bucket_view).
+
+        Give the shapes in the order the gradients will be pushed. Writing each gradient into its
+        array and pushing that array costs no copy into the pool; flush() copies the results back
+        into it once the whole step has succeeded. With reduce_in_place=True (dense segments only)
+        the pool is reduced in place instead, saving that copy (one pass over the gradients; 30% of
+        a ResNet-50 step at p = 4 here, bench/RESULTS.md), at a price: after a failed step the
+        arrays may hold reduced values, so recompute the gradients before retrying. Not with dense
+        compression (the pool would hold the 2-byte type, so pushing casts anyway); sparse segments
+        keep full precision, so they may.
+
+        Collective: every rank calls it, with the same shapes and dtype (a rank whose arguments fail
+        its checks raises its error, the others MismatchError). Where the hierarchical allreduce's
+        node phase would run (nodes of several ranks with shared memory; on one node, three ranks or
+        more), the pool is allocated in an MPI shared-memory window of the node, so that the node
+        phase reads each rank's gradients where backward wrote them (collectives/hierarchical.py).
+        It reads the communicator's topology (GFLOW_RANKS_PER_NODE) if no allreduce has yet. Each
+        call allocates a new pool, kept until the process ends; past
+        hierarchical.MAX_SHARED_POOLS of them, or without room in /dev/shm, the pool is in private
+        memory (with a warning) and the node phase copies it in.
+
+        Called while this rank has a step in flight, it abandons that step (as a failed one: the
+        pushed arrays keep their values) and raises RuntimeError; the other ranks' call raises
+        MismatchError.
+        """
+        if self._in_step():
+            self._fail_step(RuntimeError("gradient_buffers: a step was in flight (pushed, not flushed)"))
+            self.flush()  # raises, once the step's segments are done: this rank starts clean
+        try:
+            if self.compression and not self.sparse:
+                raise ValueError(
+                    f"gradient_buffers: the pool would be 2-byte with compression={self.compression!r}; push "
+                    "ordinary arrays"
+                )
+            if reduce_in_place and self.sparse:
+                raise ValueError(
+                    "gradient_buffers: reduce_in_place applies to dense segments, not sparse ones"
+                )
+            dtype = check_dtype(np.dtype(dtype))
+            check_op(self.op, dtype)
+            shapes = check_shapes(shapes, dtype)
+        except Exception as exc:
+            if not self._alone():  # the peers are about to allocate with this rank: they must fail too
+                rejected_in_background(context(self._comm), "gradient_buffers", exc).wait()  # raises exc
+            raise
+        memory = pool_memory(None if self._alone() else context(self._comm), shapes, dtype)
+        return self._pool.carve(memory, shapes, dtype, reduce_in_place)

@@ -14,6 +14,16 @@ call; broadcast_optimizer_state does not step an empty optimizer. gflow's errors
 raised here are also HorovodInternalErrors. `import gflow` never imports torch; this module does.
 """
 
+from ._allreduce import (
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+)
 from ._basics import (
     Adasum,
     Average,
@@ -46,27 +56,17 @@ from ._basics import (
     rocm_built,
     size,
 )
-from ._ops import (
+from ._gather import (
     allgather,
     allgather_async,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
     barrier,
     broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
     join,
-    poll,
-    shutdown,
-    synchronize,
 )
+from ._handles import poll, shutdown, synchronize
 from .compression import Compression, Compressor
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer

@@ -1,5 +1,5 @@
 """Horovod's basics over mpi4py: init, ranks and sizes, what is built, reduction ops, errors
-(shutdown is in _ops.py: it forgets the async handles too).
+(shutdown is in _handles.py: it forgets the async handles too).
 
 `init()` takes the communicator (COMM_WORLD, an mpi4py intracommunicator, or a list of world ranks, as
 Horovod's does) and reads the topology once: local_* from MPI's COMM_TYPE_SHARED split (the ranks
@@ -221,7 +221,7 @@ def _passed(row, size: int) -> str:
 
 
 def forget_comm() -> None:
-    """shutdown()'s half here (the other, forgetting async handles, is _ops'): is_initialized() is
+    """shutdown()'s half here (the other, forgetting async handles, is _handles.py'): is_initialized() is
     then False until the next init()."""
     _state.comm = None
     _state.rank = _state.size = _state.local_rank = _state.local_size = -1

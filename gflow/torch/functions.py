@@ -14,7 +14,10 @@ import torch
 
 import gflow
 
-from . import _basics, _ops
+from . import _basics
+from ._common import reject_blocking
+from ._gather import allgather, broadcast_
+from ._handles import raise_as_horovod
 
 try:
     import cloudpickle as _pickler
@@ -29,7 +32,7 @@ def _payload(obj, collective: str) -> torch.Tensor:
     try:
         data = _pickler.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - any failure reaches the peers
-        _ops._reject_blocking(collective, exc)
+        reject_blocking(collective, exc)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
@@ -51,13 +54,13 @@ def broadcast_object(obj, root_rank=0, name=None):
         length = torch.tensor([words.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    _ops.broadcast_(length, root_rank)
+    broadcast_(length, root_rank)
     if _basics.rank() != root_rank:
         words = torch.empty(int(length[0]), dtype=torch.int32)
     try:
         gflow.broadcast(words, root_rank, comm=comm, out=words)
     except gflow.GflowError as exc:
-        _ops._raise(exc)
+        raise_as_horovod(exc)
     if _basics.rank() == root_rank:
         return obj
     return pickle.loads(words.view(torch.uint8).numpy().tobytes())
@@ -67,11 +70,11 @@ def allgather_object(obj, name=None) -> list:
     """Return the list of every rank's obj, in rank order."""
     comm = _basics.comm()
     raw = _payload(obj, "allgather")
-    sizes = _ops.allgather(torch.tensor([raw.numel()], dtype=torch.int64))
+    sizes = allgather(torch.tensor([raw.numel()], dtype=torch.int64))
     try:
         gathered = gflow.allgather(_words(raw), comm=comm).view(torch.uint8)
     except gflow.GflowError as exc:
-        _ops._raise(exc)
+        raise_as_horovod(exc)
     objects, offset = [], 0
     for n in sizes.tolist():
         objects.append(pickle.loads(gathered[offset : offset + n].numpy().tobytes()))
@@ -99,7 +102,7 @@ def broadcast_parameters(params, root_rank=0) -> None:
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     for _, tensor in items:
-        _ops.broadcast_(tensor, root_rank)
+        broadcast_(tensor, root_rank)
 
 
 class _Slot:
@@ -178,7 +181,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
         flat = torch.cat([tensors[i].reshape(-1) for i in members]) if is_root else None
         if not is_root:
             flat = torch.empty(sum(tensors[i].numel() for i in members), dtype=dtype)
-        _ops.broadcast_(flat, root_rank)
+        broadcast_(flat, root_rank)
         offset = 0
         for i in members:
             n = tensors[i].numel()
@@ -191,9 +194,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
         else:
             optimizer.load_state_dict(state)
     if wrapped:
-        lazy = optimizer._dp._lazy
-        tuning = lazy._tuner.state_dict() if (is_root and lazy._tuner is not None) else None
-        lazy._adopt_tuning(broadcast_object(tuning, root_rank))
+        kit = optimizer._dp
+        kit.adopt_tuning(broadcast_object(kit.tuning_position() if is_root else None, root_rank))
 
 
 def _collect_slots(value, slots: list) -> None:

@@ -436,6 +436,14 @@ class DataParallel:
         """Undo a load: back to what snapshot() gave (after load_state_dict of the state before)."""
         self._lazy.restore(snapshot)
 
+    def tuning_position(self):
+        """See LazyAllreduce.tuning_position (threshold_bytes="auto")."""
+        return self._lazy.tuning_position()
+
+    def adopt_tuning(self, tuning) -> None:
+        """See LazyAllreduce.adopt_tuning: every rank, between steps."""
+        self._lazy.adopt_tuning(tuning)
+
     def register_hook(self, state, hook) -> None:
         """Reduce each fused segment of gradients with `hook(state, segment)`: your own compression
         (DDP's register_comm_hook). See LazyAllreduce.register_hook and gflow/fusion/strategies.py."""

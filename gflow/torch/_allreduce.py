@@ -1,0 +1,437 @@
+"""Horovod's allreduce family on torch tensors, over gflow's allreduce (tensors in, tensors out);
+allgather, broadcast, barrier and join are in _gather.py, the handles in _handles.py.
+
+Where this differs from Horovod, and why:
+- Every rank must start its collectives in the same order (MPI's rule, and gflow's). A `name=`, when
+  given, is agreed on with the shapes: two tensors of one shape started in another order on some
+  rank, under their names, fail with MismatchError on every rank instead of coming back swapped
+  (Horovod matches them by name; without names, gflow cannot tell two same-shape tensors apart).
+- allreduce and the allreduce_async family run on gflow's background thread (gflow.allreduce_async);
+  blocking allreduce/allreduce_ runs in the caller's thread. allgather and broadcast have no
+  background form in gflow: their *_async variants run at the call and return a finished handle
+  (errors are still raised by synchronize(), as for the others).
+- A rank whose own arguments are bad (not a tensor, not contiguous for an in-place op, a bad op...)
+  raises its TypeError/ValueError/NotImplementedError, and its peers raise MismatchError instead of
+  waiting for it (blocking calls raise at the call, async ones at synchronize()). Ranks passing
+  different shapes (another shape of the same size too; for grouped_allreduce, each tensor's shape, in
+  order) or dtypes, or (allreduce) different ops or prescale/postscale factors, raise MismatchError, a
+  HorovodInternalError, on every rank, as Horovod's controller checks them.
+- dtypes: allreduce takes float16/32/64, bfloat16 and int32/64 (gflow's); allgather and broadcast move
+  any dtype (others travel as bytes). Integer Average is the sum times 1/size truncated toward zero, as
+  Horovod's scaling in C. Product is computed from an allgather (p times the memory of the tensor);
+  Adasum raises NotImplementedError.
+- Gradients: allreduce's backward is an allreduce with the same op and factors (Average and Sum only;
+  the gradient of Min/Max/Product raises NotImplementedError, where Horovod returns a meaningless one).
+  allgather's and broadcast's backward average the incoming gradients over the ranks, as Horovod's
+  does since 0.22 (each rank's loss is taken to be one of p equal shares of the objective).
+"""
+
+import torch
+
+import gflow
+
+from ..collectives.operations import allgather_on, allreduce_async_on, allreduce_on
+from ..runtime.context import context
+from . import _basics
+from ._basics import Average, Product, Sum
+from ._common import (
+    GFLOW_OP,
+    ITS_OWN_WIRE,
+    check_factor,
+    check_tensor,
+    comm,
+    dtype_name,
+    fingerprint,
+    named,
+    process_set_error,
+    reject_async,
+    reject_blocking,
+    resolve_op,
+    scale_,
+    scaled,
+    tensors_text,
+)
+from ._handles import Pending, raise_as_horovod, register, synchronize
+from .compression import wire_compression
+
+# --- allreduce ---------------------------------------------------------------------------------------
+
+
+class _Plan:
+    """One allreduce, checked: what to send, how, and what to do with the result."""
+
+    def __init__(self, tensor, output, op, prescale, postscale, compression, where, members=None, name=None):
+        """members: the tensors `tensor` fuses (grouped_allreduce), whose shapes the ranks agree on;
+        name: the user's name= (agreed on too, when given)."""
+        check_tensor(tensor, where, in_place=output is not None, reduce=True)
+        prescale = check_factor(prescale, where, "prescale_factor")
+        postscale = check_factor(postscale, where, "postscale_factor")
+        cname, compressor = wire_compression(compression, where)
+        if compressor is not None:
+            raise TypeError(f"{where}: only Compression.none, .fp16 and .bf16 apply here")
+        floating = tensor.dtype.is_floating_point
+        self.gop = "mean" if (op == Average and floating) else GFLOW_OP.get(op, "sum")
+        self.product = op == Product
+        # Integer Average: the sum, then scaled by postscale/size and truncated, as Horovod does in C.
+        self.post = postscale / _basics.size() if (op == Average and not floating) else postscale
+        # (the other 16-bit type as compression is passed on, for gflow's TypeError naming both)
+        same = ITS_OWN_WIRE.get(tensor.dtype) == cname
+        self.compression = cname if (floating and not same) else None
+        self.out = None if output is None else output.detach()
+        if prescale != 1.0:
+            self.src = scaled(tensor, prescale)
+        elif output is tensor:
+            self.src = self.out  # the very object: gflow then knows it reduces in place
+        else:
+            self.src = tensor.detach().contiguous()
+        self.result_of = output  # the in-place variant returns the tensor itself
+        # The ranks agree on the shapes (and their order), the op and the factors, as Horovod's
+        # controller does: an integer Average travels as a sum and the factors are applied locally,
+        # so gflow's own signature would not tell them apart.
+        members = [tensor] if members is None else members
+        shapes = [(dtype_name(t.dtype), tuple(t.shape)) for t in members]
+        self.tag = ("allreduce", fingerprint(shapes, int(op), prescale, postscale, name))
+        self.about = (
+            f"{named(name)}{tensors_text(members)}, op={_basics.OP_NAMES[op]}, "
+            f"prescale_factor={prescale}, postscale_factor={postscale}"
+        )
+
+    def finish(self, result):
+        scale_(result, self.post)
+        return result if self.result_of is None else self.result_of
+
+    def run_product(self):
+        """Product: every rank multiplies all ranks' values in rank order (bitwise identical)."""
+        rows = self.src.reshape(1, -1)
+        everyone = allgather_on(context(comm()), rows, self.tag[1], self.about)
+        product = torch.prod(everyone, dim=0).reshape(self.src.shape)
+        if self.out is None:
+            return product
+        self.out.copy_(product)
+        return self.out
+
+
+def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, where, name=None):
+    try:
+        plan = _Plan(tensor, output, op, prescale, postscale, compression, where, name=name)
+    except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
+        reject_blocking("allreduce", exc)
+    try:
+        if plan.product:
+            result = plan.run_product()
+        else:
+            result = allreduce_on(
+                context(comm()), plan.src, plan.gop, plan.out, "auto", plan.compression, plan.tag, plan.about
+            )
+    except gflow.GflowError as exc:
+        raise_as_horovod(exc)
+    return plan.finish(result)
+
+
+def _allreduce_async(tensor, output, op, prescale, postscale, compression, where, name=None) -> int:
+    try:
+        plan = _Plan(tensor, output, op, prescale, postscale, compression, where, name=name)
+    except Exception as exc:  # noqa: BLE001
+        return reject_async("allreduce", exc)
+    if plan.product:  # no background form: run now, report at synchronize()
+        try:
+            result = plan.run_product()
+        except Exception as exc:  # noqa: BLE001
+            return register(Pending(error=exc))
+        return register(Pending([], lambda _: plan.finish(result)))
+    h = _start(plan)
+    return register(Pending([h], lambda results: plan.finish(results[0])))
+
+
+def _start(plan: _Plan):
+    """The background allreduce of a checked plan (not Product)."""
+    return allreduce_async_on(
+        context(comm()), plan.src, plan.gop, out=plan.out, compression=plan.compression, tag=plan.tag,
+        about=plan.about,
+    )  # fmt: skip
+
+
+def _op_args(op, average, where):
+    try:
+        return resolve_op(op, average, where), None
+    except Exception as exc:  # noqa: BLE001
+        return None, exc
+
+
+def allreduce_async(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+) -> int:
+    """Start reducing `tensor` over all ranks (not modified); return a handle for poll()/synchronize(),
+    which returns a new tensor. op: Average (default), Sum, Min, Max, Product. The result is
+    postscale_factor * op(prescale_factor * tensor)."""
+    op, exc = _op_args(op, average, "allreduce_async")
+    if exc is None:
+        exc = process_set_error(process_set, "allreduce_async")
+    if exc is not None:
+        return reject_async("allreduce", exc)
+    return _allreduce_async(
+        tensor, None, op, prescale_factor, postscale_factor, None, "allreduce_async", name=name
+    )
+
+
+def allreduce_async_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+) -> int:
+    """As allreduce_async, in place: synchronize() returns `tensor`, holding the result."""
+    op, exc = _op_args(op, average, "allreduce_async_")
+    if exc is None:
+        exc = process_set_error(process_set, "allreduce_async_")
+    if exc is not None:
+        return reject_async("allreduce", exc)
+    return _allreduce_async(
+        tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_async_", name=name
+    )
+
+
+def allreduce_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+):
+    """Reduce `tensor` over all ranks in place and return it."""
+    op, exc = _op_args(op, average, "allreduce_")
+    if exc is None:
+        exc = process_set_error(process_set, "allreduce_")
+    if exc is not None:
+        reject_blocking("allreduce", exc)
+    return _allreduce_blocking(
+        tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_", name=name
+    )
+
+
+class _AllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale, compression, name):
+        ctx.args = (op, prescale, postscale, compression)
+        return _allreduce_blocking(tensor, None, op, prescale, postscale, compression, "allreduce", name)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, prescale, postscale, compression = ctx.args
+        if op not in (Average, Sum):
+            raise NotImplementedError(
+                f"the gradient of allreduce with op={_basics.OP_NAMES[op]} is not implemented "
+                "(Average and Sum are)"
+            )
+        grad = allreduce(
+            grad_output.contiguous(),
+            op=op,
+            compression=compression,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+        )
+        return grad, None, None, None, None, None
+
+
+def allreduce(
+    tensor,
+    average=None,
+    name=None,
+    compression=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=None,
+):
+    """Reduce `tensor` over all ranks and return a new tensor (the input is not modified).
+
+    Differentiable: the gradient is the allreduce of the incoming gradient with the same op and
+    factors. compression: Compression.none (default), Compression.fp16 (float16 on the wire),
+    Compression.bf16 (bfloat16 on the wire) or a
+    compressor of your own (compress, reduce, decompress, as Horovod runs it).
+    """
+    op, exc = _op_args(op, average, "allreduce")
+    if exc is None:
+        exc = process_set_error(process_set, "allreduce")
+    if exc is None:
+        try:
+            check_tensor(tensor, "allreduce")
+            cname, compressor = wire_compression(compression, "allreduce")
+        except Exception as error:  # noqa: BLE001
+            exc = error
+    if exc is not None:
+        reject_blocking("allreduce", exc)
+    if compressor is not None:
+        compressed, cctx = compressor.compress(tensor)
+        reduced = _AllreduceFunction.apply(compressed, op, prescale_factor, postscale_factor, None, name)
+        return compressor.decompress(reduced, cctx)
+    wire = compression if cname else None
+    return _AllreduceFunction.apply(tensor, op, prescale_factor, postscale_factor, wire, name)
+
+
+# --- grouped allreduce -------------------------------------------------------------------------------
+
+
+def _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name=None) -> int:
+    """Fuse the tensors of each (device, dtype) into one flat buffer, allreduce each buffer in the
+    background, and split the results back (in place, or into new tensors)."""
+    try:
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"{where}: tensors must be a list of tensors, got {type(tensors).__name__}")
+        if not tensors:
+            raise ValueError(f"{where}: tensors is empty")
+        for i, t in enumerate(tensors):
+            check_tensor(t, where, f"tensors[{i}]", in_place=in_place, reduce=True)
+        groups: dict = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        plans = []
+        for members in groups.values():
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
+            # Every group's allreduce carries the fingerprint of all the tensors' shapes, in order:
+            # the flat buffers alone would let [(3,), (2,)] meet [(2,), (3,)] and mix their elements.
+            plan = _Plan(
+                flat, flat, op, prescale, postscale, compression, where, members=list(tensors), name=name
+            )
+            plans.append((members, plan))
+    except Exception as exc:  # noqa: BLE001
+        return reject_async("allreduce", exc)
+    handles = []
+    for _, plan in plans:
+        handles.append(None if plan.product else _start(plan))
+    products = {}
+    for k, (_, plan) in enumerate(plans):
+        if plan.product:
+            try:
+                products[k] = plan.run_product()
+            except Exception as exc:  # noqa: BLE001
+                return register(Pending([h for h in handles if h is not None], error=exc))
+
+    def finish(results):
+        it = iter(results)
+        outputs = [None] * len(tensors)
+        for k, (members, plan) in enumerate(plans):
+            flat = plan.finish(products[k] if plan.product else next(it))
+            offset = 0
+            for i in members:
+                t = tensors[i]
+                piece = flat[offset : offset + t.numel()].view(t.shape)
+                offset += t.numel()
+                if in_place:
+                    t.detach().copy_(piece)
+                    outputs[i] = t
+                else:
+                    outputs[i] = piece.clone()
+        return outputs
+
+    return register(Pending([h for h in handles if h is not None], finish))
+
+
+def _grouped(
+    tensors, in_place, average, op, prescale, postscale, process_set, compression, where, name=None
+) -> int:
+    op, exc = _op_args(op, average, where)
+    if exc is None:
+        exc = process_set_error(process_set, where)
+    if exc is not None:
+        return reject_async("allreduce", exc)
+    return _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name)
+
+
+def grouped_allreduce_async(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+) -> int:
+    """Start reducing a list of tensors (fused); synchronize() returns a list of new tensors."""
+    return _grouped(
+        tensors,
+        False,
+        average,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        None,
+        "grouped_allreduce_async",
+        name,
+    )
+
+
+def grouped_allreduce_async_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+) -> int:
+    """As grouped_allreduce_async, in place: synchronize() returns the tensors themselves."""
+    return _grouped(
+        tensors,
+        True,
+        average,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        None,
+        "grouped_allreduce_async_",
+        name,
+    )
+
+
+def grouped_allreduce_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
+):
+    """Reduce a list of tensors in place (fused); return the list."""
+    pre, post, where = prescale_factor, postscale_factor, "grouped_allreduce_"
+    handle = _grouped(tensors, True, average, op, pre, post, process_set, None, where, name)
+    return synchronize(handle)
+
+
+class _GroupedAllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, prescale, postscale, compression, name, *tensors):
+        ctx.args = (op, prescale, postscale, compression)
+        handle = _grouped_start(
+            list(tensors), False, op, prescale, postscale, compression, "grouped_allreduce", name
+        )
+        return tuple(synchronize(handle))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, prescale, postscale, compression = ctx.args
+        if op not in (Average, Sum):
+            raise NotImplementedError(
+                f"the gradient of grouped_allreduce with op={_basics.OP_NAMES[op]} is not implemented"
+            )
+        reduced = grouped_allreduce(
+            [g.contiguous() for g in grads],
+            op=op,
+            compression=compression,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+        )
+        return (None, None, None, None, None, *reduced)
+
+
+def grouped_allreduce(
+    tensors,
+    average=None,
+    name=None,
+    compression=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=None,
+):
+    """Reduce a list of tensors (fused) and return a list of new tensors; differentiable."""
+    op, exc = _op_args(op, average, "grouped_allreduce")
+    if exc is None:
+        exc = process_set_error(process_set, "grouped_allreduce")
+    if exc is None:
+        try:
+            cname, compressor = wire_compression(compression, "grouped_allreduce")
+            if not isinstance(tensors, (list, tuple)):
+                raise TypeError(
+                    f"grouped_allreduce: tensors must be a list of tensors, got {type(tensors).__name__}"
+                )
+        except Exception as error:  # noqa: BLE001
+            exc = error
+    if exc is not None:
+        return synchronize(reject_async("allreduce", exc))
+    if compressor is not None:
+        pairs = [compressor.compress(t) for t in tensors]
+        reduced = _GroupedAllreduceFunction.apply(
+            op, prescale_factor, postscale_factor, None, name, *[c for c, _ in pairs]
+        )
+        return [compressor.decompress(r, cctx) for r, (_, cctx) in zip(reduced, pairs, strict=True)]
+    wire = compression if cname else None
+    return list(_GroupedAllreduceFunction.apply(op, prescale_factor, postscale_factor, wire, name, *tensors))

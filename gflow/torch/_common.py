@@ -1,0 +1,138 @@
+"""What every gflow.torch collective shares: Horovod's op rule, the checks of a tensor argument, the
+rejection of bad arguments on every rank, what the ranks agree on beyond gflow's own signature, and
+Horovod's scaling."""
+
+import zlib
+
+import numpy as np
+import torch
+
+from ..collectives.operations import FINGERPRINT_BITS, reject, rejected_in_background
+from ..runtime.context import context
+from . import _basics
+from ._basics import Adasum, Average, Max, Min, Sum, check_process_set
+from ._handles import Pending, register
+
+REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16)
+ITS_OWN_WIRE = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # compression that changes nothing
+MOVABLE_DIRECT = REDUCIBLE  # moved by gflow as they are; other dtypes travel as int32 words
+GFLOW_OP = {Sum: "sum", Min: "min", Max: "max"}
+
+
+# --- argument checks -------------------------------------------------------------------------------
+
+
+def resolve_op(op, average, where: str):
+    """Horovod's op/average rule: op supersedes average; both given is a ValueError; default Average."""
+    if op is not None:
+        if average is not None:
+            raise ValueError(f"{where}: the op parameter supersedes average; provide only one of them")
+    elif average is not None:
+        op = Average if average else Sum
+    else:
+        op = Average
+    if isinstance(op, bool) or op not in _basics.OP_NAMES:
+        raise ValueError(f"{where}: op must be hvd.Average, Sum, Min, Max or Product, got {op!r}")
+    if op == Adasum:
+        raise NotImplementedError(f"{where}: op=hvd.Adasum is not implemented by gflow; use Average or Sum")
+    return op
+
+
+def check_tensor(tensor, where: str, arg: str = "tensor", in_place: bool = False, reduce: bool = False):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: {arg} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"{where}: {arg} is on device {tensor.device}; gflow.torch takes cpu and cuda tensors"
+        )
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{where}: {arg} must be a dense (strided) tensor, got layout {tensor.layout}")
+    if reduce and tensor.dtype not in REDUCIBLE:
+        supported = ", ".join(str(t) for t in REDUCIBLE)
+        raise TypeError(f"{where}: {arg} has dtype {tensor.dtype}; allreduce takes {supported}")
+    if in_place and not tensor.is_contiguous():
+        raise ValueError(
+            f"{where}: {arg} must be contiguous to be written in place; got strides {tensor.stride()} "
+            f"for shape {tuple(tensor.shape)}"
+        )
+
+
+def check_factor(value, where: str, arg: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{where}: {arg} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def comm():
+    return _basics.comm()
+
+
+def reject_blocking(collective: str, exc: Exception):
+    """This rank's arguments are bad: make the peers' blocking collective fail too, then raise."""
+    reject(context(comm()), collective)
+    raise exc
+
+
+def reject_async(collective: str, exc: Exception) -> int:
+    """As reject_blocking, for a call whose peers queued a background collective: the rejection takes
+    this rank's place in the queue, and synchronize() raises exc."""
+    return register(Pending([rejected_in_background(context(comm()), collective, exc)], None))
+
+
+# --- what the ranks agree on ------------------------------------------------------------------------
+
+
+def fingerprint(*parts) -> int:
+    """A checksum of what the ranks must agree on beyond gflow's own signature (the tensors' shapes and
+    torch dtypes, Horovod's op and scale factors), as Horovod's controller compares them; it travels
+    in the signature's fingerprint field (collectives/api.py)."""
+    return zlib.crc32(repr(parts).encode()) & ((1 << FINGERPRINT_BITS) - 1)
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def named(name) -> str:
+    """'name='w', ' in a MismatchError, when the user gave one."""
+    return "" if name is None else f"name={name!r}, "
+
+
+def tensors_text(tensors) -> str:
+    """How this rank's tensors read in a MismatchError."""
+    if len(tensors) == 1:
+        t = tensors[0]
+        return f"a tensor of shape {tuple(t.shape)} and dtype {dtype_name(t.dtype)}"
+    shown = ", ".join(f"{dtype_name(t.dtype)} {tuple(t.shape)}" for t in tensors[:8])
+    more = f", ... ({len(tensors)} in all)" if len(tensors) > 8 else ""
+    return f"tensors [{shown}{more}]"
+
+
+# --- scaling -----------------------------------------------------------------------------------------
+
+
+def scale_(t, factor: float) -> None:
+    """t *= factor in place; for integers, the product in float64 truncated toward zero (Horovod's C)."""
+    if factor == 1.0:
+        return
+    if t.dtype.is_floating_point:
+        t.mul_(factor)
+    else:
+        t.copy_((t.to(torch.float64) * factor).to(t.dtype))
+
+
+def scaled(t, factor: float):
+    """A new tensor holding t * factor (as scale_)."""
+    out = t.detach().clone(memory_format=torch.contiguous_format)
+    scale_(out, factor)
+    return out
+
+
+def process_set_error(process_set, where):
+    try:
+        check_process_set(process_set, where)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None

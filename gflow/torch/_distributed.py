@@ -1,0 +1,535 @@
+"""The class a DistributedOptimizer's class derives from (optimizer.py makes one per wrapped
+optimizer class): the hooks that push gradients into gflow's kit, synchronize() and step(), and the
+agreement that keeps every rank's step alike (changed gradients, GradScaler, momentum with CSC).
+Long because a step's protocol is read as one; checkpoints are in _optimizer_state.py.
+"""
+
+import math
+import warnings
+import weakref
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+import gflow
+
+from ..training.data_parallel import DataParallel
+from . import _basics
+from ._basics import Average, as_horovod_error
+from ._optimizer_state import OptimizerCheckpoint
+from .compression import wire_compression
+
+
+class _DistributedOptimizer(OptimizerCheckpoint):
+    """The methods a DistributedOptimizer adds to (or overrides on) the optimizer it wraps.
+
+    The class of a DistributedOptimizer derives from this one and from the wrapped optimizer's class,
+    so isinstance(opt, torch.optim.SGD) holds, and shares the wrapped instance's attributes (param
+    groups, state, hooks), so its state_dict is the wrapped optimizer's, plus gflow's under "gflow".
+
+    A step: the first gradient hook (or synchronize(), if no hook fired here) begins it, and takes
+    the parameters that require grad in the param groups now (a parameter unfrozen or added after
+    wrapping is reduced from then on); synchronize() ends it. What a gradient holds when backward
+    pushes it is what is reduced: a change to p.grad after that and before synchronize() (in place,
+    replaced or cleared) would be overwritten or lost, so it fails the step on every rank instead.
+    torch.amp.GradScaler reads the gradients first (unscale_ / step): gflow synchronizes before it
+    does, so it unscales and checks the reduced gradients, alike on every rank (see _before_unscale).
+    """
+
+    _gflow_wrapped = True
+
+    # --- set-up ---------------------------------------------------------------------------------
+
+    def _gflow_init(self, names, compression, bpps, op, predivide, threshold_bytes, sparse, momentum_in_csc):
+        """names: {parameter: its name} from named_parameters (None without); the parameters reduced
+        are taken at each step's start (_gflow_begin_step)."""
+        self._gflow_names = names
+        self._compression_arg = compression
+        cname, compressor = wire_compression(compression, "DistributedOptimizer")
+        self._cname, self._compressor = cname, compressor
+        self._sparse_settings = sparse
+        self._sparse = sparse is not None
+        self._momentum_in_csc = momentum_in_csc  # SGD's momentum is CSC's (see _gflow_take_momentum)
+        self._threshold_arg = threshold_bytes
+        self.backward_passes_per_step = bpps
+        self.op = op
+        self.gradient_predivide_factor = predivide
+        self._grad_hooks: dict = {}  # id(parameter) -> its hook's handle (one per parameter, ever)
+        self._gflow_params: list = []
+        self._should_synchronize = True
+        self._reduced = False  # synchronize() ended this step: p.grad holds the reduced gradients
+        self._reduced_grads: list = []  # (each p.grad then, its version then), for _still_reduced
+        self._user_synchronized = False  # ... and the program called it (Horovod's warning in step)
+        self._overflow = None
+        self._touched = False
+        self._gflow_build(self._gflow_reduced_params())
+        self._gflow_reset_step()
+
+    def _gflow_reduced_params(self) -> list:
+        """The parameters to reduce now: those of the param groups that require grad, each once, in
+        named_parameters' order (the model's: reductions overlap backward best), then the others in
+        the groups' order."""
+        grouped = dict.fromkeys(p for group in self.param_groups for p in group["params"])
+        if self._gflow_names is None:
+            return [p for p in grouped if p.requires_grad]
+        named = [p for p in self._gflow_names if p in grouped]
+        named += [p for p in grouped if p not in self._gflow_names]
+        return [p for p in named if p.requires_grad]
+
+    def _gflow_key(self, p, position: int):
+        if self._gflow_names is None:
+            return position
+        name = self._gflow_names.get(p)
+        if name is None:  # added to the param groups after wrapping, unnamed: named by its place
+            group, index = next(
+                (g, i) for g, group in enumerate(self.param_groups) for i, q in enumerate(group["params"])
+                if q is p
+            )  # fmt: skip
+            name = f"param_groups.{group}.{index}"
+        return name
+
+    def _gflow_build(self, params: list) -> None:
+        """The data-parallel kit for these parameters, and a gradient hook on each that has none."""
+        if not params:
+            raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires grad")
+        keys = [self._gflow_key(p, i) for i, p in enumerate(params)]
+        # What the kit reduces per parameter: the gradient itself, or (predivided, compressed) a new
+        # tensor; a probe gives its shape and dtype, and the ctx to decompress a zero gradient with.
+        probes, probe_ctx = [], []
+        for p in params:
+            probe = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+            ctx = None
+            if self._compressor is not None:
+                probe, ctx = self._compressor.compress(probe)
+                if not isinstance(probe, torch.Tensor):
+                    raise TypeError(
+                        f"DistributedOptimizer: the compressor's compress() must return (tensor, ctx), "
+                        f"got {type(probe).__name__}"
+                    )
+            probes.append(probe)
+            probe_ctx.append(ctx)
+        kit_params = dict(zip(keys, probes, strict=True)) if isinstance(keys[0], str) else probes
+        self._dp = DataParallel(
+            kit_params,
+            op="mean" if self.op == Average else "sum",
+            threshold_bytes=self._threshold_arg,
+            compression=self._cname,
+            sparse=self._sparse_settings,
+            comm=_basics.comm(),
+        )
+        self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, probe_ctx
+        self._index_of = {p: i for i, p in enumerate(params)}
+        self._gflow_hook(params)
+
+    def _gflow_hook(self, params) -> None:
+        """A gradient hook on each parameter that requires grad and has none yet (torch refuses one
+        on a frozen parameter: it gets its hook at the first step where it is reduced)."""
+        for p in params:
+            if id(p) not in self._grad_hooks and p.requires_grad:
+                self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(_make_hook(self))
+
+    def _gflow_reset_step(self) -> None:
+        n = len(self._gflow_params)
+        self._delay = [self.backward_passes_per_step] * n
+        # per parameter: (tensor pushed into the kit, decompress ctx, p.grad then, its version then)
+        self._pushed = [None] * n
+        self._touched = False  # a step began (a hook fired, or synchronize() began it)
+
+    def _gflow_begin_step(self) -> None:
+        """A step's first gradient (or synchronize() with none): take the parameters to reduce as
+        they are now, and SGD's momentum into CSC's where CSC took it over. Every rank begins its
+        steps alike, so every rank's kit changes alike (the ranks agree on names and shapes in each
+        segment: one that changed differently fails the step with MismatchError)."""
+        params = self._gflow_reduced_params()
+        if _changed_set(params, self._gflow_params):
+            if self._sparse:
+                raise ValueError(
+                    "DistributedOptimizer(sparse=...): the parameters to reduce changed after wrapping "
+                    "(one was frozen, unfrozen or added to the param groups): CSC keeps a residual per "
+                    "fused segment, so they cannot change; wrap the optimizer after freezing"
+                )
+            self._gflow_build(params)
+            self._gflow_reset_step()
+        else:
+            self._gflow_hook(params)  # (a kit built from a checkpoint while some were frozen)
+        self._gflow_take_momentum()
+        self._touched = True
+        self._reduced = self._user_synchronized = False
+        self._overflow = None
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change backward_passes_per_step (between steps)."""
+        self.backward_passes_per_step = check_passes(passes)
+        self._delay = [self.backward_passes_per_step] * len(self._gflow_params)
+
+    # --- the hook -------------------------------------------------------------------------------
+
+    def _on_grad(self, p) -> None:
+        if not self._touched:
+            self._gflow_begin_step()
+        index = self._index_of.get(p)
+        if index is None:
+            return  # no longer reduced (frozen or removed from the groups); its gradient stays local
+        if self._delay[index] <= 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call to "
+                "step(). Increase backward_passes_per_step to accumulate gradients locally."
+            )
+        self._delay[index] -= 1
+        if self._delay[index] == 0:
+            self._push(index, p)
+
+    def _push(self, index: int, p) -> None:
+        grad = p.grad
+        if grad.layout != torch.strided:  # sparse gradients (nn.Embedding(sparse=True)) go dense
+            grad = grad.to_dense()
+            p.grad = grad
+        work = grad
+        if self.gradient_predivide_factor != 1.0:
+            work = grad * (1.0 / self.gradient_predivide_factor)
+        elif not grad.is_contiguous():  # e.g. channels_last: reduced in a contiguous copy
+            work = grad.contiguous()
+        ctx = None
+        if self._compressor is not None:
+            work, ctx = self._compressor.compress(work)
+        self._pushed[index] = (work, ctx, grad, grad._version)
+        self._dp.push(self._gflow_keys[index], work)
+
+    # --- synchronize / step -----------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's reduction: afterwards each p.grad holds the average (or sum) over
+        the ranks, identical on every rank.
+
+        A parameter with a gradient that was not pushed yet (fewer backward passes than
+        backward_passes_per_step, or a .grad set by hand) is reduced now. A parameter whose .grad is
+        None on this rank (unused in this step) counts as zeros: if another rank used it, its .grad
+        becomes the reduced gradient here too; if no rank did, it stays None (as Horovod's and DDP's).
+
+        Raises:
+            HorovodInternalError: the reduction failed on every rank (MismatchError: the ranks' models
+                differ...). Every p.grad then keeps its local value and the next step works.
+            TypeError, ValueError: this rank pushed a bad gradient (the others raise MismatchError).
+            RuntimeError: on every rank, when some rank changed a gradient after backward had pushed
+                it (clip_grad_norm_, p.grad = None, ...) and before synchronize(): the reduction would
+                have overwritten or lost the change. Change gradients after synchronize().
+
+        An fp16 overflow (compression=fp16, or a NaN/inf with sparse=) is not raised here: the
+        gradients then hold inf/NaN on every rank alike, so torch.amp.GradScaler skips the step on
+        every rank; step() raises CompressionOverflowError / NonFiniteError instead of applying them.
+        """
+        self._gflow_synchronize()
+        self._user_synchronized = True
+
+    def _gflow_synchronize(self, scale: float | None = None) -> None:
+        """synchronize(); with `scale` (a GradScaler's), the ranks also agree that they scaled their
+        losses alike, or raise MismatchError on every rank."""
+        if not self._touched:
+            self._gflow_begin_step()
+        params = self._gflow_params
+        try:
+            for index, p in enumerate(params):
+                if self._pushed[index] is None and p.grad is not None:
+                    self._push(index, p)
+            # Gradients changed since backward pushed them, and parameters that joined or left the
+            # reduced set since the step began: found here, agreed on below.
+            changed = [
+                entry is not None and (params[i].grad is not entry[2] or entry[2]._version != entry[3])
+                for i, entry in enumerate(self._pushed)
+            ]
+            moved = _changed_set(self._gflow_reduced_params(), params)
+            overflow = None
+            try:
+                self._dp.synchronize(commit=False)
+            except gflow.NonFiniteError as exc:  # on every rank alike: see the docstring
+                overflow = exc
+            except Exception as exc:  # noqa: BLE001 - every rank raises (gflow guarantees it)
+                raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+            try:
+                used = self._gflow_agree(changed, moved, scale)
+            except BaseException:
+                self._dp.discard_step()  # refused: CSC's residuals stay as before the step
+                raise
+            if overflow is None:
+                self._dp.commit_step()
+            self._gflow_write_back(used, overflow)
+        finally:
+            self._gflow_reset_step()
+        self._reduced = True
+        self._reduced_grads = [(g, g._version) for g in (p.grad for p in params) if g is not None]
+
+    def _still_reduced(self, unchanged: bool) -> bool:
+        """Whether the gradients are still those the last synchronize() reduced: no new step began
+        (a hook fired, or zero_grad()), and every gradient is the same tensor (and, with `unchanged`,
+        unchanged since). Else a step whose gradients were set by hand, after a step GradScaler
+        skipped, would be taken for reduced."""
+        if not self._reduced:
+            return False
+        live = [p.grad for p in self._gflow_params if p.grad is not None]
+        still = len(live) == len(self._reduced_grads) and all(
+            g is was and (not unchanged or g._version == version)
+            for g, (was, version) in zip(live, self._reduced_grads, strict=True)
+        )
+        self._reduced = still
+        return still
+
+    def _gflow_agree(self, changed: list, moved: bool, scale: float | None):
+        """One small exchange after the kit's, before its step is committed: which parameters some
+        rank had a gradient for, which some rank changed after pushing (as the highest such rank +
+        1), whether the reduced set changed during the step somewhere, and the ranges of what every
+        rank must hold alike (the loss scale, gradient_predivide_factor: max(v), max(-v)). Asked only
+        now, when every rank's background queue is empty: whether the kit's segments went out during
+        backward or at synchronize() depends on which parameters each rank used, so a collective
+        queued before them could meet a segment on another rank."""
+        n, rank = len(self._pushed), _basics.rank()
+        mine = np.zeros(2 * n + 5)
+        mine[:n] = [entry is not None for entry in self._pushed]
+        mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
+        factor = self.gradient_predivide_factor
+        mine[2 * n :] = (scale or 0.0, -(scale or 0.0), factor, -factor, float(moved))
+        try:
+            agreed = gflow.allreduce_async(mine, "max", comm=_basics.comm()).wait()
+        except gflow.GflowError as exc:
+            raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+        changed_on = agreed[n : 2 * n]
+        if changed_on.any():
+            raise RuntimeError(self._changed_message(changed, changed_on))
+        if agreed[2 * n + 4]:
+            raise RuntimeError(
+                "DistributedOptimizer: the parameters to reduce changed during a step on some rank (one "
+                "unfrozen, frozen or added to the param groups after backward began: between the passes "
+                "of backward_passes_per_step, or between backward and step): the step is not applied, on "
+                "any rank. Change them between steps; zero_grad() and run the step again"
+            )
+        _check_scales(agreed[2 * n : 2 * n + 2], scale)
+        if agreed[2 * n + 2] != -agreed[2 * n + 3]:
+            raise as_horovod_error(
+                gflow.MismatchError(
+                    f"DistributedOptimizer: the ranks' gradient_predivide_factor differ (from "
+                    f"{-agreed[2 * n + 3]:g} to {agreed[2 * n + 2]:g}; this rank's is {factor:g})"
+                )
+            )
+        return agreed[:n] > 0
+
+    def _changed_message(self, changed: list, changed_on) -> str:
+        which = [i for i in range(len(changed_on)) if changed_on[i]]
+        names = ", ".join(repr(self._gflow_keys[i]) for i in which[:5]) + (
+            f" and {len(which) - 5} more" if len(which) > 5 else ""
+        )
+        ranks = sorted({int(changed_on[i]) - 1 for i in which})
+        here = ""
+        for i in which:
+            if changed[i]:
+                grad = self._gflow_params[i].grad
+                entry = self._pushed[i]
+                how = "cleared (p.grad is None: model.zero_grad()?)" if grad is None else (
+                    "replaced (p.grad = ...)" if grad is not entry[2] else "modified in place"
+                )  # fmt: skip
+                here = f"; here, {self._gflow_keys[i]!r} was {how}"
+                break
+        return (
+            f"DistributedOptimizer: the gradient of {names} changed after backward sent it for reduction "
+            f"and before step()/synchronize() (on rank {', '.join(map(str, ranks))}{here}): the reduction "
+            "would overwrite or lose the change, so the step is not applied, on any rank. Change "
+            "gradients (clip_grad_norm_, scaler.unscale_, zero_grad) after optimizer.synchronize(), then "
+            "call step() inside optimizer.skip_synchronize(); zero_grad() and run the step again"
+        )
+
+    def _gflow_write_back(self, used, overflow) -> None:
+        """Put the reduced gradients into p.grad (they are there already when p.grad was pushed as it
+        is); after an overflow, make every gradient non-finite on every rank alike."""
+        reduced = None
+        for index, p in enumerate(self._gflow_params):
+            entry = self._pushed[index]
+            if entry is None:
+                if not used[index]:
+                    continue  # no rank used it: .grad stays None
+                if reduced is None:
+                    reduced = self._dp.gradients()  # the zeros the kit pushed for it, reduced
+                entry = (reduced[self._gflow_keys[index]], self._probe_ctx[index])
+                p.grad = torch.zeros_like(p)
+            work, ctx = entry[:2]
+            if overflow is not None and self._sparse:
+                p.grad.fill_(math.nan)  # the sparse step did not happen: nothing reduced to show
+                continue
+            if self._compressor is not None:
+                work = self._compressor.decompress(work, ctx)
+            if self.gradient_predivide_factor != 1.0:
+                work = work * self.gradient_predivide_factor
+            if work is not p.grad:
+                p.grad.copy_(work)
+        if overflow is not None:
+            self._overflow = overflow
+
+    def _before_unscale(self, scaler) -> None:
+        """torch.amp.GradScaler is about to read the gradients (unscale_, or its inf check before a
+        fused optimizer's step): reduce them first, so that it unscales the reduced gradients and
+        finds inf/NaN in them alike on every rank (then every rank skips the step, and the scales
+        stay alike). PyTorch's AMP lines (scaler.scale(loss).backward(); scaler.step(opt);
+        scaler.update()) are then right without optimizer.synchronize(); after a synchronize() of the
+        program's own (Horovod's recipe) the ranks only agree on the scale."""
+        scale = float(scaler.get_scale())
+        if not self._still_reduced(unchanged=True):
+            self._gflow_synchronize(scale)
+            return
+        try:
+            agreed = gflow.allreduce_async(np.array([scale, -scale]), "max", comm=_basics.comm()).wait()
+        except gflow.GflowError as exc:
+            raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+        _check_scales(agreed, scale)
+
+    @contextmanager
+    def skip_synchronize(self):
+        """step() inside this context does not synchronize: for the pattern
+
+        optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronize (unless inside skip_synchronize(), or torch.amp.GradScaler already had the
+        gradients reduced), then the wrapped optimizer's step.
+
+        With a closure, the closure's backward is synchronized each time the wrapped step calls it.
+
+        Raises:
+            CompressionOverflowError, NonFiniteError (HorovodInternalErrors): the last synchronize()
+                overflowed (see synchronize); the step is not applied.
+        """
+        if closure is not None:
+            return super().step(self._synchronized_closure(closure))
+        if self._should_synchronize:
+            if self._user_synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                    "your code.",
+                    stacklevel=2,
+                )
+                self.synchronize()
+            elif not self._still_reduced(unchanged=False):  # (GradScaler unscaled them in place)
+                self.synchronize()
+        self._reduced = self._user_synchronized = False
+        self._raise_overflow()
+        self._gflow_take_momentum()  # a schedule that set it between backward and step: CSC's next
+        return super().step()
+
+    def _synchronized_closure(self, closure):
+        def synchronized():
+            with torch.enable_grad():
+                loss = closure()
+            self.synchronize()
+            self._reduced = self._user_synchronized = False
+            self._raise_overflow()
+            return loss
+
+        return synchronized
+
+    def _raise_overflow(self) -> None:
+        overflow, self._overflow = self._overflow, None
+        if overflow is not None:
+            error = as_horovod_error(overflow)
+            raise type(error)(
+                f"{error} (DistributedOptimizer: the gradients hold inf/NaN on every rank; the step was not "
+                "applied. Use torch.amp.GradScaler, which skips such steps, or a smaller loss scale)"
+            )
+
+    def _gflow_take_momentum(self) -> None:
+        """Where CSC took SGD's momentum over (sparse= with SGD(momentum=m)), the param groups must
+        keep momentum 0, or the update is accelerated twice: a momentum the groups hold again (set by
+        a schedule such as OneCycleLR or CyclicLR, or by loading a plain optimizer state dict) becomes
+        CSC's, from the next step, and the groups' goes back to 0."""
+        if not self._momentum_in_csc:
+            return
+        momenta = {float(group.get("momentum", 0.0)) for group in self.param_groups}
+        if momenta == {0.0}:
+            return
+        if len(momenta) > 1:
+            raise ValueError(
+                "DistributedOptimizer(sparse=...): the SGD param groups have different momenta "
+                f"{sorted(momenta)} (set by a schedule or a state dict); sparse communication applies one "
+                "momentum to all gradients"
+            )
+        self._dp.set_momentum(momenta.pop())
+        for group in self.param_groups:
+            group["momentum"] = 0.0
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._touched:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(). This is prohibited as it can cause a race condition. (If this "
+                "rank skipped step() on its own, after finding inf/NaN in its local gradients, say, the "
+                "other ranks wait for it in step(): decide skips on the reduced gradients, after "
+                "synchronize(), as torch.amp.GradScaler does here.)"
+            )
+        self._reduced = self._user_synchronized = False  # a new step's gradients come next
+        return super().zero_grad(set_to_none)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def _check_between_steps(self, who: str) -> None:
+        if self._touched:
+            raise RuntimeError(
+                f"DistributedOptimizer.{who}: a step is in flight (backward ran, step() or synchronize() "
+                "did not yet): call it between steps"
+            )
+
+
+# The wrapped class's step already runs torch's step hooks; torch must not wrap this one again.
+_DistributedOptimizer.step.hooked = True
+
+
+def _changed_set(params: list, before: list) -> bool:
+    return len(params) != len(before) or any(a is not b for a, b in zip(params, before, strict=True))
+
+
+def _check_scales(agreed, scale) -> None:
+    """agreed: the ranks' max(scale) and max(-scale) (a rank without a GradScaler gives 0): they must
+    match."""
+    largest, smallest = agreed[0], -agreed[1] + 0.0  # (+ 0.0: no "-0" in the message)
+    if smallest == 0 and largest > 0:
+        raise as_horovod_error(
+            gflow.MismatchError(
+                "DistributedOptimizer: some ranks reduced their gradients through torch.amp.GradScaler "
+                "(its unscale_ or step) and others without one (optimizer.synchronize() or step() "
+                "first): the ranks must take the same AMP recipe. The step is not applied"
+            )
+        )
+    if largest != smallest:
+        raise as_horovod_error(
+            gflow.MismatchError(
+                f"DistributedOptimizer: the ranks' GradScaler scales differ (from {smallest:g} to "
+                f"{largest:g}; this rank's is {scale:g}): each would unscale the reduced gradients by its "
+                "own factor, so the step is not applied. Give every rank's GradScaler the same state "
+                "(load its state_dict on every rank)"
+            )
+        )
+
+
+def _make_hook(optimizer):
+    ref = weakref.ref(optimizer)  # the hook lives on the parameter: it must not keep the optimizer
+
+    def hook(p):
+        opt = ref()
+        if opt is not None:
+            opt._on_grad(p)
+
+    return hook
+
+
+def check_passes(passes) -> int:
+    if isinstance(passes, bool) or not isinstance(passes, int):
+        raise TypeError(f"backward_passes_per_step must be an int, got {type(passes).__name__}")
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    return passes

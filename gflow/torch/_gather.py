@@ -1,0 +1,252 @@
+"""Horovod's allgather, broadcast, barrier and join on torch tensors (where they differ from Horovod:
+see _allreduce.py's docstring)."""
+
+import math
+import time
+
+import numpy as np
+import torch
+
+import gflow
+
+from ..collectives.operations import allgather_on, allreduce_on, broadcast_on
+from ..runtime.context import context
+from . import _basics
+from ._allreduce import allreduce
+from ._basics import Average, check_process_set
+from ._common import (
+    MOVABLE_DIRECT,
+    check_tensor,
+    comm,
+    dtype_name,
+    fingerprint,
+    named,
+    process_set_error,
+    reject_blocking,
+)
+from ._handles import Pending, raise_as_horovod, register
+
+# --- allgather ---------------------------------------------------------------------------------------
+
+
+def _to_words(t):
+    """A tensor of a dtype gflow does not move, as int32 words: (rows, words per row), each row of
+    t.shape[1:] padded to a multiple of 4 bytes; and the row's length in bytes."""
+    rows = t.reshape(1, 1) if t.dim() == 0 else t.reshape(t.shape[0], math.prod(t.shape[1:]))
+    nbytes = rows.shape[1] * rows.element_size()
+    padded = torch.zeros((rows.shape[0], -(-nbytes // 4) * 4), dtype=torch.uint8, device=t.device)
+    if nbytes and rows.shape[0]:
+        padded[:, :nbytes] = rows.contiguous().view(torch.uint8)
+    return padded.view(torch.int32) if padded.shape[1] else padded.to(torch.int32), nbytes
+
+
+def _from_words(words, nbytes, dtype, tail_shape):
+    """Undo _to_words for the rows in `words`."""
+    shape = (words.shape[0], *tail_shape)
+    if nbytes == 0 or words.shape[0] == 0:
+        return torch.empty(shape, dtype=dtype, device=words.device)
+    raw = words.contiguous().view(torch.uint8)[:, :nbytes].contiguous()
+    return raw.view(dtype).reshape(shape)
+
+
+def _agreed(x, shape, name=None):
+    """What the ranks of an allgather or broadcast agree on besides gflow's own signature: the
+    tensor's `shape` (allgather: its axes after the first) and torch dtype, which dtypes moved as int32
+    words would otherwise not show, and the user's name=; and how this rank's call reads in a
+    MismatchError."""
+    about = f"{named(name)}a tensor of shape {tuple(x.shape)} and dtype {dtype_name(x.dtype)}"
+    if x.dtype not in MOVABLE_DIRECT:
+        about += " (moved as int32 words)"
+    return fingerprint(dtype_name(x.dtype), tuple(shape), name), about
+
+
+def _allgather_now(tensor, where, name=None):
+    try:
+        check_tensor(tensor, where)
+        x = tensor.detach()
+        if x.dtype in MOVABLE_DIRECT:
+            words, nbytes = x.contiguous(), None
+        else:
+            words, nbytes = _to_words(x)
+        fingerprint, about = _agreed(x, x.shape[1:], name)
+    except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
+        reject_blocking("allgather", exc)
+    try:
+        gathered = allgather_on(context(comm()), words, fingerprint, about)
+    except gflow.GflowError as exc:
+        raise_as_horovod(exc)
+    if nbytes is None:
+        return gathered
+    return _from_words(gathered, nbytes, x.dtype, x.shape[1:] if x.dim() else ())
+
+
+def allgather_async(tensor, name=None, process_set=None) -> int:
+    """Concatenate every rank's tensor along the first dimension, in rank order (ranks may differ in
+    the first dimension only). Runs at the call; synchronize() returns the new tensor."""
+    exc = process_set_error(process_set, "allgather_async")
+    try:
+        if exc is not None:
+            reject_blocking("allgather", exc)
+        result = _allgather_now(tensor, "allgather_async", name)
+    except Exception as error:  # noqa: BLE001 - reported by synchronize(), as for the others
+        return register(Pending(error=error))
+    return register(Pending([], lambda _: result))
+
+
+class _AllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
+        ctx.scalar = tensor.dim() == 0
+        return _allgather_now(tensor, "allgather", name)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        reduced = allreduce(grad_output.contiguous(), op=Average)
+        sizes = gflow.allgather(torch.tensor([ctx.dim0], dtype=torch.int64), comm=comm())
+        offset = int(sizes[: _basics.rank()].sum())
+        grad = reduced.narrow(0, offset, ctx.dim0)
+        return grad.reshape(()) if ctx.scalar else grad, None
+
+
+def allgather(tensor, name=None, process_set=None):
+    """Concatenate every rank's tensor along the first dimension, in rank order; differentiable
+    (the gradient is this rank's slice of the ranks' average incoming gradient, as Horovod's)."""
+    exc = process_set_error(process_set, "allgather")
+    if exc is None and not isinstance(tensor, torch.Tensor):
+        exc = TypeError(f"allgather: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if exc is not None:
+        reject_blocking("allgather", exc)
+    return _AllgatherFunction.apply(tensor, name)
+
+
+# --- broadcast ---------------------------------------------------------------------------------------
+
+
+def _broadcast_now(tensor, root_rank, in_place: bool, where, name=None):
+    try:
+        check_tensor(tensor, where, in_place=in_place)
+        if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+            raise TypeError(f"{where}: root_rank must be an int, got {type(root_rank).__name__}")
+        if not 0 <= root_rank < _basics.size():
+            raise ValueError(f"{where}: root_rank must be in [0, {_basics.size()}), got {root_rank}")
+        x = tensor.detach()
+        if x.dtype in MOVABLE_DIRECT:
+            words = nbytes = None
+        else:
+            words, nbytes = _to_words(x.reshape(1, x.numel()))
+        fingerprint, about = _agreed(x, x.shape, name)
+    except Exception as exc:  # noqa: BLE001
+        reject_blocking("broadcast", exc)
+    root, ctx = int(root_rank), context(comm())
+    try:
+        if words is None:
+            if in_place:
+                broadcast_on(ctx, x, root, x, fingerprint, about)
+                return tensor
+            return broadcast_on(ctx, x.contiguous(), root, None, fingerprint, about)
+        words = broadcast_on(ctx, words, root, None, fingerprint, about)
+    except gflow.GflowError as exc:
+        raise_as_horovod(exc)
+    result = _from_words(words, nbytes, x.dtype, (x.numel(),)).reshape(x.shape)
+    if in_place:
+        x.copy_(result)
+        return tensor
+    return result
+
+
+def _broadcast_async(tensor, root_rank, process_set, in_place, where, name=None) -> int:
+    exc = process_set_error(process_set, where)
+    try:
+        if exc is not None:
+            reject_blocking("broadcast", exc)
+        result = _broadcast_now(tensor, root_rank, in_place, where, name)
+    except Exception as error:  # noqa: BLE001 - reported by synchronize()
+        return register(Pending(error=error))
+    return register(Pending([], lambda _: result))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
+    """root_rank's tensor on every rank (a new tensor; the input is not modified). Runs at the call;
+    synchronize() returns the result."""
+    return _broadcast_async(tensor, root_rank, process_set, False, "broadcast_async", name)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
+    """As broadcast_async, in place: synchronize() returns `tensor`, holding root_rank's values."""
+    return _broadcast_async(tensor, root_rank, process_set, True, "broadcast_async_", name)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=None):
+    """Overwrite `tensor` with root_rank's values on every rank; return it."""
+    exc = process_set_error(process_set, "broadcast_")
+    if exc is not None:
+        reject_blocking("broadcast", exc)
+    return _broadcast_now(tensor, root_rank, True, "broadcast_", name)
+
+
+class _BroadcastFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank = root_rank
+        return _broadcast_now(tensor, root_rank, False, "broadcast", name)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output.contiguous(), op=Average)
+        if _basics.rank() != ctx.root_rank:
+            grad = torch.zeros_like(grad)
+        return grad, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=None):
+    """root_rank's tensor on every rank, as a new tensor; differentiable (root's gradient is the ranks'
+    average incoming gradient, the others' zero, as Horovod's)."""
+    exc = process_set_error(process_set, "broadcast")
+    if exc is None and not isinstance(tensor, torch.Tensor):
+        exc = TypeError(f"broadcast: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if exc is not None:
+        reject_blocking("broadcast", exc)
+    return _BroadcastFunction.apply(tensor, root_rank, name)
+
+
+# --- barrier and join --------------------------------------------------------------------------------
+
+
+def barrier(process_set=None) -> None:
+    """Wait until every rank has reached the barrier (async operations already started go on). A
+    tiny blocking gflow allreduce, not MPI's Barrier: it waits where gflow's collectives wait, so a
+    late rank is named by the stall inspector (and GFLOW_STALL_ABORT_S ends the job), a rank that left
+    raises GflowError, and a barrier on some ranks only while the others are in step() is found as
+    crossed waits. It runs on the caller's channel, as other blocking calls: on the background one it
+    would queue behind the optimizer's segments, which ranks that used other parameters send at
+    other times."""
+    check_process_set(process_set, "barrier")
+    try:
+        tag, about = ("allreduce", fingerprint("barrier")), "barrier()"  # (no tensor's call matches it)
+        allreduce_on(context(comm()), np.zeros(1, np.int32), "sum", None, "auto", None, tag, about)
+    except gflow.GflowError as exc:
+        raise_as_horovod(exc)
+
+
+def join(device=-1) -> int:
+    """Wait until every rank has called join(); return the rank that called it last.
+
+    Horovod lets ranks that joined serve the others' allreduces with zeros, so ranks may run
+    different numbers of steps. gflow cannot: every rank must make the same collective calls. Here
+    join() works when every rank calls it (a barrier that reports the last rank to arrive, by each
+    rank's wall clock at the call: exact on one node, as good as the clocks' agreement across nodes;
+    not MPI.Wtime, whose zero Open MPI sets per process). It runs on gflow's background channel,
+    after the async operations already started: a rank still running DistributedOptimizer steps or
+    async allreduces while the others wait in join() makes every rank raise MismatchError (a
+    HorovodInternalError) rather than hang. (A blocking allreduce/allgather/broadcast facing peers
+    in join() still waits, as in MPI.)
+    `device` is accepted and ignored.
+    """
+    arrival = torch.full((_basics.size(),), -np.inf, dtype=torch.float64)
+    arrival[_basics.rank()] = time.time()
+    try:
+        latest = gflow.allreduce_async(arrival, "max", comm=comm()).wait()
+    except gflow.GflowError as exc:
+        raise_as_horovod(exc)
+    return int(torch.argmax(latest).item())  # ties: the lowest rank
