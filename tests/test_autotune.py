@@ -72,8 +72,8 @@ def test_auto_settles_on_the_same_threshold_everywhere_and_every_step_is_right(p
     if pool:
         grads = lazy.gradient_buffers(SHAPES)
         runs = []  # every segment must find its gradients side by side in the pool, at every threshold
-        original = lazy._pool_run
-        lazy._pool_run = lambda pushed: runs.append(original(pushed)) or runs[-1]
+        original = lazy._pool.run
+        lazy._pool.run = lambda pushed: runs.append(original(pushed)) or runs[-1]
     else:
         grads = [random_array(rng, s, np.float32) for s in SHAPES]
     thresholds = []
