@@ -48,14 +48,16 @@ elif mode == "init-bad-rank":  # rank 0 names a rank COMM_WORLD does not have; t
 elif mode == "init-odd":  # rank 0 passes another form of comm= than the others' list of every rank
     import numpy as np
 
-    odd = {"None": None, "WORLD": world, "range": range(p), "ndarray": np.arange(p), "set": set(range(p)),
-           "str": "0,1"}[sys.argv[2]]  # fmt: skip
-    try:
-        hvd.init(comm=odd if me == 0 else list(range(p)))
-    except ValueError as exc:
-        say(f"ValueError: {exc}")
-    else:
-        say(f"initialised on {hvd.size()} ranks")
+    forms = {"None": None, "WORLD": world, "range": range(p), "ndarray": np.arange(p), "set": set(range(p)),
+             "str": "0,1"}  # fmt: skip
+    for form in sys.argv[2].split(","):  # one after another in one job (each init after a shutdown)
+        try:
+            hvd.init(comm=forms[form] if me == 0 else list(range(p)))
+        except ValueError as exc:
+            say(f"{form}: ValueError: {exc}")
+        else:
+            say(f"{form}: initialised on {hvd.size()} ranks")
+            hvd.shutdown()
 elif mode == "barrier-exit":  # rank 1 ends its program cleanly; the others call barrier()
     hvd.init()
     if me == 1:
