@@ -140,7 +140,7 @@ def broadcast_flat(
     """Overwrite the flat buf with root's, on every rank: one Bcast per piece of at most
     ring.MAX_MESSAGE_BYTES (the ranks agreed on buf's size, so they cut the same pieces). The ranks
     also agree on the root and on `fingerprint` (the caller's checksum of the shape, < 2**31): both
-    travel in the signature's extra field, the root in its low 32 bits (see _validate.describe)."""
+    travel in the signature's extra field, the root in its low 32 bits (see runtime/signature.describe)."""
     extra = root | (fingerprint << 32)
     _agree(ctx, signature("broadcast", "mpi", buf.size, dtype, None, extra=extra, kind=kind))
     if ctx.size > 1:

@@ -3,7 +3,7 @@
 Each public function checks its arguments, which gives it the kind of array it holds (gflow/arrays/kinds.py),
 then works on flat views of the kind's memory: the kind's transport hands them to MPI (directly, or
 staged through pinned host memory for device arrays without a CUDA-aware MPI) and gives the ops for
-the memory MPI sees; the *_flat functions of collectives/common.py do the rest. Results are made by
+the memory MPI sees; the *_flat functions of collectives/dispatch.py do the rest. Results are made by
 the kind, so they are of the caller's kind (a tensor for a tensor, CuPy for CuPy).
 """
 

@@ -23,7 +23,7 @@ settles on is decided by the timings, as always.
 
 The allreduce is part of its step, so if it fails the whole step fails, on every rank, and the next
 step retries it. A step that fails is not timed and does not advance the schedule. A step fails on
-every rank or on none (collectives/lazy.py), so every rank stays at the same place in the schedule;
+every rank or on none (fusion/lazy.py), so every rank stays at the same place in the schedule;
 LazyAllreduce also folds the threshold into every segment's checksum, so ranks that were told
 different things (one rank called retune(), another did not) fail at once with MismatchError.
 """

@@ -64,7 +64,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             ones with compression="fp16", unless sparse). "auto": try thresholds from 256 KiB to
             64 MiB during the first steps (three steps each, then four more for the three
             fastest: about 40 steps), timing each step, and keep the fastest: the same on every
-            rank, logged once by rank 0 (collectives/autotune.py). Steps are correct while it tunes.
+            rank, logged once by rank 0 (fusion/autotune.py). Steps are correct while it tunes.
             Dense only: sparse segments keep residuals, so their sizes must not change.
         op: "sum", "mean", "max" or "min" (or MPI.SUM/MAX/MIN), applied to every pushed tensor.
         compression: None, "fp16" or "bf16" (float32/float64 gradients travel as float16 or

@@ -32,7 +32,7 @@ COLLECTIVE_CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
 CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}
 
 # "auto": a bandwidth-sized call under algorithm="auto", whose algorithm (ring or hierarchical) is
-# settled after the agreement, from the topology (collectives/common.py).
+# settled after the agreement, from the topology (collectives/dispatch.py).
 ALGORITHMS = ("recursive_doubling", "ring", "mpi", "auto", "hierarchical")
 ALGORITHM_CODE = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
 CODE_ALGORITHM = {code: name for name, code in ALGORITHM_CODE.items()}

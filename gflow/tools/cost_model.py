@@ -221,7 +221,7 @@ def allreduce_time(
     if ranks == 1:
         return codec + cpu * cal.copy * nbytes
     alpha_x, beta_x = (cal.alpha_inter, cal.beta_inter) if m > 1 else (cal.alpha_intra, cpu * cal.beta_intra)
-    if algorithm == "auto":  # as collectives/common.py settles it, for host arrays
+    if algorithm == "auto":  # as collectives/dispatch.py settles it, for host arrays
         if nbytes <= DEFAULT_SMALL_MESSAGE_BYTES:
             algorithm = "recursive_doubling"
         elif m > 1:

@@ -87,7 +87,7 @@ def reject_async(collective: str, exc: Exception) -> int:
 def fingerprint(*parts) -> int:
     """A checksum of what the ranks must agree on beyond gflow's own signature (the tensors' shapes and
     torch dtypes, Horovod's op and scale factors), as Horovod's controller compares them; it travels
-    in the signature's fingerprint field (collectives/api.py)."""
+    in the signature's fingerprint field (collectives/operations.py)."""
     return zlib.crc32(repr(parts).encode()) & ((1 << FINGERPRINT_BITS) - 1)
 
 
