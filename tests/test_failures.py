@@ -34,8 +34,16 @@ def run_job(mode: str, size: int, **env):
 SIZES = [2, 3, 4]
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("mode", ["raise", "raise-async", "raise-lazy"])
+def every_mode_at_2_and_3(modes, at_4):
+    """(mode, size): every mode at 2 and 3 ranks (3: not a power of two, and a rank that is neither
+    the failing one nor rank 0), and `at_4` at 4 too: each case is a real job of a few seconds, and a
+    fourth rank adds little to what a third showed."""
+    return [(m, s) for s in (2, 3) for m in modes] + [(m, 4) for m in at_4]
+
+
+@pytest.mark.parametrize(
+    ("mode", "size"), every_mode_at_2_and_3(["raise", "raise-async", "raise-lazy"], ["raise"])
+)
 def test_an_uncaught_exception_ends_the_job_naming_the_rank(mode, size):
     status, output, after = run_job(mode, size)
     assert status != 0, output
@@ -46,10 +54,10 @@ def test_an_uncaught_exception_ends_the_job_naming_the_rank(mode, size):
     assert "finished" not in output, output
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize(
-    "mode", ["exit", "exit-early", "exit-inside", "exit-before-async", "exit-lazy", "exit-in-flush"]
-)
+LEAVING = ["exit", "exit-early", "exit-inside", "exit-before-async", "exit-lazy", "exit-in-flush"]
+
+
+@pytest.mark.parametrize(("mode", "size"), every_mode_at_2_and_3(LEAVING, ["exit", "exit-in-flush"]))
 def test_a_rank_that_leaves_is_named_by_the_others(mode, size):
     status, output, after = run_job(mode, size)
     assert status != 0, output  # the others' GflowError is uncaught: it ends the job
