@@ -285,8 +285,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 ops.fence()
             shapes = [tuple(kind.shape(a)) for a in pushed] if isinstance(strategy, Hook) else None
             segment = Segment(
-                index, source, name, self._comm, shapes, context=ctx, out=buffer, checksum=self._checksum,
-                dtype=dtype,
+                index, source, name, shapes, context=ctx, out=buffer, checksum=self._checksum, dtype=dtype
             )  # fmt: skip
             handle, to_commit = strategy.start(segment, kind)
         except Exception as exc:  # noqa: BLE001 - this rank's step fails; the peers' fail with it
@@ -313,11 +312,12 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         compression, in the shape of DDP's communication hooks (gflow/fusion/strategies.py says what
         a hook gets and returns; examples/topk_hook.py is one). hook=None goes back to gflow's own.
         Every rank registers the same hook, between the same two steps (ranks that differ fail the
-        step's final exchange, on every rank).
+        step on every rank).
 
         Raises:
             TypeError: hook is not callable. ValueError: with compression= or sparse= (the
-                built-in strategies a hook replaces). RuntimeError: a step is in flight.
+                built-in strategies a hook replaces), or threshold_bytes="auto". RuntimeError: a step
+                is in flight.
         """
         if hook is not None and not callable(hook):
             raise TypeError(
@@ -328,11 +328,22 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 "register_hook: a hook replaces gflow's own reduction of the segments; make the object "
                 "without compression= and sparse= (it then does its own)"
             )
+        if self._tuner is not None and hook is not None:
+            raise ValueError(
+                "register_hook: with threshold_bytes='auto' the segments change while the threshold is "
+                "tuned, and a hook's state follows them by index; give a threshold in bytes"
+            )
         if self._in_step():
             raise RuntimeError(
                 "register_hook: a step is in flight (pushed, not flushed); register between steps"
             )
         self._strategy = Dense() if hook is None else Hook(state, hook)
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether segments carry gradients from step to step (sparse=, or a hook): a caller under loss
+        scaling then pushes them unscaled (push(scale=...)), as DataParallel does."""
+        return self._strategy.keeps_state
 
     def set_momentum(self, momentum: float) -> None:
         """With sparse=: change CSC's momentum correction factor, in every segment, between steps

@@ -10,13 +10,15 @@ at flush() writes each result back. The built-in ones:
 - Sparse: coarse-grained sparse communication (SparseAllreduce), one residual per segment.
 
 A user's hook: `LazyAllreduce.register_hook(state, hook)` (or DataParallel's). For each segment,
-`hook(state, segment)` runs on the caller's thread when the segment fills and returns either the
-reduced values (a flat array like segment.buffer) or anything with a `wait()` that gives them, such
-as the handle of `gflow.allreduce_async(segment.buffer, comm=segment.comm)`. The hook owns
-segment.buffer (a copy of the gradients: reduce it in place if you like); `state` is whatever the
-hook keeps between steps (error feedback, say). examples/topk_hook.py is one: top-k with error
-feedback. Every rank must call the same collectives in its hook; the step's final exchange still
-checks that every rank pushed the same tensors.
+`hook(state, segment)` runs on gflow's background thread, in segment order (so it overlaps backward,
+as the built-in strategies do), and returns the reduced values: a flat array like segment.buffer,
+which the hook owns (a copy of the gradients: reduce it in place if you like). It talks to the
+other ranks through segment.allreduce and segment.allgather: gflow's collectives on the background
+channel, whose agreement turns a rank that fails, leaves the step or runs another hook into an error
+on every rank instead of a hang. `state` is whatever the hook keeps between steps; if it has
+commit() and discard(), gflow calls commit() once the step succeeded on every rank (and DataParallel
+applied it) and discard() when it failed or was skipped (each may come once per segment).
+examples/topk_hook.py is one: top-k with error feedback.
 """
 
 from dataclasses import dataclass, field
@@ -24,9 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..arrays.codecs import decode, encode, wire_dtype
-from ..collectives.operations import allreduce_on
+from ..collectives.operations import allgather_on, allreduce_on, reject
+from ..errors import GflowError, NonFiniteError
 from ..runtime import engine
-from ..runtime.signature import holds
+from ..runtime.signature import holds, is_floating
 from .sparse import SparseAllreduce
 
 
@@ -36,29 +39,45 @@ class Segment:
 
     Attributes:
         index: which segment of the step (0, 1, ...): the same on every rank, step after step.
-        buffer: the fused gradients, flat (host or device array, as pushed).
+        buffer: the fused gradients, flat (a NumPy array; a Numba device array for device memory).
         op: the reduction ("sum", "mean", "max" or "min").
-        comm: the communicator (None: MPI.COMM_WORLD).
         shapes: the shapes of the arrays fused into it, in push order (buffer holds them side by side).
+        rank, size: this rank and the number of ranks.
     """
 
     index: int
     buffer: object
     op: str
-    comm: object
     shapes: list
-    # for the built-in strategies: the background channel, where the result goes, the push-order
-    # checksum the ranks agree on, and the wire dtype
+    # for the strategies: the background channel, where the result goes, the push-order checksum the
+    # ranks agree on, and the wire dtype
     context: object = field(default=None, repr=False)
     out: object = field(default=None, repr=False)
     checksum: int = field(default=0, repr=False)
     dtype: object = field(default=None, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def size(self) -> int:
+        return self.context.size
+
+    def allreduce(self, x, op: str = "sum"):
+        """gflow.allreduce of x over the segment's ranks, on the background channel (a new array)."""
+        return allreduce_on(self.context, x, op, None, "auto", None)
+
+    def allgather(self, x):
+        """gflow.allgather of x over the segment's ranks, on the background channel (a new array)."""
+        return allgather_on(self.context, x)
 
 
 class Dense:
     """gflow's allreduce of each segment, in the gradients' own dtype."""
 
     uses_pool = True  # the gradient pool's pieces can be reduced where they are
+    keeps_state = False  # nothing carried from step to step (see Sparse)
 
     def wire_dtype(self, dtype: np.dtype) -> np.dtype:
         """The dtype the segment's buffer holds (and the threshold counts in)."""
@@ -119,6 +138,8 @@ class Sparse(Dense):
     residual keeps it): one SparseAllreduce per segment index, its residual kept from step to step
     and committed only when the whole step succeeded."""
 
+    keeps_state = True  # residuals hold gradients across steps: DataParallel unscales them on the way in
+
     def __init__(self, op: str, compression, comm, settings: dict):
         self.op, self.compression, self.comm, self.settings = op, compression, comm, settings
         self.segments: dict = {}  # segment index -> its SparseAllreduce
@@ -150,54 +171,68 @@ class Sparse(Dense):
         return SparseAllreduce(op=self.op, compression=self.compression, comm=self.comm, **self.settings)
 
 
-class _Done:
-    """The handle of a hook that returned its result."""
+class _HookState:
+    """What flush() commits or discards for a hook: its state's commit()/discard(), if it has them."""
 
-    context = None
+    def __init__(self, state):
+        self.state = state
 
-    def __init__(self, result):
-        self._result = result
+    def commit(self) -> None:
+        getattr(self.state, "commit", _nothing)()
 
-    def wait(self):
-        return self._result
+    def discard(self) -> None:
+        getattr(self.state, "discard", _nothing)()
+
+
+def _nothing() -> None:
+    pass
 
 
 class Hook(Dense):
-    """A user's hook (see the module docstring): the segment's buffer is always a copy of the
-    gradients, so the hook may reduce it in place and a failed step still leaves them as pushed."""
+    """A user's hook (see the module docstring), run on the background thread. A rank whose hook
+    fails rejects the segment where the peers are (they raise MismatchError, it its own error); else
+    one small allreduce on the background channel settles the segment alike on every rank: whether
+    any rank's result holds inf/NaN (NonFiniteError everywhere: an overflow, under loss scaling). It
+    carries the push-order checksum, as the built-in segments' agreement does."""
 
-    uses_pool = False
+    uses_pool = False  # segment.buffer is the hook's to change: always a copy of the gradients
+    keeps_state = True  # (DataParallel unscales on the way in, as for CSC)
 
     def __init__(self, state, hook):
         self.state, self.hook = state, hook
 
     def start(self, segment: Segment, kind):
-        """Run the hook. A result it returns is checked now, so a wrong one fails the step on every
-        rank before anything is written; one behind a handle is checked when it arrives."""
-        done = self.hook(self.state, segment)
-        if callable(getattr(done, "wait", None)):
-            return _Checked(done, segment.buffer), None
-        return _Done(checked(done, segment.buffer)), None
+        ctx, buffer, index = segment.context, segment.buffer, segment.index
+        tag = ("lazy", segment.checksum)
+
+        def run():
+            ctx.check_usable()  # an earlier segment failed on every rank: this one must not start
+            try:
+                result = checked(self.hook(self.state, segment), buffer)
+                # cast_scaled by 1 changes nothing and says whether it met inf or NaN
+                bad = is_floating(holds(result.dtype)) and kind.ops.cast_scaled(result, result, 1.0)
+            except GflowError:
+                raise  # a collective of the hook's failed on every rank alike
+            except Exception:
+                reject(ctx, "lazy")  # where the peers are (the settling allreduce, or a collective of
+                raise  # their hook's), they fail with MismatchError; this rank raises its own error
+            flag = np.array([1.0 if bad else 0.0])
+            if allreduce_on(ctx, flag, "max", None, "auto", None, tag, "LazyAllreduce hook")[0]:
+                raise NonFiniteError(f"LazyAllreduce hook: segment {index} holds inf or NaN on some rank")
+            return result
+
+        handle = engine.submit(f"lazy hook segment {index}", kind.in_background(run),
+                               keep=(buffer,), ctx=ctx)  # fmt: skip
+        return handle, _HookState(self.state)
 
 
 def checked(result, buffer):
     """A hook's result, flat, if it is an array like the segment's buffer; else TypeError."""
-    size = getattr(result, "size", None)
-    if size != buffer.size or getattr(result, "dtype", None) != buffer.dtype:
-        got = type(result).__name__ + (f" of {size} {result.dtype}" if size is not None else "")
+    size, dtype = getattr(result, "size", None), getattr(result, "dtype", None)
+    if not isinstance(size, (int, np.integer)) or size != buffer.size or dtype != buffer.dtype:
+        shown = f" of {size} {dtype}" if isinstance(size, (int, np.integer)) else ""
         raise TypeError(
             f"LazyAllreduce hook: expected the reduced segment as a flat array of {buffer.size} "
-            f"{buffer.dtype} (like segment.buffer), got {got}"
+            f"{buffer.dtype} (like segment.buffer), got {type(result).__name__}{shown}"
         )
     return result.reshape(-1)
-
-
-class _Checked:
-    """A hook's handle, whose result is checked when it arrives."""
-
-    def __init__(self, done, buffer):
-        self._done, self._buffer = done, buffer
-        self.context = getattr(done, "context", None)
-
-    def wait(self):
-        return checked(self._done.wait(), self._buffer)

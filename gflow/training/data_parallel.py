@@ -331,12 +331,13 @@ class DataParallel:
             if self._error is not None:
                 continue  # the step failed here; LazyAllreduce ignores its pushes anyway
             name = self._slot_names[self._next - 1]
-            if self._scaler is not None and self._lazy.sparse is not None:
-                # A sparse residual carries gradients from step to step: it must hold them unscaled,
-                # or a change of scale would mix units. They are unscaled on their way into the
-                # fusion buffer, so a failed step leaves the pushed array as it was (a retry neither
-                # loses nor doubles it). Non-finite values still fail the step on every rank
-                # (SparseAllreduce's NonFiniteError), which synchronize() counts as an overflow.
+            if self._scaler is not None and self._lazy.keeps_state:
+                # A sparse residual (or a hook's state) carries gradients from step to step: it must
+                # hold them unscaled, or a change of scale would mix units. They are unscaled on their
+                # way into the fusion buffer, so a failed step leaves the pushed array as it was (a
+                # retry neither loses nor doubles it). Non-finite values still fail the step on every
+                # rank (NonFiniteError, from CSC or the hook's check), which synchronize() counts as an
+                # overflow.
                 self._lazy.push(grad, scale=1.0 / self._scaler.scale, name=name)
             else:
                 self._lazy.push(grad, name=name)
@@ -388,7 +389,7 @@ class DataParallel:
                     raise
                 overflow = True
             if self._scaler is not None:
-                if self._lazy.sparse is None and not overflow:
+                if not self._lazy.keeps_state and not overflow:
                     for grad in ready:
                         overflow |= self._scaler.unscale(grad)
                 apply = self._scaler.update(overflow)
