@@ -27,6 +27,9 @@ says goodbye on every watched duplicate, with the number of collectives it compl
 that is in, or later enters, a collective past that number can never finish it, and raises
 GflowError naming the rank that left (check_waiting), instead of waiting forever. A rank that is
 merely slow says nothing of the kind: that is a stall, reported as above.
+
+(One file, and long: the monitor's protocol, questions, answers, crossed waits and departures,
+holds only as a whole: the order of its messages is the invariant.)
 """
 
 import sys

@@ -42,6 +42,9 @@ follows its code:
   the chunk norms, and a dense allreduce of d of the bytes; lazy fusion groups a parameter list into
   segments of at least the threshold; overlap hides communication behind the backward pass (2/3 of
   the compute) except the last segment's.
+
+(Long: every term of the model is here with where it comes from, so that one file is checked
+against bench/RESULTS.md.)
 """
 
 import json

@@ -57,7 +57,7 @@ from .compression import wire_compression
 # --- allreduce ---------------------------------------------------------------------------------------
 
 
-class _Plan:
+class _AllreducePlan:
     """One allreduce, checked: what to send, how, and what to do with the result."""
 
     def __init__(self, tensor, output, op, prescale, postscale, compression, where, members=None, name=None):
@@ -113,7 +113,7 @@ class _Plan:
 
 def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, where, name=None):
     try:
-        plan = _Plan(tensor, output, op, prescale, postscale, compression, where, name=name)
+        plan = _AllreducePlan(tensor, output, op, prescale, postscale, compression, where, name=name)
     except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
         reject_blocking("allreduce", exc)
     try:
@@ -130,7 +130,7 @@ def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, wh
 
 def _allreduce_async(tensor, output, op, prescale, postscale, compression, where, name=None) -> int:
     try:
-        plan = _Plan(tensor, output, op, prescale, postscale, compression, where, name=name)
+        plan = _AllreducePlan(tensor, output, op, prescale, postscale, compression, where, name=name)
     except Exception as exc:  # noqa: BLE001
         return reject_async("allreduce", exc)
     if plan.product:  # no background form: run now, report at synchronize()
@@ -143,7 +143,7 @@ def _allreduce_async(tensor, output, op, prescale, postscale, compression, where
     return register(Pending([h], lambda results: plan.finish(results[0])))
 
 
-def _start(plan: _Plan):
+def _start(plan: _AllreducePlan):
     """The background allreduce of a checked plan (not Product)."""
     return allreduce_async_on(
         context(comm()), plan.src, plan.gop, out=plan.out, compression=plan.compression, tag=plan.tag,
@@ -283,7 +283,7 @@ def _grouped_start(tensors, in_place, op, prescale, postscale, compression, wher
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
             # Every group's allreduce carries the fingerprint of all the tensors' shapes, in order:
             # the flat buffers alone would let [(3,), (2,)] meet [(2,), (3,)] and mix their elements.
-            plan = _Plan(
+            plan = _AllreducePlan(
                 flat, flat, op, prescale, postscale, compression, where, members=list(tensors), name=name
             )
             plans.append((members, plan))

@@ -17,6 +17,9 @@ waits until every earlier one is, as DDP's buckets fire in order. LazyAllreduce 
 the same sizes in the same order, and backward's order may differ between ranks (threads, unused
 parameters); the fixed order makes that the kit's problem, not the trainer's. A parameter that no
 gradient reached in a step (unused on this rank) is pushed as zeros at synchronize().
+
+(Long: the step, push order, zeros for missing gradients, the loss-scale agreement and the
+commit, and its checkpoint are one contract, read together.)
 """
 
 from collections.abc import Mapping
