@@ -22,9 +22,9 @@ every segment and the final exchange succeeded on every rank, and sparse segment
 residuals only then. After an error every rank's pushed arrays keep their local values and every
 residual is as before the step: nothing is lost or counted twice, and the step can be retried.
 
-This file is the step's state machine (push, fire, flush and their failure rules, read together,
-hence its length); checkpoints are in lazy_state.py, the pool in pool.py, how a segment is reduced
-in strategies.py, threshold tuning in autotune.py.
+This file is long: it is the step's state machine (push, fire, flush and their failure rules, read
+together). Checkpoints are in lazy_state.py, the pool in pool.py, how a segment is reduced in
+strategies.py, threshold tuning in autotune.py.
 """
 
 import struct
