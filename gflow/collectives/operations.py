@@ -66,7 +66,7 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
         CompressionOverflowError: with compression, the 2-byte reduction overflowed or met NaN/inf
             (on every rank; the result holds the non-finite values).
     """
-    return allreduce_on(context(comm), x, op, out, algorithm, compression)
+    return allreduce_on(context(comm), x, op, out=out, algorithm=algorithm, compression=compression)
 
 
 def rejected_in_background(parent: CommContext, collective: str, error: Exception):
@@ -112,7 +112,9 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
     ctx = parent.background()
-    run = lambda: allreduce_on(ctx, x, op, out, algorithm, compression, tag, about)  # noqa: E731
+    run = lambda: allreduce_on(  # noqa: E731
+        ctx, x, op, out=out, algorithm=algorithm, compression=compression, tag=tag, about=about
+    )
     run = kind.in_background(run, x, *([] if out is None else [out]))
     return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
 
@@ -160,7 +162,16 @@ def _annotated(call, about):
 
 
 def allreduce_on(
-    ctx: CommContext, x, op, out, algorithm, compression, tag=_USER_CALL, about=None, holds=None
+    ctx: CommContext,
+    x,
+    op,
+    *,
+    out=None,
+    algorithm="auto",
+    compression=None,
+    tag=_USER_CALL,
+    about=None,
+    holds=None,
 ):
     """allreduce on a given context (the caller's, or the engine's for allreduce_async). `tag` is the
     (collective, extra) pair the ranks agree on: LazyAllreduce puts its push-order fingerprint there,
@@ -214,9 +225,8 @@ def _allreduce_compressed(ctx: CommContext, kind, x, result, name: str, algorith
     src, dst = kind.read(x), kind.write_view(result, "out")
     wire = ctx.scratch(f"{codec}_wire", src.size, wire_dtype(codec), ops)
     encode(ops, wire, src, name, ctx.size)
-    allreduce_on(
-        ctx, wire, "sum" if name == "mean" else name, wire, algorithm, None, tag, holds=wire_dtype(codec)
-    )
+    wire_op = "sum" if name == "mean" else name
+    allreduce_on(ctx, wire, wire_op, out=wire, algorithm=algorithm, tag=tag, holds=wire_dtype(codec))
     overflow = decode(ops, dst, wire)
     kind.done(result)
     if overflow:

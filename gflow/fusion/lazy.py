@@ -464,11 +464,9 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             ctx,
             medians,
             "sum",
-            summed,
-            "auto",
-            None,
-            ("lazy", candidates),
-            "LazyAllreduce's threshold tuning",
+            out=summed,
+            tag=("lazy", candidates),
+            about="LazyAllreduce's threshold tuning",
         )
         handle = engine.submit("lazy threshold agreement", run, keep=(medians, summed), ctx=ctx)
         self._fired.append((handle, [], None))

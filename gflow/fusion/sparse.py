@@ -219,7 +219,7 @@ class SparseAllreduce:
             reject(ctx, "sparse")
             raise
         try:
-            norms = allreduce_on(ctx, local_norms, "sum", None, "auto", None, tag)
+            norms = allreduce_on(ctx, local_norms, "sum", tag=tag)
             if not np.isfinite(norms).all():
                 error = CompressionOverflowError if self.compression else NonFiniteError
                 raise error(
@@ -249,7 +249,7 @@ class SparseAllreduce:
                     ops.cast_scaled(packed, packed, 1.0 / ctx.size)
                     op = "sum"
                 ops.fence()
-                allreduce_on(ctx, packed, op, packed, "auto", None, tag)
+                allreduce_on(ctx, packed, op, out=packed, tag=tag)
                 ops.zero_chunks(v_new, device_ids, chunk)  # all of it was sent
         except MismatchError as exc:
             raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
@@ -307,7 +307,7 @@ class SparseAllreduce:
         ops.cast_scaled(unsent, wire, -1.0 / per_rank)  # minus what was sent, in the residual's units
         ops.scatter_add(v_new, unsent, ids, self.chunk_elems)  # v_new = v_new - sent: the rounding stays
         ops.fence()
-        allreduce_on(ctx, wire, "sum", wire, "auto", None, tag, holds=wire_dtype(self.compression))
+        allreduce_on(ctx, wire, "sum", out=wire, tag=tag, holds=wire_dtype(self.compression))
         if ops.cast_scaled(packed, wire, 1.0 / scale):
             raise CompressionOverflowError(
                 overflow_message("SparseAllreduce", self.compression)

@@ -66,7 +66,7 @@ class Segment:
 
     def allreduce(self, x, op: str = "sum"):
         """gflow.allreduce of x over the segment's ranks, on the background channel (a new array)."""
-        return allreduce_on(self.context, x, op, None, "auto", None)
+        return allreduce_on(self.context, x, op)
 
     def allgather(self, x):
         """gflow.allgather of x over the segment's ranks, on the background channel (a new array)."""
@@ -96,7 +96,7 @@ class Dense:
         ctx, source, out, dtype = segment.context, segment.buffer, segment.out, segment.dtype
         tag = ("lazy", segment.checksum)
         op = self.wire_op(segment.op)
-        run = lambda: allreduce_on(ctx, source, op, out, "auto", None, tag, holds=dtype)  # noqa: E731
+        run = lambda: allreduce_on(ctx, source, op, out=out, tag=tag, holds=dtype)  # noqa: E731
         handle = engine.submit(f"lazy allreduce segment {segment.index}", kind.in_background(run),
                                keep=(source, out), ctx=ctx)  # fmt: skip
         return handle, None
@@ -217,7 +217,7 @@ class Hook(Dense):
                 reject(ctx, "lazy")  # where the peers are (the settling allreduce, or a collective of
                 raise  # their hook's), they fail with MismatchError; this rank raises its own error
             flag = np.array([1.0 if bad else 0.0])
-            if allreduce_on(ctx, flag, "max", None, "auto", None, tag, "LazyAllreduce hook")[0]:
+            if allreduce_on(ctx, flag, "max", tag=tag, about="LazyAllreduce hook")[0]:
                 raise NonFiniteError(f"LazyAllreduce hook: segment {index} holds inf or NaN on some rank")
             return result
 

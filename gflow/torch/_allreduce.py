@@ -121,8 +121,9 @@ def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, wh
             result = plan.run_product()
         else:
             result = allreduce_on(
-                context(comm()), plan.src, plan.gop, plan.out, "auto", plan.compression, plan.tag, plan.about
-            )
+                context(comm()), plan.src, plan.gop, out=plan.out, compression=plan.compression, tag=plan.tag,
+                about=plan.about,
+            )  # fmt: skip
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
     return plan.finish(result)

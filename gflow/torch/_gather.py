@@ -224,7 +224,7 @@ def barrier(process_set=None) -> None:
     check_process_set(process_set, "barrier")
     try:
         tag, about = ("allreduce", fingerprint("barrier")), "barrier()"  # (no tensor's call matches it)
-        allreduce_on(context(comm()), np.zeros(1, np.int32), "sum", None, "auto", None, tag, about)
+        allreduce_on(context(comm()), np.zeros(1, np.int32), "sum", tag=tag, about=about)
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
 
