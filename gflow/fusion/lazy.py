@@ -260,8 +260,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         ctx = context(self._comm).background()
         name = check_op(self.op, holds(members[0][0].dtype))
         try:
-            if isinstance(strategy, Sparse):
-                strategy.check_size(index, total)
+            strategy.check_size(index, total)
             buffer = self._buffers[index] if index < len(self._buffers) else None
             if buffer is None or buffer.size != total or buffer.dtype != ops.storage(dtype):
                 buffer = ops.empty(total, dtype)

@@ -83,6 +83,9 @@ class Dense:
         """The dtype the segment's buffer holds (and the threshold counts in)."""
         return holds(dtype)
 
+    def check_size(self, index: int, total: int) -> None:
+        """Whether segment `index` may hold `total` elements this step (any size: nothing is kept)."""
+
     def fill(self, ops, piece, flat, op: str, size: int, scale: float) -> None:
         """Put one pushed array (times scale) into its piece of the segment's buffer (size: the
         number of ranks)."""
