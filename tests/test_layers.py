@@ -87,7 +87,7 @@ def test_every_kind_ops_and_transport_has_what_the_protocols_ask():
         assert isinstance(transport, Transport), transport
 
     class HalfAKind:  # the check can fail: a kind without most members is refused
-        name = "host"
+        memory = "host"
         ops = host_ops
 
     assert not isinstance(HalfAKind(), ArrayKind)

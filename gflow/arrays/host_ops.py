@@ -8,7 +8,7 @@ import numpy as np
 
 from ..runtime.signature import BFLOAT16
 
-kind = "host"
+memory = "host"
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 

@@ -64,21 +64,21 @@ def to_host(x, ops):
     return np.array(ops.to_numpy(x), copy=True)
 
 
-def ops_for_memory(kind: str):
-    """The ops module of the kind of memory state arrays were saved from."""
-    if kind == "host":
+def ops_for_memory(memory: str):
+    """The ops module of the memory ("host" or "device") state arrays were saved from."""
+    if memory == "host":
         return host_ops
-    if kind == "device":
+    if memory == "device":
         from ..cuda import ops
 
         return ops
-    raise ValueError(f"unknown kind of memory {kind!r} in the state dict (expected 'host' or 'device')")
+    raise ValueError(f"unknown memory {memory!r} in the state dict (expected 'host' or 'device')")
 
 
 def from_host(a: np.ndarray, ops):
-    """A new array of ops' kind holding a copy of the host array a (flat)."""
+    """A new array in ops' memory holding a copy of the host array a (flat)."""
     a = np.ascontiguousarray(a).reshape(-1)
-    if ops.kind == "host":
+    if ops.memory == "host":
         return a.copy()
     from ..cuda import memory
 

@@ -28,7 +28,7 @@ def raise_read_only(name: str):
 class Direct:
     """The transport of memory MPI reads as it is: a buffer stands for itself."""
 
-    kind = "direct"
+    name = "direct"
 
     def __init__(self, ops, ring_only: bool = False):
         self.ops = ops  # the per-element ops on the buffers handed to MPI
@@ -60,7 +60,7 @@ class Direct:
 class HostArrays:
     """NumPy arrays: any layout is read (copied when not contiguous); results are plain ndarrays."""
 
-    name = "host"  # the memory the ranks agree on in their signatures
+    memory = "host"  # what the ranks agree on in their signatures
     ops = host
     _transport = Direct(host)
 

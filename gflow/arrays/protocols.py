@@ -12,9 +12,9 @@ from typing import Protocol, runtime_checkable
 
 @runtime_checkable
 class ArrayOps(Protocol):
-    """Per-element work on flat contiguous buffers of one kind of memory (host or device)."""
+    """Per-element work on flat contiguous buffers in one memory (host or device)."""
 
-    kind: str  # "host" or "device"
+    memory: str  # "host" or "device"
 
     def storage(self, dtype): ...  # the dtype that holds `dtype` there (bfloat16: its uint16 bits on a GPU)
     def empty(self, n: int, dtype): ...
@@ -40,7 +40,7 @@ class ArrayOps(Protocol):
 class Transport(Protocol):
     """How a flat view's bytes reach MPI: as they are (Direct) or through a host buffer (Staged)."""
 
-    kind: str
+    name: str  # "direct" or "staged"
     ops: ArrayOps  # the ops on the buffers handed to MPI (where the reductions run)
     ring_only: bool  # the latency path reads its header on the host: not for device buffers
 
@@ -55,7 +55,7 @@ class Transport(Protocol):
 class ArrayKind(Protocol):
     """One kind of array (NumPy, a torch tensor, a device array) as the collectives see it."""
 
-    name: str  # the memory ("host" or "device") the ranks agree on in their signatures
+    memory: str  # "host" or "device": what the ranks agree on in their signatures
 
     @property
     def ops(self) -> ArrayOps: ...

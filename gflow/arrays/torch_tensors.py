@@ -53,7 +53,7 @@ def _check_out_tensor(x, out, name: str) -> None:
 class TorchCPU:
     """CPU tensors, through NumPy views of their storage: the host path, tensors back."""
 
-    name = "host"
+    memory = "host"
     ops = HOST.ops
 
     @staticmethod
@@ -139,7 +139,7 @@ class TorchCUDA:
     """CUDA tensors, through the __cuda_array_interface__ of the detached tensor: the device path,
     CUDA tensors on the input's device back."""
 
-    name = "device"
+    memory = "device"
 
     def __init__(self):
         from ..cuda.arrays import DEVICE

@@ -3,7 +3,7 @@
 choose() decides what can be decided before the ranks talk (the latency path or a bandwidth
 algorithm); settle_auto() decides "auto" after the agreement, from the topology, alike on every rank.
 Then the agreement before a bandwidth algorithm, and each collective on flat contiguous buffers given
-the ops for their kind of memory. (The settings that "auto" depends on are folded into the
+the ops for their memory. (The settings that "auto" depends on are folded into the
 signature by runtime/signature.py, so ranks configured differently fail the agreement.)"""
 
 from mpi4py import MPI
@@ -11,7 +11,7 @@ from mpi4py import MPI
 from ..runtime import timeline
 from ..runtime.config import config
 from ..runtime.context import CommContext
-from ..runtime.signature import KIND_CODE, signature
+from ..runtime.signature import MEMORY_CODE, signature
 from . import hierarchical, ring
 from .recursive_doubling import allreduce_with_agreement
 
@@ -40,7 +40,7 @@ def _predivided(ctx: CommContext, src, ops, name: str):
     return divided, "sum"
 
 
-def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, name: str) -> None:
+def allreduce_flat(ctx: CommContext, src, dst, *, ops, sig: tuple, chosen: str, name: str) -> None:
     """Allreduce the flat contiguous src into dst (may be src), after the checks have passed."""
     src, name = _predivided(ctx, src, ops, name)
     if ctx.size == 1:
@@ -55,7 +55,7 @@ def allreduce_flat(ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, nam
             ops.divide(dst, ctx.size)
     else:
         _agree(ctx, sig)
-        host_memory = sig[6] == KIND_CODE["host"]  # agreed, unlike the transport each rank picked
+        host_memory = sig[6] == MEMORY_CODE["host"]  # agreed, unlike the transport each rank picked
         if chosen == "auto":
             chosen = settle_auto(ctx, dst.nbytes, host_memory)
         if chosen == "hierarchical":  # (the timeline shows which by the phases inside)
@@ -88,7 +88,7 @@ def choose(algorithm: str, nbytes: int, ring_only: bool = False) -> str:
 
 def settle_auto(ctx: CommContext, nbytes: int, host_memory: bool) -> str:
     """What algorithm="auto" runs for a bandwidth-sized message, once the ranks have agreed on the
-    call: the topology (found now on first use, collectively) and the agreed size and kind of array
+    call: the topology (found now on first use, collectively) and the agreed size and memory of the array
     decide, so every rank settles alike. Hierarchical where it pays: across nodes from
     config.hierarchical_min_bytes; on one node of three ranks or more, for host arrays, its
     shared-memory node phase from config.shared_memory_min_bytes. The thresholds are measured
@@ -102,9 +102,9 @@ def settle_auto(ctx: CommContext, nbytes: int, host_memory: bool) -> str:
     return "ring"
 
 
-def reduce_scatter_flat(ctx: CommContext, src, ops, dtype, name: str, kind: str = "host"):
+def reduce_scatter_flat(ctx: CommContext, src, *, ops, dtype, name: str, memory: str):
     """This rank's shard of the reduction of the flat contiguous src, as a new flat array."""
-    _agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, kind=kind))
+    _agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, memory=memory))
     src, name = _predivided(ctx, src, ops, name)
     bounds = ring.chunk_bounds(src.size, ctx.size)
     work = ops.empty(src.size, dtype)
@@ -117,12 +117,12 @@ def reduce_scatter_flat(ctx: CommContext, src, ops, dtype, name: str, kind: str 
 
 
 def allgather_flat(
-    ctx: CommContext, rows, nrows: int, row_elems: int, ops, dtype, kind: str = "host", fingerprint: int = 0
+    ctx: CommContext, rows, *, nrows: int, row_elems: int, ops, dtype, memory: str, fingerprint: int = 0
 ):
     """Concatenate the ranks' flat `rows` (nrows rows of row_elems elements each, nrows may differ
     between ranks); returns the flat result and the total number of rows. The ranks agree on
     row_elems and on `fingerprint` (the caller's checksum of the row's shape)."""
-    _agree(ctx, signature("allgather", "ring", row_elems, dtype, None, extra=fingerprint, kind=kind))
+    _agree(ctx, signature("allgather", "ring", row_elems, dtype, None, extra=fingerprint, memory=memory))
     lengths = ctx.comm.allgather(nrows) if ctx.size > 1 else [nrows]
     bounds = [0]
     for length in lengths:
@@ -135,14 +135,14 @@ def allgather_flat(
 
 
 def broadcast_flat(
-    ctx: CommContext, buf, ops, dtype, root: int, kind: str = "host", fingerprint: int = 0
+    ctx: CommContext, buf, *, ops, dtype, root: int, memory: str, fingerprint: int = 0
 ) -> None:
     """Overwrite the flat buf with root's, on every rank: one Bcast per piece of at most
     ring.MAX_MESSAGE_BYTES (the ranks agreed on buf's size, so they cut the same pieces). The ranks
     also agree on the root and on `fingerprint` (the caller's checksum of the shape, < 2**31): both
     travel in the signature's extra field, the root in its low 32 bits (see runtime/signature.describe)."""
     extra = root | (fingerprint << 32)
-    _agree(ctx, signature("broadcast", "mpi", buf.size, dtype, None, extra=extra, kind=kind))
+    _agree(ctx, signature("broadcast", "mpi", buf.size, dtype, None, extra=extra, memory=memory))
     if ctx.size > 1:
         ops.fence()
         step = ring.piece_elems(dtype)

@@ -193,8 +193,9 @@ def allreduce_on(
             f" of {dtype.name}, compression={codec!r}" if codec else ""
         )
     run = lambda: _allreduce_checked(  # noqa: E731
-        ctx, kind, x, dtype, name, chosen, codec, result, algorithm, tag
-    )
+        ctx, x, kind=kind, dtype=dtype, name=name, chosen=chosen, codec=codec, result=result,
+        algorithm=algorithm, tag=tag,
+    )  # fmt: skip
     if not timeline.active():  # (the span's arguments cost more than the span)
         return run() if about is None else _annotated(run, about)
     count = int(np.prod(kind.shape(x), dtype=np.int64))
@@ -205,20 +206,22 @@ def allreduce_on(
         return run() if about is None else _annotated(run, about)
 
 
-def _allreduce_checked(ctx: CommContext, kind, x, dtype, name, chosen, codec, result, algorithm, tag):
+def _allreduce_checked(ctx: CommContext, x, *, kind, dtype, name, chosen, codec, result, algorithm, tag):
     if codec:
-        return _allreduce_compressed(ctx, kind, x, result, name, algorithm, tag, codec)
+        return _allreduce_compressed(
+            ctx, x, kind=kind, result=result, name=name, algorithm=algorithm, tag=tag, codec=codec
+        )
     transport = kind.transport()
     dst_view = kind.write_view(result, "out")
     src = transport.send(ctx, kind.read(x, "x", spare=dst_view))
     dst = transport.buffer_for(ctx, "stage_out", dst_view)
-    sig = signature(tag[0], chosen, src.size, dtype, name, extra=tag[1], kind=kind.name)
-    allreduce_flat(ctx, src, dst, transport.ops, sig, chosen, name)
+    sig = signature(tag[0], chosen, src.size, dtype, name, extra=tag[1], memory=kind.memory)
+    allreduce_flat(ctx, src, dst, ops=transport.ops, sig=sig, chosen=chosen, name=name)
     transport.store(dst_view, dst)
     return kind.done(result)
 
 
-def _allreduce_compressed(ctx: CommContext, kind, x, result, name: str, algorithm: str, tag, codec: str):
+def _allreduce_compressed(ctx: CommContext, x, *, kind, result, name: str, algorithm: str, tag, codec: str):
     """Encode to the 2-byte wire type (dividing first for a mean), allreduce that buffer in place,
     decode. The wire buffer is of x's memory, so its own allreduce takes x's transport."""
     ops = kind.ops
@@ -260,7 +263,7 @@ def reduce_scatter(x, op="sum", *, comm=None):
         raise
     transport = kind.transport()
     src = transport.send(ctx, kind.read(x))
-    shard = reduce_scatter_flat(ctx, src, transport.ops, dtype, name, kind=kind.name)
+    shard = reduce_scatter_flat(ctx, src, ops=transport.ops, dtype=dtype, name=name, memory=kind.memory)
     return kind.done(transport.result(kind, x, shard, (shard.size,), dtype))
 
 
@@ -283,7 +286,7 @@ def allgather(x, *, comm=None):
     return allgather_on(context(comm), x)
 
 
-def allgather_on(ctx: CommContext, x, fingerprint=None, about=None):
+def allgather_on(ctx: CommContext, x, *, fingerprint=None, about=None):
     """allgather on a given context. The ranks agree on the row's length and on `fingerprint`: by
     default a checksum of x's axes after the first (gflow.torch's: of the tensor's own trailing axes
     and dtype, for dtypes it moves as int32 words); `about` names this rank's call in a MismatchError."""
@@ -300,8 +303,15 @@ def allgather_on(ctx: CommContext, x, fingerprint=None, about=None):
     rows = transport.send(ctx, kind.read(x))
     flat, nrows = _annotated(
         lambda: allgather_flat(
-            ctx, rows, shape[0], row_elems, transport.ops, dtype, kind=kind.name, fingerprint=fingerprint
-        ),
+            ctx,
+            rows,
+            nrows=shape[0],
+            row_elems=row_elems,
+            ops=transport.ops,
+            dtype=dtype,
+            memory=kind.memory,
+            fingerprint=fingerprint,
+        ),  # fmt: skip
         about,
     )
     return kind.done(transport.result(kind, x, flat, (nrows,) + shape[1:], dtype))
@@ -325,10 +335,10 @@ def broadcast(x, root=0, *, comm=None, out=None):
     Raises:
         TypeError, ValueError, MismatchError: as for allreduce.
     """
-    return broadcast_on(context(comm), x, root, out)
+    return broadcast_on(context(comm), x, root=root, out=out)
 
 
-def broadcast_on(ctx: CommContext, x, root, out, fingerprint=None, about=None):
+def broadcast_on(ctx: CommContext, x, *, root, out=None, fingerprint=None, about=None):
     """broadcast on a given context. The ranks agree on the size, dtype, root and `fingerprint`: by
     default a checksum of x's shape (gflow.torch's: of the tensor's own shape and dtype, for dtypes it
     moves as int32 words); `about` names this rank's call in a MismatchError."""
@@ -349,7 +359,13 @@ def broadcast_on(ctx: CommContext, x, root, out, fingerprint=None, about=None):
         transport.load(buffer, kind.read(x, "x", spare=dst_view))
     _annotated(
         lambda: broadcast_flat(
-            ctx, buffer, transport.ops, dtype, root_rank, kind=kind.name, fingerprint=fingerprint
+            ctx,
+            buffer,
+            ops=transport.ops,
+            dtype=dtype,
+            root=root_rank,
+            memory=kind.memory,
+            fingerprint=fingerprint,
         ),
         about,
     )

@@ -28,7 +28,7 @@ class Staged:
     standing for a device view is a pinned scratch buffer of the context, reused across calls, and the
     reductions run on the host."""
 
-    kind = "staged"
+    name = "staged"
     ring_only = False
 
     def __init__(self):
@@ -60,7 +60,7 @@ class DeviceArrays:
     """Arrays exposing __cuda_array_interface__ (and the simulator's): C-contiguous only; results of
     the caller's kind; every read waits for the stream that produced the array (sync_producer)."""
 
-    name = "device"
+    memory = "device"
     _direct = None
 
     @property

@@ -203,10 +203,10 @@ def from_host(view, host) -> None:
             view.copy_to_device(host)
 
 
-class pinned:  # noqa: N801 - used like the ops modules: pinned.kind, pinned.empty(...)
+class pinned:  # noqa: N801 - used like the ops modules: pinned.memory, pinned.empty(...)
     """Allocator of page-locked host memory for staging (plain memory under the simulator)."""
 
-    kind = "pinned"
+    memory = "pinned"
 
     @staticmethod
     def storage(dtype):

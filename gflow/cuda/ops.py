@@ -15,7 +15,7 @@ from ..runtime.signature import BFLOAT16
 from . import kernels
 from .memory import SIMULATED, mpi_buffer
 
-kind = "device"
+memory = "device"
 buffer = mpi_buffer
 
 _THREADS = 256

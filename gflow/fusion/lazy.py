@@ -217,7 +217,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         if self._members and (
             flat.dtype != self._members[0][0].dtype or kind.ops is not self._members[0][1].ops
         ):
-            self._fire()  # a segment holds one dtype and one kind of memory
+            self._fire()  # a segment holds one dtype and one memory
         self._members.append((flat, kind, grad))
         self._member_arrays.append(grad)
         self._member_scales.append(scale)

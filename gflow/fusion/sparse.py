@@ -172,7 +172,7 @@ class SparseAllreduce:
             if (v.size, np.dtype(v.dtype), self._ops) != (flat.size, dtype, kind.ops):
                 raise ValueError(
                     f"SparseAllreduce: the gradient changed: expected {v.size} {np.dtype(v.dtype)} "
-                    f"elements ({self._ops.kind} memory), got {flat.size} {dtype} ({kind.ops.kind} memory)"
+                    f"elements ({self._ops.memory} memory), got {flat.size} {dtype} ({kind.memory} memory)"
                 )
         return kind, dtype, shape, flat
 
@@ -242,7 +242,7 @@ class SparseAllreduce:
             times["pack"] = time.perf_counter() - t
             scale = self._wire_scale(norms[ids], ctx.size) if self.compression else None
             if scale is not None:
-                self._allreduce_compressed(ctx, ops, packed, v_new, device_ids, scale, tag)
+                self._allreduce_compressed(ctx, packed, v_new, ops=ops, ids=device_ids, scale=scale, tag=tag)
             else:  # uncompressed, or values beyond the wire's reach even scaled (every rank agrees)
                 op = self.op
                 if self.compression and op == "mean":  # huge values: divide first, as fp16 would
@@ -296,7 +296,7 @@ class SparseAllreduce:
             scale *= 2.0
         return scale
 
-    def _allreduce_compressed(self, ctx: CommContext, ops, packed, v_new, ids, scale: float, tag) -> None:
+    def _allreduce_compressed(self, ctx: CommContext, packed, v_new, *, ops, ids, scale: float, tag) -> None:
         """Allreduce `packed` as float16 or bfloat16, scaled by `scale` (see _wire_scale), and leave
         the reduced values in it. What this rank's rounding to the wire type left out stays in v_new."""
         size = ctx.size
@@ -339,7 +339,7 @@ class SparseAllreduce:
     def state_dict(self) -> dict:
         """This rank's state, for a checkpoint: settings, world size and rank, step count, and host
         copies of the residual and velocity (None before the first step), with the gradient's shape
-        and dtype and the kind of memory they lived in.
+        and dtype and the memory they lived in (host or device).
 
         Residuals are per rank: every rank saves its own state and loads it back on the same rank.
 
@@ -362,12 +362,12 @@ class SparseAllreduce:
             velocity=to_host(u, self._ops),
             grad_shape=None if v is None else np.array(self._shape, dtype=np.int64),
             grad_dtype=None if v is None else np.dtype(v.dtype).name,
-            memory=None if v is None else self._ops.kind,
+            memory=None if v is None else self._ops.memory,
         )
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a state_dict() of this rank, into memory of the kind it was saved from.
+        """Restore a state_dict() of this rank, into the memory (host or device) it was saved from.
 
         Raises:
             ValueError: the state was saved with other settings, at another world size or on another

@@ -21,16 +21,17 @@ def world(comm) -> tuple[int, int]:
     return comm.Get_rank(), comm.Get_size()
 
 
-def header(kind: str) -> dict:
-    return {"format": f"gflow.{kind}", "version": VERSION}
+def header(owner: str) -> dict:
+    """The first entries of a state dict: whose it is (a class name) and the format's version."""
+    return {"format": f"gflow.{owner}", "version": VERSION}
 
 
-def check_header(state, kind: str, who: str) -> None:
+def check_header(state, owner: str, who: str) -> None:
     if not isinstance(state, dict):
         raise TypeError(f"{who}: expected a state dict, got {type(state).__name__}")
     fmt = plain_value(state.get("format"))
-    if fmt != f"gflow.{kind}":
-        raise ValueError(f"{who}: expected a state dict of format 'gflow.{kind}', got format {fmt!r}")
+    if fmt != f"gflow.{owner}":
+        raise ValueError(f"{who}: expected a state dict of format 'gflow.{owner}', got format {fmt!r}")
     version = plain_value(state.get("version"))
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:
         raise ValueError(

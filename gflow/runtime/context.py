@@ -225,12 +225,12 @@ class CommContext:
         return self._background
 
     def scratch(self, name: str, count: int, dtype, ops):
-        """A reusable buffer of count elements of dtype, one per (name, kind of memory): `ops` (or
+        """A reusable buffer of count elements of dtype, one per (name, memory): `ops` (or
         gflow.cuda.arrays.pinned) allocates it, and says what dtype holds `dtype` there (bfloat16 is
         uint16 bits on the device). The storage grows, never shrinks."""
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
-        key = (name, ops.kind)
+        key = (name, ops.memory)
         buf = self._scratch.get(key)
         if buf is None or buf.size < nbytes:
             buf = ops.empty(max(nbytes, 64), np.uint8)

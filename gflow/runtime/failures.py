@@ -27,8 +27,8 @@ _previous = None
 FORWARD_S = 0.3
 
 
-def _excepthook(kind, value, traceback) -> None:
-    _previous(kind, value, traceback)  # the traceback, as Python (or the hook before ours) prints it
+def _excepthook(error_type, value, traceback) -> None:
+    _previous(error_type, value, traceback)  # the traceback, as Python (or the hook before ours) prints it
     if not config.abort_on_exception or not MPI.Is_initialized() or MPI.Is_finalized():
         return
     world = MPI.COMM_WORLD
@@ -36,7 +36,7 @@ def _excepthook(kind, value, traceback) -> None:
         return
     message = str(value).splitlines()[0] if str(value) else ""
     end_job(
-        f"gflow rank {world.Get_rank()}: uncaught {kind.__name__}{': ' + message if message else ''}; "
+        f"gflow rank {world.Get_rank()}: uncaught {error_type.__name__}{': ' + message if message else ''}; "
         "ending the job with MPI_Abort (GFLOW_ABORT_ON_EXCEPTION=0 turns this off)"
     )
 

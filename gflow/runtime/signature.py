@@ -64,9 +64,9 @@ def settings_checksum(algorithm: str) -> int:
 # A rank whose local checks failed sends this status so its peers fail with it instead of hanging.
 SIG_OK = 0
 SIG_REJECTED = 1
-SIG_LEN = 8  # collective, algorithm, count, dtype, op, extra, array kind, status
-KIND_CODE = {"host": 1, "device": 2}
-CODE_KIND = {code: kind for kind, code in KIND_CODE.items()}
+SIG_LEN = 8  # collective, algorithm, count, dtype, op, extra, memory, status
+MEMORY_CODE = {"host": 1, "device": 2}
+CODE_MEMORY = {code: memory for memory, code in MEMORY_CODE.items()}
 
 
 def check_op(op, dtype: np.dtype) -> str:
@@ -117,7 +117,7 @@ def check_root(root, size: int) -> int:
 
 
 def signature(
-    collective: str, algorithm: str, count: int, dtype, op: str | None, extra: int = 0, kind: str = "host"
+    collective: str, algorithm: str, count: int, dtype, op: str | None, extra: int = 0, memory: str = "host"
 ):
     """The tuple of SIG_LEN ints the ranks compare; see describe() for how it reads."""
     code = ALGORITHM_CODE[algorithm] | settings_checksum(algorithm) << _AUTO_SHIFT
@@ -128,7 +128,7 @@ def signature(
         DTYPE_CODE[dtype],
         OP_CODE[op] if op else 0,
         extra,
-        KIND_CODE[kind],
+        MEMORY_CODE[memory],
         SIG_OK,
     )
 
@@ -143,11 +143,11 @@ def describe(sig) -> str:
     if int(sig[7]) == SIG_REJECTED:
         return f"called {collective} with arguments it rejected (see the error raised on that rank)"
     dtype = CODE_DTYPE.get(int(sig[3]))
-    kind = CODE_KIND.get(int(sig[6]), "?")
+    memory = CODE_MEMORY.get(int(sig[6]), "?")
     elements = f"{int(sig[2])} {dtype.name if dtype else '?'} elements"
     if collective == "allgather":
         elements = f"rows of {elements}"
-    text = f"called {collective} with {elements} ({kind} array)"
+    text = f"called {collective} with {elements} ({memory} array)"
     if int(sig[4]):
         text += f", op={CODE_OP.get(int(sig[4]), '?')}"
     text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]) & 0xFF, '?')}"

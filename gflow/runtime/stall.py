@@ -516,14 +516,14 @@ def _world_ranks(ctx):
 
 def _brief(sig) -> str:
     """'allreduce of 1048576 float32 (host array), op=sum': what the waiting rank called."""
-    from .signature import CODE_COLLECTIVE, CODE_DTYPE, CODE_KIND, CODE_OP, SIG_REJECTED
+    from .signature import CODE_COLLECTIVE, CODE_DTYPE, CODE_MEMORY, CODE_OP, SIG_REJECTED
 
     collective = CODE_COLLECTIVE.get(int(sig[0]), "a collective")
     if int(sig[7]) == SIG_REJECTED:
         return f"{collective} (its arguments were rejected here)"
     dtype = CODE_DTYPE.get(int(sig[3]))
-    kind = CODE_KIND.get(int(sig[6]), "?")
-    text = f"{collective} of {int(sig[2])} {dtype.name if dtype else '?'} ({kind} array)"
+    memory = CODE_MEMORY.get(int(sig[6]), "?")
+    text = f"{collective} of {int(sig[2])} {dtype.name if dtype else '?'} ({memory} array)"
     return text + (f", op={CODE_OP.get(int(sig[4]), '?')}" if int(sig[4]) else "")
 
 

@@ -55,10 +55,10 @@ class _Span:
         self.start = time.time_ns()
         return self
 
-    def __exit__(self, kind, error, trace):
+    def __exit__(self, error_type, error, trace):
         end = time.time_ns()
-        if kind is not None:
-            self.args["error"] = kind.__name__
+        if error_type is not None:
+            self.args["error"] = error_type.__name__
         self.timeline.record("X", self.name, self.start, self.args, end - self.start)
         return False
 
@@ -229,7 +229,7 @@ def load(path: str) -> list[dict]:
 
 
 def plot(path: str, out: str, start_ms: float | None = None, end_ms: float | None = None, title=None) -> None:
-    """A PNG of a trace's spans: one row per rank and thread, a colour per kind of span (numbered
+    """A PNG of a trace's spans: one row per rank and thread, a colour per family of span (numbered
     ones, "lazy allreduce segment 3", share one), spans inside spans drawn thinner on top. Times in
     ms from start_ms (default: the first span)."""
     import re
@@ -249,9 +249,9 @@ def plot(path: str, out: str, start_ms: float | None = None, end_ms: float | Non
     if end_ms is not None and end_ms <= start:
         raise ValueError(f"--end-ms ({end_ms}) must be after --start-ms ({start})")
     rows = sorted({(e["pid"], e["tid"]) for e in spans})
-    kind = {e["name"]: re.sub(r" \d+$", "", e["name"]) for e in spans}
-    kinds = sorted(set(kind.values()))
-    colours = {k: plt.get_cmap("tab20")(i % 20) for i, k in enumerate(kinds)}
+    family = {e["name"]: re.sub(r" \d+$", "", e["name"]) for e in spans}  # "segment 3" -> "segment"
+    families = sorted(set(family.values()))
+    colours = {k: plt.get_cmap("tab20")(i % 20) for i, k in enumerate(families)}
     fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 2.5))
     open_spans: dict = {row: [] for row in rows}  # per row, the ends of the spans enclosing this one
     for e in spans:
@@ -267,14 +267,14 @@ def plot(path: str, out: str, start_ms: float | None = None, end_ms: float | Non
             continue
         height = 0.8 * 0.7**depth
         y = rows.index(row)
-        ax.broken_barh([(begin, width)], (y - height / 2, height), color=colours[kind[e["name"]]])
+        ax.broken_barh([(begin, width)], (y - height / 2, height), color=colours[family[e["name"]]])
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {p} {names.get((p, t), t)}" for p, t in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_xlim(0, None if end_ms is None else end_ms - start)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in kinds]
-    ax.legend(handles, kinds, fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in families]
+    ax.legend(handles, families, fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     ax.set_title(title or f"gflow timeline: {os.path.basename(path)}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)

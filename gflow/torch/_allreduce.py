@@ -103,7 +103,7 @@ class _AllreducePlan:
     def run_product(self):
         """Product: every rank multiplies all ranks' values in rank order (bitwise identical)."""
         rows = self.src.reshape(1, -1)
-        everyone = allgather_on(context(comm()), rows, self.tag[1], self.about)
+        everyone = allgather_on(context(comm()), rows, fingerprint=self.tag[1], about=self.about)
         product = torch.prod(everyone, dim=0).reshape(self.src.shape)
         if self.out is None:
             return product

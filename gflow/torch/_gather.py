@@ -72,7 +72,7 @@ def _allgather_now(tensor, where, name=None):
     except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
         reject_blocking("allgather", exc)
     try:
-        gathered = allgather_on(context(comm()), words, fingerprint, about)
+        gathered = allgather_on(context(comm()), words, fingerprint=fingerprint, about=about)
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
     if nbytes is None:
@@ -142,10 +142,10 @@ def _broadcast_now(tensor, root_rank, in_place: bool, where, name=None):
     try:
         if words is None:
             if in_place:
-                broadcast_on(ctx, x, root, x, fingerprint, about)
+                broadcast_on(ctx, x, root=root, out=x, fingerprint=fingerprint, about=about)
                 return tensor
-            return broadcast_on(ctx, x.contiguous(), root, None, fingerprint, about)
-        words = broadcast_on(ctx, words, root, None, fingerprint, about)
+            return broadcast_on(ctx, x.contiguous(), root=root, fingerprint=fingerprint, about=about)
+        words = broadcast_on(ctx, words, root=root, fingerprint=fingerprint, about=about)
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
     result = _from_words(words, nbytes, x.dtype, (x.numel(),)).reshape(x.shape)
