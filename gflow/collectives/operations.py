@@ -7,19 +7,18 @@ the memory MPI sees; the *_flat functions of collectives/dispatch.py do the rest
 the kind, so they are of the caller's kind (a tensor for a tensor, CuPy for CuPy).
 """
 
-import struct
-import zlib
-
 import numpy as np
 
-from ..arrays.codecs import COMPRESSIONS, check_compression, decode, encode, overflow_message, wire_dtype
-from ..arrays.kinds import check_array, kind_of
+from ..arrays.codecs import decode, encode, overflow_message, wire_dtype
+from ..arrays.kinds import check_array
 from ..errors import CompressionOverflowError, MismatchError
 from ..runtime import engine, timeline
 from ..runtime.config import config
 from ..runtime.context import CommContext, context
-from ..runtime.signature import DTYPE_CODE, check_op, check_root, rejected_signature, signature
-from .dispatch import allgather_flat, allreduce_flat, broadcast_flat, choose, reduce_scatter_flat
+from ..runtime.signature import check_op, check_root, rejected_signature, signature
+from . import latency
+from .checks import check_allreduce, shape_fingerprint
+from .dispatch import allgather_flat, allreduce_flat, broadcast_flat, reduce_scatter_flat
 from .recursive_doubling import allreduce_with_agreement
 
 _USER_CALL = ("allreduce", 0)  # a user's call: the ranks agree on x's shape (allreduce_on)
@@ -66,7 +65,12 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
         CompressionOverflowError: with compression, the 2-byte reduction overflowed or met NaN/inf
             (on every rank; the result holds the non-finite values).
     """
-    return allreduce_on(context(comm), x, op, out=out, algorithm=algorithm, compression=compression)
+    ctx = context(comm)
+    if x.__class__ is np.ndarray and op.__class__ is str and compression is None:
+        result = latency.allreduce(ctx, x, op, out, algorithm)  # (None: not one for the fast lane)
+        if result is not None:
+            return result
+    return allreduce_on(ctx, x, op, out=out, algorithm=algorithm, compression=compression)
 
 
 def rejected_in_background(parent: CommContext, collective: str, error: Exception):
@@ -117,38 +121,6 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
     )
     run = kind.in_background(run, x, *([] if out is None else [out]))
     return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
-
-
-def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True, holds=None):
-    """allreduce's local checks: (kind, dtype, op name, algorithm, compression, result array).
-    `holds`: for gflow's own flat buffers (the compressed wire, LazyAllreduce's segments), the dtype
-    they hold, which on the device may differ from the array's own (bfloat16 as uint16 bits)."""
-    if holds is None:
-        kind, dtype = check_array(x)
-    else:
-        kind, dtype = kind_of(x), holds
-    name = check_op(op, dtype)
-    codec = check_compression(compression, dtype) if compression is not None else None
-    count = kind.size(x)
-    nbytes = count * (2 if codec else dtype.itemsize)
-    chosen = choose(algorithm, nbytes, kind.transport().ring_only)
-    result = kind.prepare_out(x, out, dtype, count) if (need_out or out is not None) else None
-    return kind, dtype, name, chosen, codec, result
-
-
-FINGERPRINT_BITS = 31  # broadcast keeps the root in the low 32 bits of the same int64 field
-
-
-def shape_fingerprint(shape, dtype=None, codec=None) -> int:
-    """What the ranks of a user's allreduce, broadcast or allgather agree on besides the element
-    count: a checksum of the shape (allgather: of the axes after the first), so that (2, 3) against
-    (3, 2) fails as Horovod's shape check does instead of reducing or reshaping. 0 for (). With
-    compression, also the input's dtype and the codec: the ranks compare the wire buffer, the same
-    for float32 and float64 sent as bf16, or for a bfloat16 array sent as it is."""
-    fields = (*shape, DTYPE_CODE[dtype], COMPRESSIONS.index(codec)) if codec else tuple(shape)
-    if not len(fields):
-        return 0
-    return zlib.crc32(struct.pack(f"<{len(fields)}q", *fields)) & ((1 << FINGERPRINT_BITS) - 1)
 
 
 def _annotated(call, about):

@@ -92,7 +92,8 @@ class _Plan:
         self.steps = []
 
 
-def _plan(ctx: CommContext, sig: tuple, capacity: int, src) -> _Plan:
+def plan_for(ctx: CommContext, sig: tuple, capacity: int, src) -> _Plan:
+    """The plan of this call's shape, made on first use and kept on ctx."""
     dtype = None if src is None else src.dtype
     key = (sig, capacity, dtype)
     plan = ctx.rd_plans.get(key)
@@ -101,6 +102,7 @@ def _plan(ctx: CommContext, sig: tuple, capacity: int, src) -> _Plan:
             for old in ctx.rd_plans.values():
                 old.free()
             ctx.rd_plans.clear()
+            ctx.small_calls.clear()  # (they hold plans just freed)
         plan = ctx.rd_plans[key] = _Plan(ctx, sig, capacity, dtype, 0 if src is None else src.size)
     return plan
 
@@ -114,8 +116,13 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     """
     if src is not None and src.nbytes > capacity:
         raise ValueError(f"payload of {src.nbytes} bytes exceeds the agreement capacity of {capacity} bytes")
+    run(ctx, plan_for(ctx, sig, capacity, src), sig, src, dst, op)
+
+
+def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op) -> None:
+    """allreduce_with_agreement with its plan (made by plan_for for this sig, capacity and src's
+    dtype and size): the latency path's fast lane (collectives/latency.py) keeps it from call to call."""
     stall.entered(ctx, sig)
-    plan = _plan(ctx, sig, capacity, src)
     send_mv, acc = plan.send_mv, plan.acc
     send_mv[:HEADER_BYTES] = plan.header
     if acc is not None:

@@ -157,6 +157,7 @@ class CommContext:
         self.rd_fold, self.rd_rounds = rd_schedule(self.rank, self.size)
         self._scratch = {}
         self.rd_plans = {}  # recursive_doubling._Plan by call signature
+        self.small_calls = {}  # collectives/latency.py's fast lane, by (dtype, shape, op, ...)
         self._background = None
         self.topology = None  # collectives/topology.py, found on first use
         self.hierarchy = None  # collectives/hierarchical.py's communicators and window
@@ -263,6 +264,7 @@ class CommContext:
             for plan in self.rd_plans.values():
                 plan.free()
             self.rd_plans.clear()
+            self.small_calls.clear()
             if self._pending is None or self.failed is None:
                 self.comm.Free()
             # (else its first collective failed while its duplicate was still being made, and some peer

@@ -7,7 +7,8 @@ import zlib
 import numpy as np
 import torch
 
-from ..collectives.operations import FINGERPRINT_BITS, reject, rejected_in_background
+from ..collectives.checks import FINGERPRINT_BITS
+from ..collectives.operations import reject, rejected_in_background
 from ..runtime.context import context
 from . import _basics
 from ._basics import Adasum, Average, Max, Min, Sum, check_process_set

@@ -1,0 +1,140 @@
+"""The latency path's fast lane (gflow/collectives/latency.py): once a shape, dtype and op has been
+reduced, later calls skip the general checks. Each test warms the lane first, then checks that it
+still gives MPI's answer, bitwise alike on every rank, and that every error the general path raises
+is still raised, on every rank where the ranks disagree."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import (
+    WORLD,
+    assert_close_to_reference,
+    assert_same_on_all_ranks,
+    on_all_ranks,
+    random_array,
+    rank_rng,
+)
+
+import gflow
+from gflow.runtime.context import context
+
+SIZES = [1, 2, 3, 4]
+MULTI = [2, 3, 4]
+
+
+def lane_entries() -> int:
+    """How many calls the fast lane has learnt on COMM_WORLD (None entries: ones it does not serve)."""
+    return sum(entry is not None for entry in context().small_calls.values())
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize(
+    "dtype", [np.float16, np.float32, np.float64, np.int32, np.int64, ml_dtypes.bfloat16]
+)
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_warm_calls_match_mpi_with_and_without_out(dtype, op):
+    if op == "mean" and np.dtype(dtype).kind not in "fV":
+        return  # a documented TypeError (test_errors.py)
+    rng = rank_rng(7)
+    for shape in [(1,), (5, 3), (257,), (gflow.config.small_message_bytes // np.dtype(dtype).itemsize,)]:
+        for rep in range(4):  # the first call learns; the others take the lane
+            x = random_array(rng, shape, np.float32).astype(dtype)
+            before = x.copy()
+            out = None if rep % 2 == 0 else np.full(shape, 99, dtype)
+            y = gflow.allreduce(x, op, out=out)
+            assert y.shape == shape and y.dtype == np.dtype(dtype)
+            assert y is out if out is not None else y is not x
+            np.testing.assert_array_equal(x.view(np.uint8), before.view(np.uint8))  # x untouched
+            if np.dtype(dtype) != ml_dtypes.bfloat16:  # (MPI has no bfloat16: test_bfloat16.py bounds it)
+                on_all_ranks(lambda: assert_close_to_reference(y, x, op))  # noqa: B023 - called at once
+            assert_same_on_all_ranks(y)
+            general = np.empty(shape + (2,), dtype)[..., 0]  # x's values, not contiguous: the general path
+            general[...] = x
+            expected = gflow.allreduce(general, op)
+            np.testing.assert_array_equal(y.view(np.uint8), expected.view(np.uint8))  # the same bits
+            z = x.copy()
+            assert gflow.allreduce(z, op, out=z) is z  # in place
+            np.testing.assert_array_equal(z.view(np.uint8), y.view(np.uint8))
+    assert lane_entries() > 0 or WORLD.size == 1  # (one rank: nothing to exchange, no lane)
+
+
+@pytest.mark.parallel(MULTI)
+def test_warm_mismatches_raise_on_every_rank():
+    # The first call learns what this rank passes (before anything moves); the second is all lane.
+    last = WORLD.rank == WORLD.size - 1
+    cases = {
+        "length": (np.ones(10), np.ones(11)),
+        "shape": (np.ones((2, 3)), np.ones((3, 2))),
+        "dtype": (np.ones(4, np.float32), np.ones(4, np.int32)),
+        "op": (np.ones(4), np.ones(4)),
+    }
+    for case, (mine, theirs) in cases.items():
+        x = theirs if last else mine
+        op = "max" if case == "op" and last else "sum"
+        for _ in range(2):
+            with pytest.raises(gflow.MismatchError, match="ranks disagree") as info:
+                gflow.allreduce(x, op)
+            message = str(info.value)
+            assert f"rank {WORLD.size - 1}" in message, f"{case}: {message}"
+            assert message.endswith(f"This rank passed an array of shape {x.shape}"), f"{case}: {message}"
+        # nothing is left in flight: the next call is correct
+        y = random_array(rank_rng(3), 9, np.float64)
+        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(y), y, "sum"))  # noqa: B023
+
+
+@pytest.mark.parallel(MULTI)
+def test_bad_arguments_after_warming_fail_every_rank():
+    x = random_array(rank_rng(5), 6, np.float64)
+    gflow.allreduce(x)
+    gflow.allreduce(x)
+    bad = WORLD.rank == 0
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    shared = np.concatenate([x, x])
+    calls = [  # what rank 0 calls, what it must raise (None: a good call), what the message says
+        ("read-only out=x", lambda: gflow.allreduce(frozen, out=frozen), ValueError, "read-only"),
+        ("out of 7", lambda: gflow.allreduce(x, out=np.empty(7)), ValueError, "expected 6 elements"),
+        ("out float32", lambda: gflow.allreduce(x, out=np.empty(6, np.float32)), TypeError, "float64"),
+        ("out over x in part", lambda: gflow.allreduce(shared[:6], out=shared[3:9]), ValueError, "in part"),
+        ("out a view", lambda: gflow.allreduce(x, out=np.empty(12)[3:9]), None, None),
+    ]
+    for label, call, error, match in calls:
+
+        def check(call=call, error=error, match=match):
+            if error is None:
+                assert_close_to_reference(call() if bad else gflow.allreduce(x), x, "sum")
+            elif bad:
+                with pytest.raises(error, match=match):
+                    call()
+            else:
+                with pytest.raises(
+                    gflow.MismatchError, match="rank 0 called allreduce with arguments it rejected"
+                ):
+                    gflow.allreduce(x)
+
+        on_all_ranks(check, label)
+
+
+@pytest.mark.parallel(MULTI)
+def test_what_the_lane_does_not_serve_still_gives_mpis_answer(tmp_path):
+    rng = rank_rng(11)
+    base = random_array(rng, (40, 2), np.float32)
+    for _ in range(2):
+        gflow.allreduce(base[:, 0].copy())  # warm (20,)-shaped float32 sums
+    strided = base[:, 0]  # the same shape and dtype, not contiguous: the general path
+    assert not strided.flags.c_contiguous
+    on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(strided), strided, "sum"))
+    gflow.start_timeline(str(tmp_path / "trace.json"))  # a timeline on: the general path, with its spans
+    try:
+        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(base), base, "sum"))
+    finally:
+        gflow.stop_timeline()
+    # settings that move the call off the latency path are honoured at once
+    small = gflow.config.small_message_bytes
+    try:
+        gflow.config.small_message_bytes = 64
+        y = gflow.allreduce(base)  # 320 bytes: the ring now
+        on_all_ranks(lambda: assert_close_to_reference(y, base, "sum"))
+        assert_same_on_all_ranks(y)
+    finally:
+        gflow.config.small_message_bytes = small
