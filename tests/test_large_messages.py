@@ -55,7 +55,10 @@ class _Recording:
 
 @pytest.fixture
 def messages(monkeypatch):
-    """The list every message on gflow's communicators is recorded in (clear it before a call)."""
+    """The list every message on gflow's communicators is recorded in (clear it before a call).
+    mpi4py's calls are what is recorded, so the ring runs its Python loop (config.native off); the
+    compiled loops send the same messages (tests/test_native.py compares them with these)."""
+    monkeypatch.setattr(gflow.config, "native", False)
     log = []
     real = CommContext.__dict__["comm"]
     monkeypatch.setattr(CommContext, "comm", property(lambda self: _Recording(real.fget(self), log)))

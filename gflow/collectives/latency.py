@@ -1,5 +1,6 @@
 """The latency path's fast lane: a small NumPy allreduce of a shape, dtype and op this rank has
-reduced before skips the general checks and dispatch, reusing what the first such call decided.
+reduced before skips the general checks and dispatch, reusing what the first such call decided
+(which took the general path).
 
 The general path spends about 7 us of Python at p = 2 (kinds, transports, signature, dispatch)
 around a recursive-doubling exchange that itself costs what MPI's own Allreduce does. Here a dict
@@ -32,8 +33,9 @@ class SmallCall:
 
     __slots__ = ("plan", "sig", "dtype", "shape", "count", "op", "mean", "about")
 
-    def __init__(self, plan, sig, dtype, shape, op: str, mean: bool):
-        self.plan, self.sig, self.dtype, self.shape, self.op, self.mean = plan, sig, dtype, shape, op, mean
+    def __init__(self, sig, dtype, shape, op: str, mean: bool):
+        self.plan = None  # recursive_doubling's, made by the first call (on the general path)
+        self.sig, self.dtype, self.shape, self.op, self.mean = sig, dtype, shape, op, mean
         self.count = int(np.prod(shape, dtype=np.int64))
         self.about = f"an array of shape {shape}"
 
@@ -47,9 +49,12 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
     if small is _UNSEEN:
         if len(ctx.small_calls) >= _MAX_ENTRIES:
             ctx.small_calls.clear()
-        small = ctx.small_calls[key] = _learn(ctx, x, op, algorithm)
+        ctx.small_calls[key] = _learn(ctx, x, op, algorithm)
+        return None  # this first call takes the general path: it makes the plan (and the context)
     if small is None or not x.flags.c_contiguous:
         return None
+    if small.plan is None:
+        small.plan = recursive_doubling.plan_for(ctx, small.sig, config.small_message_bytes, x)
     if out is None:
         result = np.empty(small.shape, small.dtype)
     elif out is x and x.flags.writeable:
@@ -87,6 +92,4 @@ def _learn(ctx: CommContext, x: np.ndarray, op: str, algorithm: str):
     if name == "mean" and dtype.itemsize == 2:  # (divided before the sum: dispatch._predivided)
         return None
     sig = signature("allreduce", chosen, x.size, dtype, name, extra=shape_fingerprint(x.shape), memory="host")
-    flat = np.empty(x.size, dtype)
-    plan = recursive_doubling.plan_for(ctx, sig, config.small_message_bytes, flat)
-    return SmallCall(plan, sig, dtype, x.shape, "sum" if name == "mean" else name, name == "mean")
+    return SmallCall(sig, dtype, x.shape, "sum" if name == "mean" else name, name == "mean")

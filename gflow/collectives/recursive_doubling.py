@@ -116,13 +116,18 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     """
     if src is not None and src.nbytes > capacity:
         raise ValueError(f"payload of {src.nbytes} bytes exceeds the agreement capacity of {capacity} bytes")
-    run(ctx, plan_for(ctx, sig, capacity, src), sig, src, dst, op)
+    stall.entered(ctx, sig)  # (before the plan: making it may wait for the context's duplicates)
+    _exchange(ctx, plan_for(ctx, sig, capacity, src), src, dst, op)
 
 
 def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op) -> None:
     """allreduce_with_agreement with its plan (made by plan_for for this sig, capacity and src's
     dtype and size): the latency path's fast lane (collectives/latency.py) keeps it from call to call."""
     stall.entered(ctx, sig)
+    _exchange(ctx, plan, src, dst, op)
+
+
+def _exchange(ctx: CommContext, plan: _Plan, src, dst, op) -> None:
     send_mv, acc = plan.send_mv, plan.acc
     send_mv[:HEADER_BYTES] = plan.header
     if acc is not None:

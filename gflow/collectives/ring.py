@@ -28,6 +28,7 @@ from mpi4py import MPI
 from ..runtime import timeline
 from ..runtime.config import config
 from ..runtime.context import TAG_RING_AG, TAG_RING_RS, CommContext
+from . import native
 
 # MPI-3 libraries (Open MPI 4, say) count in C ints: a single message of 2**31 bytes or more may fail.
 MAX_MESSAGE_BYTES = 2**30
@@ -65,6 +66,9 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
     itemsize = np.dtype(buf.dtype).itemsize
     seg = max(1, min(widest, config.ring_segment_bytes // itemsize, piece_elems(buf.dtype)))
     scratch = ctx.scratch("ring_tmp", 2 * seg, buf.dtype, ops)
+    if native.usable(ops) and not timeline.active():  # (a timeline shows each wait: the Python loop)
+        native.reduce_scatter(ctx, src, buf, scratch, bounds, seg, widest, op)
+        return
     landing = (scratch[:seg], scratch[seg:])  # segment j lands in landing[j % 2]
     right, left = (r + 1) % p, (r - 1) % p
     comm, buffer, waitall = ctx.comm, ops.buffer, ctx.waitall
@@ -103,6 +107,10 @@ def allgather(ctx: CommContext, buf, ops, bounds: list[int]) -> None:
     p, r = ctx.size, ctx.rank
     right, left = (r + 1) % p, (r - 1) % p
     sendrecv, buffer, step = ctx.sendrecv, ops.buffer, piece_elems(buf.dtype)
+    if p > 1 and native.usable(ops) and not timeline.active():
+        if max(bounds[c + 1] - bounds[c] for c in range(p)) <= step:
+            native.allgather(ctx, buf, bounds)
+            return
     for i in range(p - 1):
         s = (r - i) % p
         c = (r - i - 1) % p

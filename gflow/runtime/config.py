@@ -113,6 +113,8 @@ class Config:
             gflow/runtime/stall.py).
         stall_abort_s: ... and after this long ends the job with MPI_Abort (GFLOW_STALL_ABORT_S;
             default 0: never).
+        native: the ring's steps run in compiled loops that call the MPI library's C functions
+            (GFLOW_NATIVE, default on; gflow/collectives/native.py); off, in Python.
         abort_on_exception: an exception that nothing catches ends the whole job with MPI_Abort,
             naming this rank, instead of leaving the other ranks waiting for it
             (GFLOW_ABORT_ON_EXCEPTION, default on; gflow/runtime/failures.py).
@@ -129,6 +131,7 @@ class Config:
     stall_warning_s: float = 60.0
     stall_abort_s: float = 0.0
     abort_on_exception: bool = True
+    native: bool = True
 
     def __setattr__(self, name, value):
         if name == "small_message_bytes":
@@ -155,6 +158,7 @@ class Config:
             stall_warning_s=_env_seconds("GFLOW_STALL_WARNING_S", 60.0),
             stall_abort_s=_env_seconds("GFLOW_STALL_ABORT_S", 0.0),
             abort_on_exception=_env_switch("GFLOW_ABORT_ON_EXCEPTION", True),
+            native=_env_flag("GFLOW_NATIVE", True),
         )
 
 

@@ -1,0 +1,154 @@
+"""Ring steps without Python in the loop: Numba loops that call the MPI library's own C entry points
+(MPI_Irecv, MPI_Isend, MPI_Testall of the library mpi4py loaded) and reduce what arrives.
+
+A ring step in Python costs about 9 us of interpreter per exchange (mpi4py's buffer handling, the
+watched wait, slicing, the ufunc call); at 512 ranks a 4 MiB allreduce makes 1,022 of them. Here a
+whole phase (the reduce-scatter's p - 1 steps and their segments, or the allgather's) runs in one
+compiled call with the GIL released. It does what ring.py does, message for message (the same
+tags, sizes, order and pipelining), so a rank on this path and a rank on ring.py's Python loop
+(a timeline on one of them, say) still pair up, and the reductions are the same float32/float64/
+integer operations (float16 and bfloat16 through gflow/arrays/half_kernels.py's conversions), so the
+bits are the same.
+
+Waits stay watched: the loop polls MPI_Testall, yielding the core between polls as the caller's
+Python wait does (or sleeping, on the background thread), and every POLLS_PER_VISIT polls it returns
+to Python, which looks for departed ranks (the stall inspector's goodbyes), lets signal handlers run
+(Ctrl-C) and calls back in where it left off. The stall inspector's mark says this thread waits on
+its peers for the whole phase.
+
+Binding: the MPI functions are resolved by name through llvmlite (add_symbol, with the addresses
+ctypes finds in the library mpi4py loaded), so the compiled code is cached on disk and works for
+MPICH and Open MPI alike: handles travel as 64-bit integers, which the x86-64 and AArch64 calling
+conventions pass in registers whichever width the library declares (MPICH: int; Open MPI:
+pointers), and requests are addressed with the library's own MPI_Request size. Where anything of
+this is missing (another platform, a library without the symbols, GFLOW_NATIVE=0), ring.py's Python
+loop runs instead.
+"""
+
+import ctypes
+import platform
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import GflowError
+from ..runtime import stall
+from ..runtime.config import config
+from ..runtime.context import TAG_RING_AG, TAG_RING_RS, CommContext
+
+_DONE, _PENDING = 0, 1  # what a compiled phase returns; a negative number: -(the MPI error code)
+POLLS_PER_VISIT = 2000  # polls between visits to Python (a few ms of waiting: departures, Ctrl-C)
+_HALF = {np.dtype(np.float16): 1}  # float16 bits; bfloat16 bits (2) below, from the signature module
+_OPS = {"sum": 0, "max": 1, "min": 2}
+_ENTRY_POINTS = ("MPI_Irecv", "MPI_Isend", "MPI_Testall")
+
+_compiled = None  # the compiled phases once bound, or False where they cannot be
+
+
+def _bind():
+    """Register the MPI and libc entry points with the JIT and compile (or load) the phases; False
+    where this platform or library does not allow it."""
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+
+        library = ctypes.CDLL(MPI.__file__)  # dlsym through it finds the MPI library it links
+        libc = ctypes.CDLL(None)
+        for name in _ENTRY_POINTS:
+            llvm.add_symbol(name, ctypes.cast(getattr(library, name), ctypes.c_void_p).value)
+        for name in ("sched_yield", "usleep"):
+            llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
+        from . import native_loops
+
+        return native_loops
+    except (ImportError, OSError, AttributeError):
+        return False
+
+
+def usable(ops) -> bool:
+    """Whether a phase over buffers of `ops` can run compiled: host memory, the native loops on."""
+    global _compiled
+    if not config.native or ops.memory != "host":
+        return False
+    if _compiled is None:
+        _compiled = _bind()
+    return _compiled is not False
+
+
+def _halves(dtype) -> int:
+    from ..runtime.signature import BFLOAT16
+
+    dtype = np.dtype(dtype)
+    return 2 if dtype == BFLOAT16 else _HALF.get(dtype, 0)
+
+
+def _plain(a, half: int):
+    """What the compiled loop takes for a buffer: itself, or its uint16 bits for a 2-byte float."""
+    return a.view(np.uint16) if half else a
+
+
+def _int64(handle: int) -> int:
+    """A handle as mpi4py gives it (unsigned: MPICH's negative ints come sign-extended) as an int64."""
+    return handle - (1 << 64) if handle >= 1 << 63 else handle
+
+
+class _Phase:
+    """What one phase passes to the compiled loop: its integers, request space, resumable state."""
+
+    def __init__(self, ctx: CommContext, tag: int, seg=0, widest=0, op="sum", half=0):
+        sleep_us = config.background_poll_us if ctx.is_background else 0
+        handles = (_int64(ctx.comm.handle), _int64(MPI.BYTE.handle), tag, MPI._sizeof(MPI.Request))
+        self.params = np.array(
+            [seg, widest, ctx.size, ctx.rank, _OPS[op], half, *handles, POLLS_PER_VISIT, sleep_us],
+            dtype=np.int64,
+        )
+        self.requests = np.zeros(2 * 8, np.uint8)
+        self.statuses = np.zeros(2 * 64, np.uint8)  # (room for any library's MPI_Status)
+        self.state = np.zeros(3, np.int64)
+
+
+def _drive(ctx: CommContext, step) -> None:
+    """Call step() (one compiled visit) until it is done, doing between visits what the watched wait
+    does between polls; the stall inspector sees this thread waiting for the whole phase."""
+    mark = stall.mark()
+    mark.since = time.monotonic()
+    try:
+        while True:
+            status = step()
+            if status == _DONE:
+                return
+            if status < 0:
+                raise GflowError(
+                    f"MPI failed in a ring step on rank {ctx.rank}: {MPI.Get_error_string(-status)}"
+                )
+            if stall.departures:
+                stall.check_waiting()
+    except GflowError:
+        raise
+    except BaseException:  # Ctrl-C, SystemExit from a signal handler: the phase is left unfinished
+        stall.abandoned(mark)
+        raise
+    finally:
+        mark.since = None
+
+
+def reduce_scatter(ctx: CommContext, src, buf, landing, bounds, seg: int, widest: int, op: str) -> None:
+    """ring.reduce_scatter's steps, compiled (see there for the schedule)."""
+    half = _halves(buf.dtype)
+    phase = _Phase(ctx, TAG_RING_RS, seg, widest, op, half)
+    args = (_plain(src, half), _plain(buf, half), _plain(landing, half), np.asarray(bounds, dtype=np.int64),
+            phase.params, phase.requests, phase.statuses, phase.state)  # fmt: skip
+    loop = _compiled.reduce_scatter
+    _drive(ctx, lambda: loop(*args))
+
+
+def allgather(ctx: CommContext, buf, bounds) -> None:
+    """ring.allgather's steps, compiled, for chunks of at most ring.MAX_MESSAGE_BYTES."""
+    half = _halves(buf.dtype)
+    phase = _Phase(ctx, TAG_RING_AG)
+    bounds = np.asarray(bounds, dtype=np.int64)
+    args = (_plain(buf, half), bounds, phase.params, phase.requests, phase.statuses, phase.state)
+    loop = _compiled.allgather
+    _drive(ctx, lambda: loop(*args))

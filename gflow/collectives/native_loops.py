@@ -1,0 +1,207 @@
+"""The compiled ring phases of native.py (imported by it once the MPI entry points are registered).
+
+Every integer a phase needs travels in one int64 array, `params` (native.py's _params: segment,
+widest chunk, p, rank, op, half, comm, MPI_BYTE, tag, MPI_Request size, polls per visit, sleep in
+us): one array types faster than a dozen scalars, and the same way on every call. Each phase is a
+resumable state machine: `state` holds (step, segment, in flight) so that a visit
+that has polled POLLS_PER_VISIT times without progress can return _PENDING and the next visit goes
+on from there. Handles and pointers travel as 64-bit integers (see native.py).
+"""
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from ..arrays.half_kernels import _combine, _from_bf16, _from_half, _to_bf16, _to_half
+
+_i32, _i64, _u32 = types.int32, types.int64, types.uint32
+# int MPI_Irecv(void *buf, int count, MPI_Datatype, int source, int tag, MPI_Comm, MPI_Request *)
+mpi_irecv = types.ExternalFunction("MPI_Irecv", _i32(_i64, _i32, _i64, _i32, _i32, _i64, _i64))
+mpi_isend = types.ExternalFunction("MPI_Isend", _i32(_i64, _i32, _i64, _i32, _i32, _i64, _i64))
+# int MPI_Testall(int count, MPI_Request requests[], int *flag, MPI_Status statuses[])
+mpi_testall = types.ExternalFunction("MPI_Testall", _i32(_i32, _i64, _i64, _i64))
+sched_yield = types.ExternalFunction("sched_yield", _i32())
+usleep = types.ExternalFunction("usleep", _i32(_u32))
+
+_DONE, _PENDING = 0, 1
+
+
+def reduce_into(out, low, high, op, half):
+    """out = low op high, elementwise (see the overload)."""
+
+
+@overload(reduce_into)
+def _reduce_into(out, low, high, op, half):
+    """uint16 buffers hold float16 (half == 1) or bfloat16 (half == 2) bits: combined in float32 and
+    rounded once, as half_kernels.py does; every other dtype combines as it is (gflow reduces no
+    uint16 of its own)."""
+    if out.dtype == types.uint16:
+
+        def reduce_halves(out, low, high, op, half):
+            if half == 1:
+                for k in range(out.size):
+                    out[k] = _to_half(_combine(_from_half(low[k]), _from_half(high[k]), op))
+            else:
+                for k in range(out.size):
+                    out[k] = _to_bf16(_combine(_from_bf16(low[k]), _from_bf16(high[k]), op))
+
+        return reduce_halves
+
+    def reduce_plain(out, low, high, op, half):
+        for k in range(out.size):
+            out[k] = _combine(low[k], high[k], op)
+
+    return reduce_plain
+
+
+@njit(inline="always")
+def _wait(requests, statuses, flag, budget, sleep_us):
+    """Poll the two requests up to budget times: 0 done, _PENDING not yet, < 0 an MPI error."""
+    for _ in range(budget):
+        rc = mpi_testall(2, requests.ctypes.data, flag.ctypes.data, statuses.ctypes.data)
+        if rc != 0:
+            return -rc
+        if flag[0] != 0:
+            return 0
+        if sleep_us > 0:
+            usleep(sleep_us)
+        else:
+            sched_yield()
+    return _PENDING
+
+
+@njit(inline="always")
+def _exchange(
+    recv_address, recv_bytes, send_address, send_bytes, left, right, tag, comm, byte, requests, size
+):
+    """Post one receive from left and one send to right (ring.py's Irecv, Isend order)."""
+    rc = mpi_irecv(recv_address, recv_bytes, byte, left, tag, comm, requests.ctypes.data)
+    if rc != 0:
+        return -rc
+    rc = mpi_isend(send_address, send_bytes, byte, right, tag, comm, requests.ctypes.data + size)
+    return -rc
+
+
+@njit(nogil=True, cache=True)
+def reduce_scatter(src, buf, landing, bounds, params, requests, statuses, state):
+    """ring.reduce_scatter's loop: step i sends chunk (r-i-1) mod p and reduces chunk (r-i-2) mod p,
+    in segments of seg elements, segment j+1 on the wire while segment j is reduced."""
+    seg, widest, p, r, op, half = params[0], params[1], params[2], params[3], params[4], params[5]
+    comm, byte, tag, request_size, budget, sleep_us = (
+        params[6],
+        params[7],
+        params[8],
+        params[9],
+        params[10],
+        params[11],
+    )
+    itemsize = buf.itemsize
+    right, left = (r + 1) % p, (r - 1) % p
+    flag = np.zeros(1, np.int32)
+    i, j, in_flight = state[0], state[1], state[2]
+    while i < p - 1:
+        s = (r - i - 1) % p
+        c = (r - i - 2) % p
+        send_base = src[bounds[s] : bounds[s + 1]] if i == 0 else buf[bounds[s] : bounds[s + 1]]
+        dst_base = buf[bounds[c] : bounds[c + 1]]
+        own_base = src[bounds[c] : bounds[c + 1]]
+        lo = j * seg
+        if in_flight == 0:
+            incoming = landing[(j % 2) * seg : (j % 2) * seg + dst_base[lo : lo + seg].size]
+            outgoing = send_base[lo : lo + seg]
+            rc = _exchange(
+                incoming.ctypes.data,
+                incoming.size * itemsize,
+                outgoing.ctypes.data,
+                outgoing.size * itemsize,
+                left,
+                right,
+                tag,
+                comm,
+                byte,
+                requests,
+                request_size,
+            )
+            if rc != 0:
+                return rc
+            in_flight = 1
+        rc = _wait(requests, statuses, flag, budget, sleep_us)
+        if rc != 0:
+            state[0], state[1], state[2] = i, j, in_flight
+            return rc
+        in_flight = 0
+        incoming = landing[(j % 2) * seg : (j % 2) * seg + dst_base[lo : lo + seg].size]
+        if lo + seg < widest:  # the next segment goes on the wire before this one is reduced
+            nxt = lo + seg
+            ahead = landing[((j + 1) % 2) * seg : ((j + 1) % 2) * seg + dst_base[nxt : nxt + seg].size]
+            outgoing = send_base[nxt : nxt + seg]
+            rc = _exchange(
+                ahead.ctypes.data,
+                ahead.size * itemsize,
+                outgoing.ctypes.data,
+                outgoing.size * itemsize,
+                left,
+                right,
+                tag,
+                comm,
+                byte,
+                requests,
+                request_size,
+            )
+            if rc != 0:
+                return rc
+            in_flight = 1
+        reduce_into(dst_base[lo : lo + seg], incoming, own_base[lo : lo + seg], op, half)
+        if lo + seg < widest:
+            j += 1
+        else:
+            i, j = i + 1, 0
+    state[0], state[1], state[2] = i, j, 0
+    return _DONE
+
+
+@njit(nogil=True, cache=True)
+def allgather(buf, bounds, params, requests, statuses, state):
+    """ring.allgather's loop: step i sends chunk (r-i) mod p and receives chunk (r-i-1) mod p in place."""
+    p, r = params[2], params[3]
+    comm, byte, tag, request_size, budget, sleep_us = (
+        params[6],
+        params[7],
+        params[8],
+        params[9],
+        params[10],
+        params[11],
+    )
+    itemsize = buf.itemsize
+    right, left = (r + 1) % p, (r - 1) % p
+    flag = np.zeros(1, np.int32)
+    i, in_flight = state[0], state[2]
+    while i < p - 1:
+        s = (r - i) % p
+        c = (r - i - 1) % p
+        if in_flight == 0:
+            send, recv = buf[bounds[s] : bounds[s + 1]], buf[bounds[c] : bounds[c + 1]]
+            rc = _exchange(
+                recv.ctypes.data,
+                recv.size * itemsize,
+                send.ctypes.data,
+                send.size * itemsize,
+                left,
+                right,
+                tag,
+                comm,
+                byte,
+                requests,
+                request_size,
+            )
+            if rc != 0:
+                return rc
+            in_flight = 1
+        rc = _wait(requests, statuses, flag, budget, sleep_us)
+        if rc != 0:
+            state[0], state[2] = i, in_flight
+            return rc
+        in_flight = 0
+        i += 1
+    state[0], state[2] = i, 0
+    return _DONE
