@@ -36,10 +36,12 @@ from ..errors import GflowError
 from ..runtime import stall
 from ..runtime.config import config
 from ..runtime.context import TAG_RING_AG, TAG_RING_RS, CommContext
+from ..runtime.signature import BFLOAT16
 
 _DONE, _PENDING = 0, 1  # what a compiled phase returns; a negative number: -(the MPI error code)
 POLLS_PER_VISIT = 2000  # polls between visits to Python (a few ms of waiting: departures, Ctrl-C)
-_HALF = {np.dtype(np.float16): 1}  # float16 bits; bfloat16 bits (2) below, from the signature module
+_HALVES = {np.dtype(np.float16): 1, BFLOAT16: 2}  # 2-byte floats, reduced as their bits
+PARAMS, STATE = 12, 3  # the int64 words of Phases.ints before the bounds (native_loops.py reads them)
 _OPS = {"sum": 0, "max": 1, "min": 2}
 _ENTRY_POINTS = ("MPI_Irecv", "MPI_Isend", "MPI_Testall")
 
@@ -77,13 +79,6 @@ def usable(ops) -> bool:
     return _compiled is not False
 
 
-def _halves(dtype) -> int:
-    from ..runtime.signature import BFLOAT16
-
-    dtype = np.dtype(dtype)
-    return 2 if dtype == BFLOAT16 else _HALF.get(dtype, 0)
-
-
 def _plain(a, half: int):
     """What the compiled loop takes for a buffer: itself, or its uint16 bits for a 2-byte float."""
     return a.view(np.uint16) if half else a
@@ -94,19 +89,32 @@ def _int64(handle: int) -> int:
     return handle - (1 << 64) if handle >= 1 << 63 else handle
 
 
-class _Phase:
-    """What one phase passes to the compiled loop: its integers, request space, resumable state."""
+class Phases:
+    """A context's arrays for the compiled loops, made once and reused by every phase on it (one
+    thread uses a context at a time): `ints` holds the PARAMS integers, then the resumable state
+    (STATE words), then the chunk bounds (p + 1); `space` the two requests and their statuses."""
 
-    def __init__(self, ctx: CommContext, tag: int, seg=0, widest=0, op="sum", half=0):
+    def __init__(self, ctx: CommContext):
         sleep_us = config.background_poll_us if ctx.is_background else 0
-        handles = (_int64(ctx.comm.handle), _int64(MPI.BYTE.handle), tag, MPI._sizeof(MPI.Request))
-        self.params = np.array(
-            [seg, widest, ctx.size, ctx.rank, _OPS[op], half, *handles, POLLS_PER_VISIT, sleep_us],
-            dtype=np.int64,
-        )
-        self.requests = np.zeros(2 * 8, np.uint8)
-        self.statuses = np.zeros(2 * 64, np.uint8)  # (room for any library's MPI_Status)
-        self.state = np.zeros(3, np.int64)
+        self.ints = np.zeros(PARAMS + STATE + ctx.size + 1, np.int64)
+        handles = (_int64(ctx.comm.handle), _int64(MPI.BYTE.handle), 0, MPI._sizeof(MPI.Request))
+        self.ints[:PARAMS] = [0, 0, ctx.size, ctx.rank, 0, 0, *handles, POLLS_PER_VISIT, sleep_us]
+        self.space = np.zeros(2 * 8 + 2 * 64, np.uint8)  # (room for any library's MPI_Request and MPI_Status)
+
+    def start(self, tag: int, bounds, seg: int = 0, widest: int = 0, op: int = 0, half: int = 0):
+        ints = self.ints
+        ints[0], ints[1], ints[4], ints[5], ints[8] = seg, widest, op, half, tag
+        ints[10] = POLLS_PER_VISIT
+        ints[PARAMS : PARAMS + STATE] = 0
+        ints[PARAMS + STATE :] = bounds
+        return ints
+
+
+def _phases(ctx: CommContext) -> Phases:
+    phases = ctx.native_phases
+    if phases is None:
+        phases = ctx.native_phases = Phases(ctx)
+    return phases
 
 
 def _drive(ctx: CommContext, step) -> None:
@@ -136,19 +144,22 @@ def _drive(ctx: CommContext, step) -> None:
 
 def reduce_scatter(ctx: CommContext, src, buf, landing, bounds, seg: int, widest: int, op: str) -> None:
     """ring.reduce_scatter's steps, compiled (see there for the schedule)."""
-    half = _halves(buf.dtype)
-    phase = _Phase(ctx, TAG_RING_RS, seg, widest, op, half)
-    args = (_plain(src, half), _plain(buf, half), _plain(landing, half), np.asarray(bounds, dtype=np.int64),
-            phase.params, phase.requests, phase.statuses, phase.state)  # fmt: skip
-    loop = _compiled.reduce_scatter
-    _drive(ctx, lambda: loop(*args))
+    half = _HALVES.get(buf.dtype, 0)
+    phases = _phases(ctx)
+    ints = phases.start(TAG_RING_RS, bounds, seg, widest, _OPS[op], half)
+    src, buf, landing, space, loop = (
+        _plain(src, half),
+        _plain(buf, half),
+        _plain(landing, half),
+        phases.space,
+        _compiled.reduce_scatter,
+    )
+    _drive(ctx, lambda: loop(src, buf, landing, ints, space))
 
 
 def allgather(ctx: CommContext, buf, bounds) -> None:
     """ring.allgather's steps, compiled, for chunks of at most ring.MAX_MESSAGE_BYTES."""
-    half = _halves(buf.dtype)
-    phase = _Phase(ctx, TAG_RING_AG)
-    bounds = np.asarray(bounds, dtype=np.int64)
-    args = (_plain(buf, half), bounds, phase.params, phase.requests, phase.statuses, phase.state)
-    loop = _compiled.allgather
-    _drive(ctx, lambda: loop(*args))
+    phases = _phases(ctx)
+    ints = phases.start(TAG_RING_AG, bounds)
+    buf, space, loop = _plain(buf, _HALVES.get(buf.dtype, 0)), phases.space, _compiled.allgather
+    _drive(ctx, lambda: loop(buf, ints, space))

@@ -1,9 +1,10 @@
 """The compiled ring phases of native.py (imported by it once the MPI entry points are registered).
 
-Every integer a phase needs travels in one int64 array, `params` (native.py's _params: segment,
+Every integer a phase needs travels in one int64 array, `ints` (native.py's Phases: segment,
 widest chunk, p, rank, op, half, comm, MPI_BYTE, tag, MPI_Request size, polls per visit, sleep in
-us): one array types faster than a dozen scalars, and the same way on every call. Each phase is a
-resumable state machine: `state` holds (step, segment, in flight) so that a visit
+us; then the state; then the chunk bounds), and the requests and statuses in one byte array,
+`space`: a few arrays type faster than a dozen scalars, and the same way on every call. Each phase
+is a resumable state machine: the state holds (step, segment, in flight) so that a visit
 that has polled POLLS_PER_VISIT times without progress can return _PENDING and the next visit goes
 on from there. Handles and pointers travel as 64-bit integers (see native.py).
 """
@@ -55,10 +56,10 @@ def _reduce_into(out, low, high, op, half):
 
 
 @njit(inline="always")
-def _wait(requests, statuses, flag, budget, sleep_us):
+def _wait(space, flag, budget, sleep_us):
     """Poll the two requests up to budget times: 0 done, _PENDING not yet, < 0 an MPI error."""
     for _ in range(budget):
-        rc = mpi_testall(2, requests.ctypes.data, flag.ctypes.data, statuses.ctypes.data)
+        rc = mpi_testall(2, space.ctypes.data, flag.ctypes.data, space.ctypes.data + 16)
         if rc != 0:
             return -rc
         if flag[0] != 0:
@@ -71,31 +72,25 @@ def _wait(requests, statuses, flag, budget, sleep_us):
 
 
 @njit(inline="always")
-def _exchange(
-    recv_address, recv_bytes, send_address, send_bytes, left, right, tag, comm, byte, requests, size
-):
-    """Post one receive from left and one send to right (ring.py's Irecv, Isend order)."""
-    rc = mpi_irecv(recv_address, recv_bytes, byte, left, tag, comm, requests.ctypes.data)
+def _exchange(recv, send, left, right, tag, comm, byte, space, size):
+    """Post one receive of `recv` from left and one send of `send` to right (ring.py's Irecv, Isend
+    order); the requests go to the start of `space`, `size` bytes each."""
+    rc = mpi_irecv(recv.ctypes.data, recv.size * recv.itemsize, byte, left, tag, comm, space.ctypes.data)
     if rc != 0:
         return -rc
-    rc = mpi_isend(send_address, send_bytes, byte, right, tag, comm, requests.ctypes.data + size)
+    rc = mpi_isend(
+        send.ctypes.data, send.size * send.itemsize, byte, right, tag, comm, space.ctypes.data + size
+    )
     return -rc
 
 
 @njit(nogil=True, cache=True)
-def reduce_scatter(src, buf, landing, bounds, params, requests, statuses, state):
+def reduce_scatter(src, buf, landing, ints, space):
     """ring.reduce_scatter's loop: step i sends chunk (r-i-1) mod p and reduces chunk (r-i-2) mod p,
     in segments of seg elements, segment j+1 on the wire while segment j is reduced."""
-    seg, widest, p, r, op, half = params[0], params[1], params[2], params[3], params[4], params[5]
-    comm, byte, tag, request_size, budget, sleep_us = (
-        params[6],
-        params[7],
-        params[8],
-        params[9],
-        params[10],
-        params[11],
-    )
-    itemsize = buf.itemsize
+    seg, widest, p, r, op, half = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5]
+    comm, byte, tag, size, budget, sleep_us = ints[6], ints[7], ints[8], ints[9], ints[10], ints[11]
+    state, bounds = ints[12:15], ints[15:]
     right, left = (r + 1) % p, (r - 1) % p
     flag = np.zeros(1, np.int32)
     i, j, in_flight = state[0], state[1], state[2]
@@ -106,53 +101,26 @@ def reduce_scatter(src, buf, landing, bounds, params, requests, statuses, state)
         dst_base = buf[bounds[c] : bounds[c + 1]]
         own_base = src[bounds[c] : bounds[c + 1]]
         lo = j * seg
+        incoming = landing[(j % 2) * seg : (j % 2) * seg + dst_base[lo : lo + seg].size]
         if in_flight == 0:
-            incoming = landing[(j % 2) * seg : (j % 2) * seg + dst_base[lo : lo + seg].size]
-            outgoing = send_base[lo : lo + seg]
-            rc = _exchange(
-                incoming.ctypes.data,
-                incoming.size * itemsize,
-                outgoing.ctypes.data,
-                outgoing.size * itemsize,
-                left,
-                right,
-                tag,
-                comm,
-                byte,
-                requests,
-                request_size,
-            )
+            rc = _exchange(incoming, send_base[lo : lo + seg], left, right, tag, comm, byte, space, size)
             if rc != 0:
                 return rc
             in_flight = 1
-        rc = _wait(requests, statuses, flag, budget, sleep_us)
+        rc = _wait(space, flag, budget, sleep_us)
         if rc != 0:
             state[0], state[1], state[2] = i, j, in_flight
             return rc
         in_flight = 0
-        incoming = landing[(j % 2) * seg : (j % 2) * seg + dst_base[lo : lo + seg].size]
-        if lo + seg < widest:  # the next segment goes on the wire before this one is reduced
-            nxt = lo + seg
+        nxt = lo + seg
+        if nxt < widest:  # the next segment goes on the wire before this one is reduced
             ahead = landing[((j + 1) % 2) * seg : ((j + 1) % 2) * seg + dst_base[nxt : nxt + seg].size]
-            outgoing = send_base[nxt : nxt + seg]
-            rc = _exchange(
-                ahead.ctypes.data,
-                ahead.size * itemsize,
-                outgoing.ctypes.data,
-                outgoing.size * itemsize,
-                left,
-                right,
-                tag,
-                comm,
-                byte,
-                requests,
-                request_size,
-            )
+            rc = _exchange(ahead, send_base[nxt : nxt + seg], left, right, tag, comm, byte, space, size)
             if rc != 0:
                 return rc
             in_flight = 1
         reduce_into(dst_base[lo : lo + seg], incoming, own_base[lo : lo + seg], op, half)
-        if lo + seg < widest:
+        if nxt < widest:
             j += 1
         else:
             i, j = i + 1, 0
@@ -161,18 +129,11 @@ def reduce_scatter(src, buf, landing, bounds, params, requests, statuses, state)
 
 
 @njit(nogil=True, cache=True)
-def allgather(buf, bounds, params, requests, statuses, state):
+def allgather(buf, ints, space):
     """ring.allgather's loop: step i sends chunk (r-i) mod p and receives chunk (r-i-1) mod p in place."""
-    p, r = params[2], params[3]
-    comm, byte, tag, request_size, budget, sleep_us = (
-        params[6],
-        params[7],
-        params[8],
-        params[9],
-        params[10],
-        params[11],
-    )
-    itemsize = buf.itemsize
+    p, r = ints[2], ints[3]
+    comm, byte, tag, size, budget, sleep_us = ints[6], ints[7], ints[8], ints[9], ints[10], ints[11]
+    state, bounds = ints[12:15], ints[15:]
     right, left = (r + 1) % p, (r - 1) % p
     flag = np.zeros(1, np.int32)
     i, in_flight = state[0], state[2]
@@ -181,23 +142,11 @@ def allgather(buf, bounds, params, requests, statuses, state):
         c = (r - i - 1) % p
         if in_flight == 0:
             send, recv = buf[bounds[s] : bounds[s + 1]], buf[bounds[c] : bounds[c + 1]]
-            rc = _exchange(
-                recv.ctypes.data,
-                recv.size * itemsize,
-                send.ctypes.data,
-                send.size * itemsize,
-                left,
-                right,
-                tag,
-                comm,
-                byte,
-                requests,
-                request_size,
-            )
+            rc = _exchange(recv, send, left, right, tag, comm, byte, space, size)
             if rc != 0:
                 return rc
             in_flight = 1
-        rc = _wait(requests, statuses, flag, budget, sleep_us)
+        rc = _wait(space, flag, budget, sleep_us)
         if rc != 0:
             state[0], state[2] = i, in_flight
             return rc

@@ -158,6 +158,7 @@ class CommContext:
         self._scratch = {}
         self.rd_plans = {}  # recursive_doubling._Plan by call signature
         self.small_calls = {}  # collectives/latency.py's fast lane, by (dtype, shape, op, ...)
+        self.native_phases = None  # collectives/native.py's arrays for the compiled ring loops
         self._background = None
         self.topology = None  # collectives/topology.py, found on first use
         self.hierarchy = None  # collectives/hierarchical.py's communicators and window
