@@ -128,16 +128,42 @@ def test_calibrate_measures_every_constant():
     cal = model.calibrate(progress=lambda line: None)
     base = model.Calibration(**{**vars(cal), "uncrowded": None})
     assert WORLD.allgather(json.dumps(vars(cal))) == [json.dumps(vars(cal))] * WORLD.size  # the same
-    for name in ("alpha_intra", "beta_intra", "gamma", "copy", "codec", "csc", "py_step"):
+    for name in (
+        "alpha_intra",
+        "beta_intra",
+        "gamma",
+        "copy",
+        "codec",
+        "csc",
+        "py_step",
+        "py_call",
+        "rd_step",
+    ):
         assert 0 < getattr(cal, name) < 1e-2, name
     assert cal.node_passes >= 1
     assert f"on {WORLD.size} ranks" in cal.source
     # More ranks than cores on one node: the fixed costs again with one rank per core, used by the
     # model for nodes that small.
     if WORLD.size > cal.cores:
-        assert set(cal.uncrowded) == {"alpha_intra", "py_step", "rd_step", "node_fixed"}
+        assert set(cal.uncrowded) == {"alpha_intra", "py_step", "py_call", "rd_step", "node_fixed"}
         assert all(0 < v < 1e-2 for v in cal.uncrowded.values()), cal.uncrowded
         tiny = [model.allreduce_time(4096, 2, algorithm="hierarchical", calibration=c) for c in (cal, base)]
         assert tiny[0] != tiny[1]
     else:
         assert cal.uncrowded is None
+
+
+def test_python_share_is_the_part_gflows_own_costs_make():
+    kwargs = dict(ranks_per_node=8, algorithm="ring")
+    free = model.Calibration(py_step=0.0, py_call=0.0, rd_step=0.0)
+    assert model.python_share(4 * 2**20, 512, calibration=free, **kwargs) == 0.0
+    shares = [
+        model.python_share(4 * 2**20, 512, calibration=model.Calibration(py_step=s, py_call=1e-5), **kwargs)
+        for s in (1e-7, 1e-6, 1e-5)
+    ]
+    assert 0 < shares[0] < shares[1] < shares[2] < 1, shares
+    # The hierarchy takes fewer steps, so less of its time is gflow's own.
+    cal = model.Calibration(py_step=1e-5, py_call=1e-5)
+    flat = model.python_share(4 * 2**20, 512, calibration=cal, **kwargs)
+    hier = model.python_share(4 * 2**20, 512, calibration=cal, ranks_per_node=8, algorithm="hierarchical")
+    assert hier < flat

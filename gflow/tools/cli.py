@@ -175,7 +175,20 @@ def model_command(parser, args) -> int:
         f"{args.ranks} ranks, {args.ranks_per_node} per node, {args.link} and {args.latency_us:g} us "
         f"between nodes; compute {compute_s * 1e3:.1f} ms per step, batch {batch} per rank"
     )
-    print(f"calibration: {base.source}; Python cost per ring step {base.py_step * 1e6:.1f} us")
+    print(
+        f"calibration: {base.source}; gflow's own cost per ring step {base.py_step * 1e6:.2f} us, per call "
+        f"{base.py_call * 1e6:.1f} us, per recursive-doubling round {base.rd_step * 1e6:.1f} us"
+    )
+    shares = {
+        algorithm: model.python_share(
+            4 * 2**20, args.ranks, ranks_per_node=args.ranks_per_node, algorithm=algorithm, calibration=cal
+        )
+        for algorithm in ("ring", "hierarchical")
+    }
+    print(
+        f"gflow's own share of one 4 MiB allreduce at {args.ranks} ranks: flat ring {shares['ring']:.0%}, "
+        f"hierarchical {shares['hierarchical']:.0%}"
+    )
     print(
         f"{'technique':<40} {'comm/step':>10} {'iteration':>10} {'images/s':>10} {'speedup':>8} {'eff.':>6}"
     )

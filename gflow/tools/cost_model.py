@@ -13,15 +13,20 @@ seconds, per byte or per element, for a rank that has a core to itself:
                               one fused reduction, costed as `node_passes` copies per byte)
     codec                     float16 encode + decode, per element
     csc                       CSC's local work per gradient element per step
-    py_step                   gflow's own Python cost per ring step or segment
-    rd_step                   the same per round of recursive doubling (the latency path)
+    py_step                   gflow's own cost per ring step or segment beyond the message's latency
+                              (compiled loops: collectives/native.py; GFLOW_NATIVE=0: Python's)
+    py_call                   the Python of one bandwidth-sized call outside its steps (checks,
+                              dispatch, buffers), paid once per allreduce
+    rd_step                   gflow's own cost per round of recursive doubling (the latency path and
+                              the agreement before a ring), the fast lane's share of its call included
     node_fixed                the node phase's fixed cost (two barriers and its bookkeeping)
     ring_scale                measured / modelled bandwidth terms of a ring inside a node (MPI's
                               shared-memory transport and cache effects the terms above miss)
 
-`calibrate` fits the last four from gflow's own allreduces at a few sizes on the calibration's
-communicator (a tiny ring, a tiny and a 32 MB node phase, an 8 MB and a 32 MB ring inside the node,
-a tiny recursive doubling); everything else it predicts is held out (bench/model_check.py).
+`calibrate` fits the last six from gflow's own allreduces at a few sizes on the calibration's
+communicator (a tiny ring of one segment per chunk and of 33, whose difference is the cost of a
+step and whose rest is the call's; a tiny and a 32 MB node phase, an 8 MB and a 32 MB ring inside
+the node, a tiny recursive doubling); everything else it predicts is held out (bench/model_check.py).
 
 A node of k ranks on c cores runs its CPU-bound terms ceil(k/c) times slower when k > c (`cores`),
 which is what happens on the 2-core development machine at p = 3 and 4. Its fixed costs (latency,
@@ -82,9 +87,10 @@ class Calibration:
     codec: float = 1.2e-9
     csc: float = 6e-9
     py_step: float = 25e-6
+    py_call: float = 0.0  # (calibrations before it was measured folded it into py_step)
     cores: int = 2
     source: str = "documented defaults (the 2-core development machine)"
-    # The fixed costs (alpha_intra, py_step, rd_step, node_fixed) measured again with one rank per
+    # The fixed costs (alpha_intra, py_step, py_call, rd_step, node_fixed) measured again with one rank per
     # core, when the calibration ran more ranks than cores on one node; None: not measured.
     uncrowded: dict | None = None
     # ring_scale measured at RING_SCALE_BYTES[1] (ring_scale: at [0]); between them the model
@@ -110,7 +116,7 @@ class Calibration:
         if not isinstance(data, dict):
             raise ValueError(f"calibration {path}: expected a JSON object of constants")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        optional = {"source", "uncrowded", "ring_scale_large"}
+        optional = {"source", "uncrowded", "ring_scale_large", "py_call"}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(
@@ -142,7 +148,8 @@ def _for_node(cal: Calibration, ranks_on_node: int) -> Calibration:
     return cal
 
 
-_FIXED_COSTS = ("alpha_intra", "py_step", "rd_step", "node_fixed")
+_FIXED_COSTS = ("alpha_intra", "py_step", "py_call", "rd_step", "node_fixed")
+_PYTHON_COSTS = ("py_step", "py_call", "rd_step")  # what gflow's own code costs, beside the machine's
 RING_SCALE_BYTES = (8 * 2**20, 32 * 2**20)  # where calibrate measures a ring inside a node
 
 
@@ -188,7 +195,7 @@ def _agreement(cal, p, alpha, cpu, inside: int = 0):
     """The header-only exchange before a bandwidth algorithm; `inside` of its rounds stay in a node."""
     rounds = 0 if p == 1 else math.ceil(math.log2(p))
     inside = min(inside, rounds)
-    return inside * (cal.alpha_intra + cpu * cal.py_step) + (rounds - inside) * (alpha + cpu * cal.py_step)
+    return inside * (cal.alpha_intra + cpu * cal.rd_step) + (rounds - inside) * (alpha + cpu * cal.rd_step)
 
 
 def allreduce_time(
@@ -238,7 +245,7 @@ def allreduce_time(
         near = cal.alpha_intra + cpu * cal.rd_step + nbytes * (cpu * cal.beta_intra + cpu * cal.gamma)
         far = alpha_x + cpu * cal.rd_step + nbytes * (beta_x + cpu * cal.gamma)
         return codec + inside * near + (rounds - inside) * far
-    agree = _agreement(cal, ranks, alpha_x, cpu, int(math.log2(k)) if m > 1 else 0)
+    agree = cpu * cal.py_call + _agreement(cal, ranks, alpha_x, cpu, int(math.log2(k)) if m > 1 else 0)
     if algorithm == "ring":
         scale = _ring_scale(cal, nbytes) if m == 1 else 1.0
         return codec + agree + _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu, scale=scale, network=m > 1)
@@ -428,14 +435,8 @@ def calibrate(comm=None, progress=print) -> Calibration:
         f"fp16 codec {cal.codec * 1e9:.2f} ns/elem, CSC {cal.csc * 1e9:.2f} ns/elem"
     )
     alpha = cal.alpha_inter if len(topo.nodes) > 1 else cal.alpha_intra
-    if comm.size > 1:  # gflow's Python cost per ring step, from a ring of tiny segments
-        x = np.ones(comm.size, np.float32)
-        t = _local_rate(comm, lambda: gflow.allreduce(x, comm=comm, algorithm="ring"), 100)
-        steps = 2 * (comm.size - 1) + math.ceil(math.log2(comm.size))
-        cal.py_step = max(1e-6, (t / steps - alpha) / slow)
-        t = _local_rate(comm, lambda: gflow.allreduce(x, comm=comm), 100)  # recursive doubling
-        rounds = math.ceil(math.log2(comm.size)) + (0 if comm.size & (comm.size - 1) == 0 else 2)
-        cal.rd_step = max(1e-6, (t / rounds - alpha) / slow)
+    if comm.size > 1:  # gflow's own cost per ring step, per call, per recursive-doubling round
+        cal.py_step, cal.py_call, cal.rd_step = (t / slow for t in _step_costs(comm, alpha))
     if len(node) > 1:  # the node phase, and a ring, on this node alone
         node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         k = node_comm.size
@@ -449,7 +450,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
                 10,
             )
             times.append(comm.allreduce(t, op=MPI.MAX))
-        cal.node_fixed = max(1e-6, (times[0] - agree) / slow)
+        cal.node_fixed = max(1e-6, (times[0] - agree) / slow - cal.py_call)
         cal.node_passes = max(0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
         scales = []
         for x in (a[: RING_SCALE_BYTES[0] // 4], a[: RING_SCALE_BYTES[1] // 4]):
@@ -469,10 +470,45 @@ def calibrate(comm=None, progress=print) -> Calibration:
     progress(
         f"node phase {cal.node_passes:.2f} copies per byte + {cal.node_fixed * 1e6:.0f} us; ring "
         f"bandwidth x{cal.ring_scale:.2f} (8 MB), x{cal.ring_scale_large or cal.ring_scale:.2f} (32 MB); "
-        f"Python per ring step {cal.py_step * 1e6:.1f} us, per "
-        f"recursive-doubling round {cal.rd_step * 1e6:.1f} us"
+        f"gflow's own cost per ring step {cal.py_step * 1e6:.2f} us, per call {cal.py_call * 1e6:.1f} us, "
+        f"per recursive-doubling round {cal.rd_step * 1e6:.1f} us"
     )
     return cal
+
+
+def _step_costs(comm, alpha: float) -> tuple:
+    """(py_step, py_call, rd_step) on comm, as measured (collective): tiny ring allreduces of one
+    element per segment, with 1 and with 33 segments per chunk (their difference over the 32 more
+    exchanges of each of p - 1 steps is one step's cost; what the one-segment ring costs beyond its
+    steps and its agreement is the call's), and a tiny recursive doubling."""
+    import gflow
+
+    p, rounds = comm.size, math.ceil(math.log2(comm.size)) + (0 if comm.size & (comm.size - 1) == 0 else 2)
+    one, many = np.ones(p, np.float32), np.ones(33 * p, np.float32)
+    segment = gflow.config.ring_segment_bytes
+    try:
+        gflow.config.ring_segment_bytes = 4
+        t_one = _local_rate(comm, lambda: gflow.allreduce(one, comm=comm, algorithm="ring"), 100)
+        t_many = _local_rate(comm, lambda: gflow.allreduce(many, comm=comm, algorithm="ring"), 100)
+    finally:
+        gflow.config.ring_segment_bytes = segment
+    t_rd = _local_rate(comm, lambda: gflow.allreduce(one, comm=comm), 200)
+    py_step = max(1e-8, (t_many - t_one) / (32 * (p - 1)) - alpha)
+    rd_step = max(1e-7, t_rd / rounds - alpha)
+    agreement = math.ceil(math.log2(p)) * (alpha + rd_step)
+    py_call = max(1e-7, t_one - agreement - 2 * (p - 1) * (alpha + py_step))
+    return py_step, py_call, rd_step
+
+
+def python_share(nbytes: int, ranks: int, *, calibration=None, **kwargs) -> float:
+    """The share of allreduce_time(nbytes, ranks, **kwargs) that is gflow's own code (py_step,
+    py_call, rd_step), the rest being the machine's (latency, bandwidth, reductions)."""
+    cal = calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
+    without = replace(cal, **{k: 0.0 for k in _PYTHON_COSTS})
+    if cal.uncrowded:
+        without.uncrowded = {**cal.uncrowded, **{k: 0.0 for k in _PYTHON_COSTS if k in cal.uncrowded}}
+    total = allreduce_time(nbytes, ranks, calibration=cal, **kwargs)
+    return 1.0 - allreduce_time(nbytes, ranks, calibration=without, **kwargs) / total if total else 0.0
 
 
 def _uncrowded(comm, cores: int) -> dict:
@@ -490,16 +526,15 @@ def _uncrowded(comm, cores: int) -> dict:
     if busy:
         p = sub.size
         alpha = sub.allreduce(_pingpong(sub, 0, 1, 8, 200), op=MPI.MAX)
+        py_step, py_call, rd_step = _step_costs(sub, alpha)
         x = np.ones(p, np.float32)
-        t = _local_rate(sub, lambda: gflow.allreduce(x, comm=sub, algorithm="ring"), 100)
-        py_step = max(1e-6, t / (2 * (p - 1) + math.ceil(math.log2(p))) - alpha)
-        t = _local_rate(sub, lambda: gflow.allreduce(x, comm=sub), 100)
-        rounds = math.ceil(math.log2(p)) + (0 if p & (p - 1) == 0 else 2)
-        rd_step = max(1e-6, t / rounds - alpha)
         out = np.empty_like(x)
         t = _local_rate(sub, lambda: gflow.allreduce(x, comm=sub, algorithm="hierarchical", out=out), 20)
-        node_fixed = max(1e-6, t - math.ceil(math.log2(p)) * (alpha + py_step))  # less the agreement
-        result = {"alpha_intra": alpha, "py_step": py_step, "rd_step": rd_step, "node_fixed": node_fixed}
+        node_fixed = max(
+            1e-6, t - py_call - math.ceil(math.log2(p)) * (alpha + rd_step)
+        )  # less the agreement
+        result = {"alpha_intra": alpha, "py_step": py_step, "py_call": py_call, "rd_step": rd_step,
+                  "node_fixed": node_fixed}  # fmt: skip
         sub.Free()
     request = comm.Ibarrier()
     while not request.Test():
