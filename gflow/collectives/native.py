@@ -1,8 +1,9 @@
 """Ring steps without Python in the loop: Numba loops that call the MPI library's own C entry points
 (MPI_Irecv, MPI_Isend, MPI_Testall of the library mpi4py loaded) and reduce what arrives.
 
-A ring step in Python costs about 9 us of interpreter per exchange (mpi4py's buffer handling, the
-watched wait, slicing, the ufunc call); at 512 ranks a 4 MiB allreduce makes 1,022 of them. Here a
+A ring step in Python costs 4 to 9 us of interpreter per exchange here (mpi4py's buffer handling,
+the watched wait, slicing, the ufunc call; bench/ring_steps.py); at 512 ranks a 4 MiB allreduce makes
+1,022 of them. Here a
 whole phase (the reduce-scatter's p - 1 steps and their segments, or the allgather's) runs in one
 compiled call with the GIL released. It does what ring.py does, message for message (the same
 tags, sizes, order and pipelining), so a rank on this path and a rank on ring.py's Python loop
@@ -95,16 +96,16 @@ class Phases:
     (STATE words), then the chunk bounds (p + 1); `space` the two requests and their statuses."""
 
     def __init__(self, ctx: CommContext):
-        sleep_us = config.background_poll_us if ctx.is_background else 0
+        self.sleeps = ctx.is_background  # the engine thread sleeps between polls, the caller's yields
         self.ints = np.zeros(PARAMS + STATE + ctx.size + 1, np.int64)
         handles = (_int64(ctx.comm.handle), _int64(MPI.BYTE.handle), 0, MPI._sizeof(MPI.Request))
-        self.ints[:PARAMS] = [0, 0, ctx.size, ctx.rank, 0, 0, *handles, POLLS_PER_VISIT, sleep_us]
+        self.ints[:PARAMS] = [0, 0, ctx.size, ctx.rank, 0, 0, *handles, 0, 0]
         self.space = np.zeros(2 * 8 + 2 * 64, np.uint8)  # (room for any library's MPI_Request and MPI_Status)
 
     def start(self, tag: int, bounds, seg: int = 0, widest: int = 0, op: int = 0, half: int = 0):
         ints = self.ints
         ints[0], ints[1], ints[4], ints[5], ints[8] = seg, widest, op, half, tag
-        ints[10] = POLLS_PER_VISIT
+        ints[10], ints[11] = POLLS_PER_VISIT, config.background_poll_us if self.sleeps else 0
         ints[PARAMS : PARAMS + STATE] = 0
         ints[PARAMS + STATE :] = bounds
         return ints
