@@ -40,7 +40,8 @@ from ..runtime.context import TAG_RING_AG, TAG_RING_RS, CommContext
 from ..runtime.signature import BFLOAT16
 
 _DONE, _PENDING = 0, 1  # what a compiled phase returns; a negative number: -(the MPI error code)
-POLLS_PER_VISIT = 2000  # polls between visits to Python (a few ms of waiting: departures, Ctrl-C)
+POLLS_PER_VISIT = 2000  # polls between visits to Python, yielding (a few ms: departures, Ctrl-C)
+SLEEPING_VISIT_S = 0.005  # ... and, sleeping between polls (the engine thread), at most this long
 _HALVES = {np.dtype(np.float16): 1, BFLOAT16: 2}  # 2-byte floats, reduced as their bits
 PARAMS, STATE = 12, 3  # the int64 words of Phases.ints before the bounds (native_loops.py reads them)
 _OPS = {"sum": 0, "max": 1, "min": 2}
@@ -105,7 +106,14 @@ class Phases:
     def start(self, tag: int, bounds, seg: int = 0, widest: int = 0, op: int = 0, half: int = 0):
         ints = self.ints
         ints[0], ints[1], ints[4], ints[5], ints[8] = seg, widest, op, half, tag
-        ints[10], ints[11] = POLLS_PER_VISIT, config.background_poll_us if self.sleeps else 0
+        if self.sleeps:
+            pause_us = max(1, config.background_poll_us)
+            ints[10], ints[11] = (
+                max(1, min(POLLS_PER_VISIT, int(SLEEPING_VISIT_S * 1e6) // pause_us)),
+                pause_us,
+            )
+        else:
+            ints[10], ints[11] = POLLS_PER_VISIT, 0
         ints[PARAMS : PARAMS + STATE] = 0
         ints[PARAMS + STATE :] = bounds
         return ints
@@ -118,14 +126,29 @@ def _phases(ctx: CommContext) -> Phases:
     return phases
 
 
-def _drive(ctx: CommContext, step) -> None:
-    """Call step() (one compiled visit) until it is done, doing between visits what the watched wait
-    does between polls; the stall inspector sees this thread waiting for the whole phase."""
+_ready: set = set()  # (loop, argument types) compiled or loaded from Numba's cache in this process
+
+
+def _compiled_for(loop, args) -> None:
+    """Compile (or load) loop for these arguments now, before the phase's wait is marked: a first
+    compile takes seconds, which the stall inspector must not take for a slow peer."""
+    key = (loop, *((a.dtype, a.flags.writeable) for a in args if isinstance(a, np.ndarray)))
+    if key not in _ready:
+        from numba import typeof
+
+        loop.compile(tuple(typeof(a) for a in args))
+        _ready.add(key)
+
+
+def _drive(ctx: CommContext, loop, args) -> None:
+    """Call loop(*args) (one compiled visit) until it is done, doing between visits what the watched
+    wait does between polls; the stall inspector sees this thread waiting for the whole phase."""
+    _compiled_for(loop, args)
     mark = stall.mark()
     mark.since = time.monotonic()
     try:
         while True:
-            status = step()
+            status = loop(*args)
             if status == _DONE:
                 return
             if status < 0:
@@ -148,19 +171,12 @@ def reduce_scatter(ctx: CommContext, src, buf, landing, bounds, seg: int, widest
     half = _HALVES.get(buf.dtype, 0)
     phases = _phases(ctx)
     ints = phases.start(TAG_RING_RS, bounds, seg, widest, _OPS[op], half)
-    src, buf, landing, space, loop = (
-        _plain(src, half),
-        _plain(buf, half),
-        _plain(landing, half),
-        phases.space,
-        _compiled.reduce_scatter,
-    )
-    _drive(ctx, lambda: loop(src, buf, landing, ints, space))
+    args = (_plain(src, half), _plain(buf, half), _plain(landing, half), ints, phases.space)
+    _drive(ctx, _compiled.reduce_scatter, args)
 
 
 def allgather(ctx: CommContext, buf, bounds) -> None:
     """ring.allgather's steps, compiled, for chunks of at most ring.MAX_MESSAGE_BYTES."""
     phases = _phases(ctx)
     ints = phases.start(TAG_RING_AG, bounds)
-    buf, space, loop = _plain(buf, _HALVES.get(buf.dtype, 0)), phases.space, _compiled.allgather
-    _drive(ctx, lambda: loop(buf, ints, space))
+    _drive(ctx, _compiled.allgather, (_plain(buf, _HALVES.get(buf.dtype, 0)), ints, phases.space))
