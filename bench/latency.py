@@ -108,6 +108,33 @@ def report(args) -> None:
     with open(os.path.join(args.out, "latency.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    _plot(runs, os.path.join(args.out, "latency.png"))
+
+
+def _plot(runs, path: str) -> None:
+    """What gflow adds to MPI's Allreduce (us) against size, one line per p."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        sizes = [row["bytes"] for row in run["rows"]]
+        added = [(row["median_s"]["gflow"] - row["median_s"]["MPI Allreduce"]) * 1e6 for row in run["rows"]]
+        ax.plot(sizes, added, marker="o", ms=3, label=f"p = {run['p']}")
+    ax.axhline(0, color="gray", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes")
+    ax.set_ylabel("gflow minus MPI Allreduce (us)")
+    ax.set_title("What gflow adds to MPI's own Allreduce (validation on)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 def main() -> None:
