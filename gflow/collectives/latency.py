@@ -10,6 +10,13 @@ first (x contiguous, `out`, a timeline on). The ranks still exchange the whole s
 call's header, so a mismatch raises on every rank exactly as before: only this rank's local work is
 cached. A call the fast lane does not serve (anything it has not seen, a non-contiguous x, an out= of
 another kind, compression, a mean of 2-byte floats) takes the general path, which raises its errors.
+
+Why not one MPI_Allreduce with a compiled reduction operator over [header | payload] (measured,
+issue 27): such an operator (a Numba cfunc registered with MPI_Op_create) ran as fast as MPI.SUM, but
+MPI_Allreduce needs the same message size on every rank, and ranks that disagree on the size are the
+very case the header must catch: MPICH 5 then aborted the job ("Message truncated") at p = 2 and 4 and
+hung at p = 3. gflow's own recursive doubling receives into room for any peer's message, so a
+mismatch of any kind still raises on every rank.
 """
 
 import numpy as np
