@@ -17,10 +17,13 @@ from helpers import (
     random_array,
     rank_rng,
 )
+from mpi4py import MPI
 
 import gflow
 from gflow.arrays import host_ops
 from gflow.collectives import native
+from gflow.runtime import stall
+from gflow.runtime.context import context
 
 SIZES = [1, 2, 3, 4]
 MULTI = [2, 3, 4]
@@ -136,3 +139,18 @@ def test_a_sleeping_loop_visits_python_within_milliseconds(monkeypatch):
     caller = SimpleNamespace(is_background=False, size=2, rank=0, comm=WORLD)
     ints = native.Phases(caller).start(0, [0, 1, 2])
     assert ints[10] == native.POLLS_PER_VISIT and ints[11] == 0  # (yields: no sleep)
+
+
+def test_an_mpi_error_in_a_compiled_step_is_named():
+    class FailingLoop:  # what a compiled phase returns when MPI_Testall fails: -(the error code)
+        def compile(self, signature):
+            pass
+
+        def __call__(self, *args):
+            return -MPI.ERR_IN_STATUS
+
+    with pytest.raises(
+        gflow.GflowError, match=r"MPI failed in a ring step on rank \d+, exchanging with ranks"
+    ):
+        native._drive(context(), FailingLoop(), (1,))
+    assert stall.mark().since is None  # the wait is over

@@ -152,8 +152,11 @@ def _drive(ctx: CommContext, loop, args) -> None:
             if status == _DONE:
                 return
             if status < 0:
+                left, right = (ctx.rank - 1) % ctx.size, (ctx.rank + 1) % ctx.size
                 raise GflowError(
-                    f"MPI failed in a ring step on rank {ctx.rank}: {MPI.Get_error_string(-status)}"
+                    f"MPI failed in a ring step on rank {ctx.rank}, exchanging with ranks {left} and {right} "
+                    f"(a peer that failed?): MPI error class {MPI.Get_error_class(-status)}, "
+                    f"{MPI.Get_error_string(-status)}"
                 )
             if stall.departures:
                 stall.check_waiting()
