@@ -22,7 +22,6 @@ mismatch of any kind still raises on every rank.
 import numpy as np
 
 from ..arrays import host_ops as host
-from ..arrays.numpy_arrays import HOST
 from ..errors import MismatchError
 from ..runtime import timeline
 from ..runtime.config import config
@@ -91,10 +90,10 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
 def _learn(ctx: CommContext, x: np.ndarray, op: str, algorithm: str):
     """A SmallCall for calls like this one, or None where the fast lane does not serve them."""
     try:
-        kind, dtype, name, chosen, _, _ = check_allreduce(x, op, None, algorithm, None, need_out=False)
+        _, dtype, name, chosen, _, _ = check_allreduce(x, op, None, algorithm, None, need_out=False)
     except Exception:  # the general path raises it, after telling the peers
         return None
-    if kind is not HOST or chosen != "recursive_doubling" or ctx.size == 1:
+    if chosen != "recursive_doubling" or ctx.size == 1:  # (x is a plain ndarray: operations.allreduce)
         return None
     if name == "mean" and dtype.itemsize == 2:  # (divided before the sum: dispatch._predivided)
         return None
