@@ -16,8 +16,16 @@ def mpiexec() -> str:
     return here if os.path.exists(here) else "mpiexec"
 
 
+ONE_THREAD = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def launch(script: str, nprocs: int, args: list[str], env=None, timeout=3600) -> None:
-    """Run `script` under mpiexec with nprocs ranks; its stdout streams through (progress)."""
+    """Run `script` under mpiexec with nprocs ranks; its stdout streams through (progress). Each rank
+    gets one BLAS/OpenMP thread unless `env` (default: this process's) says otherwise: ranks share
+    the cores, and several threads each thrash them."""
+    env = dict(os.environ if env is None else env)
+    for name in ONE_THREAD:
+        env.setdefault(name, "1")
     cmd = [mpiexec(), "-n", str(nprocs), sys.executable, script, *args]
     subprocess.run(cmd, check=True, env=env, timeout=timeout)
 

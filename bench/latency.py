@@ -152,11 +152,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    forwarded = ["--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes), "--rounds",
-                 str(args.rounds), "--batch", str(args.batch), "--out", args.out, "--worker"]  # fmt: skip
-    for p in args.procs:
-        _common.launch(os.path.abspath(__file__), p, forwarded, env=env)
+    for p in args.procs:  # (the workers read the same arguments, --worker added)
+        _common.launch(os.path.abspath(__file__), p, [*sys.argv[1:], "--worker"])
     report(args)
 
 

@@ -105,18 +105,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    forwarded = [
-        "--segments",
-        str(args.segments),
-        "--rounds",
-        str(args.rounds),
-        "--out",
-        args.out,
-        "--worker",
-    ]
-    for p in args.procs:
-        _common.launch(os.path.abspath(__file__), p, forwarded, env=env)
+    for p in args.procs:  # (the workers read the same arguments, --worker added)
+        _common.launch(os.path.abspath(__file__), p, [*sys.argv[1:], "--worker"])
     report(args)
 
 
