@@ -16,6 +16,7 @@ from helpers import (
 )
 
 import gflow
+from gflow.collectives.recursive_doubling import SEPARATE_PAYLOAD_BYTES
 from gflow.runtime.context import context
 
 SIZES = [1, 2, 3, 4]
@@ -63,23 +64,27 @@ def test_warm_calls_match_mpi_with_and_without_out(dtype, op):
 
 
 @pytest.mark.parallel(MULTI)
-def test_warm_mismatches_raise_on_every_rank():
+@pytest.mark.parametrize("odd", ["last", "first"])  # (at p = 3 rank 0 hands its data to rank 1: the fold)
+def test_warm_mismatches_raise_on_every_rank(odd):
     # The first call learns what this rank passes (before anything moves); the second is all lane.
-    last = WORLD.rank == WORLD.size - 1
+    odd_rank = WORLD.size - 1 if odd == "last" else 0
+    apart = SEPARATE_PAYLOAD_BYTES // 8  # float64 payloads from this length travel apart from the header
     cases = {
         "length": (np.ones(10), np.ones(11)),
+        "length across the split": (np.ones(apart - 1), np.ones(apart)),
+        "length, both apart": (np.ones(apart + 3), np.ones(apart)),
         "shape": (np.ones((2, 3)), np.ones((3, 2))),
         "dtype": (np.ones(4, np.float32), np.ones(4, np.int32)),
         "op": (np.ones(4), np.ones(4)),
     }
     for case, (mine, theirs) in cases.items():
-        x = theirs if last else mine
-        op = "max" if case == "op" and last else "sum"
+        x = theirs if WORLD.rank == odd_rank else mine
+        op = "max" if case == "op" and WORLD.rank == odd_rank else "sum"
         for _ in range(2):
             with pytest.raises(gflow.MismatchError, match="ranks disagree") as info:
                 gflow.allreduce(x, op)
             message = str(info.value)
-            assert f"rank {WORLD.size - 1}" in message, f"{case}: {message}"
+            assert f"rank {odd_rank}" in message, f"{case}: {message}"
             assert message.endswith(f"This rank passed an array of shape {x.shape}"), f"{case}: {message}"
         # nothing is left in flight: the next call is correct
         y = random_array(rank_rng(3), 9, np.float64)

@@ -1,12 +1,18 @@
 """Recursive doubling with an agreement header: the latency path, and the check that ranks agree.
 
-Every message is one host byte buffer, [header | payload]. The header carries the sender's call
+Every exchange sends a header and the payload. The header carries the sender's call
 signature (gflow/runtime/signature.py) or, once a disagreement has been seen, the record of two ranks found to
 disagree. Merging two headers is a reduction like the payload's, so after the rounds every rank holds
 the same verdict: all agree, or "rank a called X, rank b called Y"; then every rank raises, or none
 does. Nobody hangs on a mismatch: all ranks run the same schedule whatever they were called with, and
 every receive has room for the largest message any peer may send, whatever its settings (header +
 MAX_SMALL_MESSAGE_BYTES), so no message is ever truncated.
+
+Small payloads travel in the header's message, [header | payload], copied in. From
+SEPARATE_PAYLOAD_BYTES they travel as a second message sent straight from the caller's array: the
+copy cost more than the extra message (bench/RESULTS.md, "The cost of a call"). The header says how
+many payload bytes follow it, and the receiver takes a second message only when its peer's header
+says so: ranks that disagree on the size (and so on how they send) still pair message for message.
 
 Used two ways:
 - with the data as payload, for messages up to small_message_bytes: the check rides along for free;
@@ -18,6 +24,8 @@ end the odd ranks hand the result back to their even partner. Latency: log2(p2) 
 when p is not a power of two. Each rank sends N bytes per round: right only while N is small.
 The lower-ranked operand always goes first, so every rank computes bitwise the same result.
 """
+
+import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -31,17 +39,51 @@ from ..runtime.signature import SIG_LEN, describe
 
 _MAGIC = 0x67666C6F77  # "gflow"
 _OK, _MISMATCH = 0, 1
-# Header words: magic, state, sig_a[SIG_LEN], sig_b[SIG_LEN], rank_a, rank_b. In the OK state sig_a is
-# the signature every rank seen so far agrees on and rank_a the lowest of them; sig_b is zero.
+# Header words: magic, state, sig_a[SIG_LEN], sig_b[SIG_LEN], rank_a, rank_b, follows. In the OK state
+# sig_a is the signature every rank seen so far agrees on and rank_a the lowest of them; sig_b is zero.
+# follows: the bytes of payload the sender sends as a message of their own after this one (0: none).
 _SIG_A = slice(2, 2 + SIG_LEN)
 _SIG_B = slice(2 + SIG_LEN, 2 + 2 * SIG_LEN)
-_RANK_A, _RANK_B = 2 + 2 * SIG_LEN, 3 + 2 * SIG_LEN
-HEADER_WORDS = 4 + 2 * SIG_LEN
+_RANK_A, _RANK_B, _FOLLOWS = 2 + 2 * SIG_LEN, 3 + 2 * SIG_LEN, 4 + 2 * SIG_LEN
+HEADER_WORDS = 5 + 2 * SIG_LEN
 HEADER_BYTES = HEADER_WORDS * 8
 _SAME = slice(0, _RANK_A * 8)  # equal bytes here: same state and same signature or record
 _RANK_A_BYTES = slice(_RANK_A * 8, _RANK_B * 8)
 _OK_BYTES = np.array([_OK], dtype=np.int64).tobytes()
+_MAGIC_BYTES = np.array([_MAGIC], dtype=np.int64).tobytes()
+_NONE_BYTES = bytes(8)
 _STATE_BYTES = slice(8, 16)
+_FOLLOWS_BYTES = slice(_FOLLOWS * 8, _FOLLOWS * 8 + 8)
+# Payloads from this size go as a message of their own, straight from the caller's array (measured
+# on MPICH and Open MPI: bench/RESULTS.md, "The cost of a call").
+SEPARATE_PAYLOAD_BYTES = 16 * 1024
+
+
+class _Step:
+    """One exchange of the schedule: its persistent requests for the header's message (a receive
+    first, where the step receives), the peer, what to do with what arrived, and the persistent
+    requests of a separate payload: one that receives it, one that sends it from the accumulator."""
+
+    __slots__ = (
+        "requests",
+        "peer",
+        "peer_is_lower",
+        "action",
+        "receives",
+        "sends",
+        "payload_in",
+        "payload_out",
+    )
+
+    def __init__(self, requests, peer, peer_is_lower, action, receives, sends, payload_in, payload_out):
+        self.requests, self.peer, self.peer_is_lower, self.action = requests, peer, peer_is_lower, action
+        self.receives, self.sends = receives, sends
+        self.payload_in, self.payload_out = payload_in, payload_out
+
+    def free(self) -> None:
+        for request in (*self.requests, self.payload_in, self.payload_out):
+            if request is not None:
+                request.Free()
 
 
 class _Plan:
@@ -53,10 +95,12 @@ class _Plan:
         # Sized for any peer's capacity, not this rank's: a peer with a larger small_message_bytes
         # must be told it disagrees, and a truncated receive is not safe on every MPI.
         recv = ctx.scratch("rd_recv", HEADER_BYTES + MAX_SMALL_MESSAGE_BYTES, np.uint8, host)
+        nbytes = count * np.dtype(dtype).itemsize if dtype is not None else 0
+        self.separate = nbytes >= SEPARATE_PAYLOAD_BYTES
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[0], header[1], header[_SIG_A], header[_RANK_A] = _MAGIC, _OK, sig, ctx.rank
+        header[_FOLLOWS] = nbytes if self.separate else 0
         self.header = header.tobytes()
-        nbytes = count * np.dtype(dtype).itemsize if dtype is not None else 0
         self.send_mv, self.recv_mv = memoryview(send), memoryview(recv)
         self.send_same, self.recv_same = self.send_mv[_SAME], self.recv_mv[_SAME]
         self.acc = self.incoming = self.acc_bytes = None
@@ -64,31 +108,36 @@ class _Plan:
             self.acc = send[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype)
             self.incoming = recv[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype)
             self.acc_bytes = self.send_mv[HEADER_BYTES : HEADER_BYTES + nbytes]
-        message = [send[: HEADER_BYTES + nbytes], MPI.BYTE]
+        message = [send[: HEADER_BYTES + (0 if self.separate else nbytes)], MPI.BYTE]
         whole_recv = [recv, MPI.BYTE]
-        comm, fold = ctx.comm, ctx.rd_fold
+        payload = [send[HEADER_BYTES : HEADER_BYTES + nbytes], MPI.BYTE]
+        payload_room = [recv[HEADER_BYTES:], MPI.BYTE]  # where a combined message's payload lands too
+        self.comm, fold = ctx.comm, ctx.rd_fold
+        comm = ctx.comm
 
-        def sendrecv(peer):
-            return [comm.Recv_init(whole_recv, peer, TAG_AGREE), comm.Send_init(message, peer, TAG_AGREE)]
+        def step(peer, peer_is_lower, action, receives=True, sends=True):
+            requests = [comm.Recv_init(whole_recv, peer, TAG_AGREE)] if receives else []
+            if sends:
+                requests.append(comm.Send_init(message, peer, TAG_AGREE))
+            payload_in = comm.Recv_init(payload_room, peer, TAG_AGREE) if receives else None
+            payload_out = comm.Send_init(payload, peer, TAG_AGREE) if sends and self.separate else None
+            return _Step(requests, peer, peer_is_lower, action, receives, sends, payload_in, payload_out)
 
-        # Steps: (persistent requests, peer, peer_is_lower, what to do with what arrived).
         self.steps = []
         if fold is not None and fold[0] == "send":
-            self.steps.append((sendrecv(fold[1]), fold[1], False, "take"))
+            self.steps.append(step(fold[1], False, "take"))
         else:
             if fold is not None:
-                take_in = [comm.Recv_init(whole_recv, fold[1], TAG_AGREE)]
-                self.steps.append((take_in, fold[1], True, "combine"))
-            self.steps += [(sendrecv(peer), peer, lower, "combine") for peer, lower in ctx.rd_rounds]
+                self.steps.append(step(fold[1], True, "combine", sends=False))
+            self.steps += [step(peer, lower, "combine") for peer, lower in ctx.rd_rounds]
             if fold is not None:
-                self.steps.append(([comm.Send_init(message, fold[1], TAG_AGREE)], fold[1], False, "none"))
+                self.steps.append(step(fold[1], False, "none", receives=False))
         # The last combine can write straight to the caller's array unless a partner still needs it.
         self.last_into_dst = fold is None and len(self.steps) > 0
 
     def free(self) -> None:
-        for requests, *_ in self.steps:
-            for request in requests:
-                request.Free()
+        for step in self.steps:
+            step.free()
         self.steps = []
 
 
@@ -130,62 +179,101 @@ def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op) -> None:
 def _exchange(ctx: CommContext, plan: _Plan, src, dst, op) -> None:
     send_mv, acc = plan.send_mv, plan.acc
     send_mv[:HEADER_BYTES] = plan.header
+    own = acc  # what this rank contributes: src itself until the first combine, where it can be sent as is
     if acc is not None:
-        if src.flags.c_contiguous:
+        if plan.separate and src.flags.c_contiguous:
+            own = src
+        elif src.flags.c_contiguous:
             plan.acc_bytes[:] = memoryview(host.buffer(src)).cast("B")  # cheaper than np.copyto
         else:
             np.copyto(acc, src)
     last = len(plan.steps) - 1
-    for i, (requests, peer, peer_is_lower, action) in enumerate(plan.steps):
-        if not _complete(requests, peer, send_mv, ctx.waitall):
+    for i, step in enumerate(plan.steps):
+        if not _complete(ctx, plan, step, own):
+            own = acc
             continue
-        if action == "combine":
-            _combine(plan, acc, dst if (i == last and plan.last_into_dst) else acc, peer_is_lower, op)
-        elif action == "take":  # the partner's verdict and result, as they are
+        if step.action == "combine":
+            out = dst if (i == last and plan.last_into_dst) else acc
+            _combine(plan, own, out, step.peer_is_lower, op)
+            own = acc
+        elif step.action == "take":  # the partner's verdict and result, as they are
             send_mv[:HEADER_BYTES] = plan.recv_mv[:HEADER_BYTES]
     if send_mv[_STATE_BYTES] != _OK_BYTES:
         raise MismatchError(_mismatch_message(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64)))
     if acc is not None and not plan.last_into_dst:
-        np.copyto(dst, plan.incoming if plan.steps[0][3] == "take" else acc)
+        np.copyto(dst, plan.incoming if plan.steps[0].action == "take" else acc)
 
 
-def _complete(requests, peer: int, send_mv, waitall) -> bool:
-    """Run one step's persistent requests. False (and a recorded mismatch) when the peer's message
-    did not fit: receives have room for any settings, so it came from another version of gflow."""
+def _complete(ctx: CommContext, plan: _Plan, step: _Step, own) -> bool:
+    """Run one step: the header's message (with the payload, unless it goes apart) each way, then a
+    separate payload each way where the sender's header says one follows. False (and a recorded
+    mismatch) when the peer's message did not fit: receives have room for any settings, so it came
+    from another version of gflow."""
+    requests, waitall, recv_mv = step.requests, ctx.waitall, plan.recv_mv
     try:
-        MPI.Prequest.Startall(requests)
-        waitall(requests)
+        MPI.Prequest.Startall(requests)  # (the header is posted before its payload: it arrives first)
+        if plan.separate:
+            if step.sends:
+                if own is plan.acc:
+                    step.payload_out.Start()
+                    requests = [*requests, step.payload_out]
+                else:
+                    isend = plan.comm.Isend([host.buffer(own), MPI.BYTE], step.peer, TAG_AGREE)
+                    requests = [*requests, isend]
+            if step.receives:  # the header first: the peer posts the receive of this rank's payload then
+                waitall(requests[:1])
+                requests = requests[1:]
+                if _follows(recv_mv):
+                    step.payload_in.Start()
+                    requests = [step.payload_in, *requests]
+            waitall(requests)
+        else:
+            waitall(requests)
+            if step.receives and recv_mv[_FOLLOWS_BYTES] != _NONE_BYTES and _follows(recv_mv):
+                requests = [step.payload_in]  # (a peer that sends its payload apart: it disagrees)
+                step.payload_in.Start()
+                waitall(requests)
     except MPI.Exception as exc:
         # A truncated receive comes back as ERR_TRUNCATE, or, from a wait on several requests, as
         # ERR_IN_STATUS (the error is in the receive's status): on gflow's private communicator, the
         # only sender is a gflow rank, and its message can only be too long for another protocol.
         if exc.Get_error_class() not in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
+            peer = step.peer
             raise GflowError(f"MPI failed during the agreement exchange with rank {peer}: {exc}") from exc
         for request in requests:  # let the send half finish: the next call starts these again
             try:
                 request.Wait()
             except MPI.Exception:
                 pass
-        mine = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64).copy()
+        mine = np.frombuffer(plan.send_mv[:HEADER_BYTES], dtype=np.int64).copy()
         if mine[1] == _OK:
-            mine[1], mine[_SIG_B], mine[_RANK_B] = _MISMATCH, 0, peer
-            send_mv[:HEADER_BYTES] = mine.tobytes()
+            mine[1], mine[_SIG_B], mine[_RANK_B] = _MISMATCH, 0, step.peer
+            plan.send_mv[:HEADER_BYTES] = mine.tobytes()
         return False
     return True
 
 
-def _combine(plan: _Plan, acc, out, peer_is_lower: bool, op) -> None:
-    """Fold the received header and payload into this rank's."""
+def _follows(recv_mv) -> int:
+    """The bytes of payload a gflow peer's header says follow it in a message of their own; 0 for a
+    header that says none, or that is not gflow's (its mismatch is recorded on combining)."""
+    follows = int.from_bytes(recv_mv[_FOLLOWS_BYTES], sys.byteorder, signed=True)
+    if follows and 0 < follows <= MAX_SMALL_MESSAGE_BYTES and recv_mv[:8] == _MAGIC_BYTES:
+        return follows
+    return 0
+
+
+def _combine(plan: _Plan, own, out, peer_is_lower: bool, op) -> None:
+    """Fold the received header and payload into this rank's (own: its payload so far)."""
     send_mv, recv_mv = plan.send_mv, plan.recv_mv
     if plan.recv_same == plan.send_same:
         # The common case: the same state and signature on both sides.
         if peer_is_lower:
             send_mv[_RANK_A_BYTES] = recv_mv[_RANK_A_BYTES]
-        if acc is not None:
+        if own is not None:
             if peer_is_lower:
-                host.reduce(out, plan.incoming, acc, op)
+                host.reduce(out, plan.incoming, own, op)
             else:
-                host.reduce(out, acc, plan.incoming, op)
+                host.reduce(out, own, plan.incoming, op)
         return
     mine = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64).copy()
     theirs = np.frombuffer(recv_mv[:HEADER_BYTES], dtype=np.int64)
