@@ -152,5 +152,5 @@ def test_an_mpi_error_in_a_compiled_step_is_named():
     with pytest.raises(
         gflow.GflowError, match=r"MPI failed in a ring step on rank \d+, exchanging with ranks"
     ):
-        native._drive(context(), FailingLoop(), (1,))
+        native._drive(context(), FailingLoop(), (np.zeros(1),))
     assert stall.mark().since is None  # the wait is over

@@ -132,7 +132,7 @@ _ready: set = set()  # (loop, argument types) compiled or loaded from Numba's ca
 def _compiled_for(loop, args) -> None:
     """Compile (or load) loop for these arguments now, before the phase's wait is marked: a first
     compile takes seconds, which the stall inspector must not take for a slow peer."""
-    key = (loop, *((a.dtype, a.flags.writeable) for a in args if isinstance(a, np.ndarray)))
+    key = (loop, args[0].dtype, args[0].flags.writeable)  # (the first: the caller's, maybe read-only)
     if key not in _ready:
         from numba import typeof
 

@@ -60,11 +60,11 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
         if buf is not src:
             ops.copy(buf, src)
         return
-    widest = max(bounds[c + 1] - bounds[c] for c in range(p))
+    widest = max([bounds[c + 1] - bounds[c] for c in range(p)])
     if widest == 0:  # nothing to reduce (an empty array): no exchange on any rank
         return
-    itemsize = np.dtype(buf.dtype).itemsize
-    seg = max(1, min(widest, config.ring_segment_bytes // itemsize, piece_elems(buf.dtype)))
+    itemsize = buf.dtype.itemsize
+    seg = max(1, min(widest, config.ring_segment_bytes // itemsize, MAX_MESSAGE_BYTES // itemsize))
     scratch = ctx.scratch("ring_tmp", 2 * seg, buf.dtype, ops)
     if native.usable(ops) and not timeline.active():  # (a timeline shows each wait: the Python loop)
         native.reduce_scatter(ctx, src, buf, scratch, bounds, seg, widest, op)
