@@ -1,6 +1,10 @@
 """The stall inspector: a rank that has waited on its peers in a gflow collective for longer than
 config.stall_warning_s (GFLOW_STALL_WARNING_S, default 60) says so on stderr, naming the collective and
-the ranks that have not entered it yet, and again every stall_warning_s; past config.stall_abort_s
+the ranks that have not entered it yet. One line per stall, not one per waiting rank (at 512 ranks,
+511 copies): a rank that finds a lower-ranked peer waiting in it too leaves the report to that peer,
+and looks again every stall_warning_s; the rank that reports does so once per wait. (Where the peers
+cannot be asked, the first collective on a communicator or GFLOW_VALIDATE=0, every waiting rank
+reports, once.) Past config.stall_abort_s
 (GFLOW_STALL_ABORT_S, default 0: off) it ends the whole job with MPI_Abort and that message
 (Horovod's stall check, with the late ranks found rather than guessed).
 
@@ -334,18 +338,15 @@ def _inspect(m: _Mark) -> None:
     if not (due_abort or due_warning):
         return
     m.warned_at = waited
-    text = report(ctx, m, waited)
+    with _lock:
+        text, reporter = _report(ctx, m, waited)
     if due_abort:
         from .failures import end_job
 
         end_job(f"{text}; ending the job (GFLOW_STALL_ABORT_S={abort:g})")
-    print(text, file=sys.stderr, flush=True)
-
-
-def report(ctx, m: _Mark, waited: float) -> str:
-    """The stall message: this rank, the collective, and where every other rank of ctx is."""
-    with _lock:
-        return _report(ctx, m, waited)
+    if reporter is None:
+        print(text, file=sys.stderr, flush=True)
+        m.warned_at = float("inf")  # once per wait (the abort, if set, still comes)
 
 
 def _channel(ctx):
@@ -359,13 +360,15 @@ def _channel(ctx):
     return None, None
 
 
-def _report(ctx, m: _Mark, waited: float) -> str:
+def _report(ctx, m: _Mark, waited: float) -> tuple:
+    """(the stall message: this rank, the collective and where every other rank of ctx is; the
+    lower-ranked peer waiting in it too that reports it instead, or None where this rank does)."""
     job = f" ({m.job})" if m.job else ""
     if not config.validate:
         return (
             f"gflow rank {ctx.rank}: waited {waited:.0f} s on thread {m.thread}{job} in a collective (with "
             "GFLOW_VALIDATE=0 gflow counts no collectives, so it cannot tell which ranks are late)"
-        )
+        ), None
     asked, about = _channel(ctx)
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
     world = _world_ranks(ctx)
@@ -377,7 +380,7 @@ def _report(ctx, m: _Mark, waited: float) -> str:
             "some rank has not entered gflow's first collective on this communicator yet; which one "
             "cannot be told yet (the channel gflow asks its peers on is made in that collective)"
         )
-        return "; ".join(parts)
+        return "; ".join(parts), None
     me, mine = ctx.rank, ctx.entered
     peers = [r for r in range(ctx.size) if r != me]
     answers = _ask(asked, about, peers)
@@ -403,7 +406,8 @@ def _report(ctx, m: _Mark, waited: float) -> str:
         )
     if not (late or silent or gone):
         parts.append("every rank has entered it: a peer is slow inside it, or the network is")
-    return "; ".join(parts)
+    lower = [r for r in waiting if r < me and answers[r][0] == mine]  # (waiting in this very collective)
+    return "; ".join(parts), (lower[0] if lower else None)
 
 
 def _ask(asked, about, peers) -> dict:
