@@ -43,7 +43,6 @@ _DONE, _PENDING = 0, 1  # what a compiled phase returns; a negative number: -(th
 POLLS_PER_VISIT = 2000  # polls between visits to Python, yielding (a few ms: departures, Ctrl-C)
 SLEEPING_VISIT_S = 0.005  # ... and, sleeping between polls (the engine thread), at most this long
 _HALVES = {np.dtype(np.float16): 1, BFLOAT16: 2}  # 2-byte floats, reduced as their bits
-PARAMS, STATE = 12, 3  # the int64 words of Phases.ints before the bounds (native_loops.py reads them)
 _OPS = {"sum": 0, "max": 1, "min": 2}
 _ENTRY_POINTS = ("MPI_Irecv", "MPI_Isend", "MPI_Testall")
 
@@ -93,19 +92,24 @@ def _int64(handle: int) -> int:
 
 class Phases:
     """A context's arrays for the compiled loops, made once and reused by every phase on it (one
-    thread uses a context at a time): `ints` holds the PARAMS integers, then the resumable state
-    (STATE words), then the chunk bounds (p + 1); `space` the two requests and their statuses."""
+    thread uses a context at a time): `ints` holds the native_loops.PARAMS integers, then the
+    resumable state (STATE words), then the chunk bounds (p + 1); `space` the two requests and their
+    statuses; `divisors` the world size in each dtype a mean divides (host_ops.divide's operand)."""
 
     def __init__(self, ctx: CommContext):
         self.sleeps = ctx.is_background  # the engine thread sleeps between polls, the caller's yields
-        self.ints = np.zeros(PARAMS + STATE + ctx.size + 1, np.int64)
+        self.params, self.state = _compiled.PARAMS, _compiled.STATE
+        self.ints = np.zeros(self.params + self.state + ctx.size + 1, np.int64)
         handles = (_int64(ctx.comm.handle), _int64(MPI.BYTE.handle), 0, MPI._sizeof(MPI.Request))
-        self.ints[:PARAMS] = [0, 0, ctx.size, ctx.rank, 0, 0, *handles, 0, 0]
+        self.ints[: self.params] = [0, 0, ctx.size, ctx.rank, 0, 0, *handles, 0, 0, 0, 0]
         self.space = np.zeros(2 * 8 + 2 * 64, np.uint8)  # (room for any library's MPI_Request and MPI_Status)
+        self.size, self.divisors = ctx.size, {}
 
-    def start(self, tag: int, bounds, seg: int = 0, widest: int = 0, op: int = 0, half: int = 0):
+    def start(self, tag: int, bounds, seg=0, widest=0, op=0, half=0, tag_allgather=0, mean=0):
         ints = self.ints
-        ints[0], ints[1], ints[4], ints[5], ints[8] = seg, widest, op, half, tag
+        ints[0], ints[1], ints[4], ints[5], ints[8], ints[12], ints[13] = (
+            seg, widest, op, half, tag, tag_allgather, mean
+        )  # fmt: skip
         if self.sleeps:
             pause_us = max(1, config.background_poll_us)
             ints[10], ints[11] = (
@@ -114,9 +118,16 @@ class Phases:
             )
         else:
             ints[10], ints[11] = POLLS_PER_VISIT, 0
-        ints[PARAMS : PARAMS + STATE] = 0
-        ints[PARAMS + STATE :] = bounds
+        ints[self.params : self.params + self.state] = 0
+        ints[self.params + self.state :] = bounds
         return ints
+
+    def divisor(self, dtype):
+        """The world size as a one-element array of dtype (made once per dtype)."""
+        d = self.divisors.get(dtype)
+        if d is None:
+            d = self.divisors[dtype] = np.full(1, self.size, dtype)
+        return d
 
 
 def _phases(ctx: CommContext) -> Phases:
@@ -176,6 +187,19 @@ def reduce_scatter(ctx: CommContext, src, buf, landing, bounds, seg: int, widest
     ints = phases.start(TAG_RING_RS, bounds, seg, widest, _OPS[op], half)
     args = (_plain(src, half), _plain(buf, half), _plain(landing, half), ints, phases.space)
     _drive(ctx, _compiled.reduce_scatter, args)
+
+
+def allreduce(ctx: CommContext, src, buf, landing, bounds, seg: int, widest: int, op: str) -> None:
+    """ring.allreduce's two phases in one compiled call: its reduce-scatter, then (op "mean", float32
+    or float64 only: the caller checks) this rank's chunk divided by p, then its allgather."""
+    half = _HALVES.get(buf.dtype, 0)
+    phases = _phases(ctx)
+    mean = op == "mean"
+    reduce_op = _OPS["sum" if mean else op]
+    ints = phases.start(TAG_RING_RS, bounds, seg, widest, reduce_op, half, TAG_RING_AG, int(mean))
+    plain = _plain(buf, half)
+    args = (_plain(src, half), plain, _plain(landing, half), phases.divisor(plain.dtype), ints, phases.space)
+    _drive(ctx, _compiled.allreduce, args)
 
 
 def allgather(ctx: CommContext, buf, bounds) -> None:

@@ -2,11 +2,13 @@
 
 Every integer a phase needs travels in one int64 array, `ints` (native.py's Phases: segment,
 widest chunk, p, rank, op, half, comm, MPI_BYTE, tag, MPI_Request size, polls per visit, sleep in
-us; then the state; then the chunk bounds), and the requests and statuses in one byte array,
-`space`: a few arrays type faster than a dozen scalars, and the same way on every call. Each phase
-is a resumable state machine: the state holds (step, segment, in flight) so that a visit
-that has polled POLLS_PER_VISIT times without progress can return _PENDING and the next visit goes
-on from there. Handles and pointers travel as 64-bit integers (see native.py).
+us, the allgather's tag and whether to divide by p between the phases; then the state; then the
+chunk bounds), and the requests and statuses in one byte array, `space`: a few arrays type faster
+than a dozen scalars, and the same way on every call. Each phase is a resumable state machine: the
+state holds (step, segment, in flight, phase) so that a visit that has polled POLLS_PER_VISIT times
+without progress can return _PENDING and the next visit goes on from there. `allreduce` runs the
+two phases in one call (one visit from Python instead of two: ring.allreduce's fixed cost). Handles
+and pointers travel as 64-bit integers (see native.py).
 """
 
 import numpy as np
@@ -55,6 +57,29 @@ def _reduce_into(out, low, high, op, half):
     return reduce_plain
 
 
+def divide_by(x, d):
+    """x /= d elementwise (see the overload)."""
+
+
+@overload(divide_by)
+def _divide_by(x, d):
+    """Floating x: each element divided by d of its own dtype, in that dtype (NumPy's np.divide of
+    float32 by float32 is float32, correctly rounded, as here). Other dtypes never take a mean here
+    (ring.allreduce sends only float32 and float64), so nothing is compiled for them."""
+    if isinstance(x.dtype, types.Float):
+
+        def divide(x, d):
+            for k in range(x.size):
+                x[k] = x[k] / d
+
+        return divide
+
+    def nothing(x, d):
+        pass
+
+    return nothing
+
+
 @njit(inline="always")
 def _wait(space, flag, budget, sleep_us):
     """Poll the two requests up to budget times: 0 done, _PENDING not yet, < 0 an MPI error."""
@@ -84,13 +109,16 @@ def _exchange(recv, send, left, right, tag, comm, byte, space, size):
     return -rc
 
 
-@njit(nogil=True, cache=True)
-def reduce_scatter(src, buf, landing, ints, space):
+PARAMS, STATE = 14, 4  # (native.py reads these)
+
+
+@njit(inline="always")
+def _reduce_scatter_steps(src, buf, landing, ints, space, tag):
     """ring.reduce_scatter's loop: step i sends chunk (r-i-1) mod p and reduces chunk (r-i-2) mod p,
     in segments of seg elements, segment j+1 on the wire while segment j is reduced."""
     seg, widest, p, r, op, half = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5]
-    comm, byte, tag, size, budget, sleep_us = ints[6], ints[7], ints[8], ints[9], ints[10], ints[11]
-    state, bounds = ints[12:15], ints[15:]
+    comm, byte, size, budget, sleep_us = ints[6], ints[7], ints[9], ints[10], ints[11]
+    state, bounds = ints[PARAMS : PARAMS + STATE], ints[PARAMS + STATE :]
     right, left = (r + 1) % p, (r - 1) % p
     flag = np.zeros(1, np.int32)
     i, j, in_flight = state[0], state[1], state[2]
@@ -128,12 +156,12 @@ def reduce_scatter(src, buf, landing, ints, space):
     return _DONE
 
 
-@njit(nogil=True, cache=True)
-def allgather(buf, ints, space):
+@njit(inline="always")
+def _allgather_steps(buf, ints, space, tag):
     """ring.allgather's loop: step i sends chunk (r-i) mod p and receives chunk (r-i-1) mod p in place."""
     p, r = ints[2], ints[3]
-    comm, byte, tag, size, budget, sleep_us = ints[6], ints[7], ints[8], ints[9], ints[10], ints[11]
-    state, bounds = ints[12:15], ints[15:]
+    comm, byte, size, budget, sleep_us = ints[6], ints[7], ints[9], ints[10], ints[11]
+    state, bounds = ints[PARAMS : PARAMS + STATE], ints[PARAMS + STATE :]
     right, left = (r + 1) % p, (r - 1) % p
     flag = np.zeros(1, np.int32)
     i, in_flight = state[0], state[2]
@@ -154,3 +182,32 @@ def allgather(buf, ints, space):
         i += 1
     state[0], state[2] = i, 0
     return _DONE
+
+
+@njit(nogil=True, cache=True)
+def reduce_scatter(src, buf, landing, ints, space):
+    """ring.reduce_scatter's steps (tag ints[8])."""
+    return _reduce_scatter_steps(src, buf, landing, ints, space, ints[8])
+
+
+@njit(nogil=True, cache=True)
+def allgather(buf, ints, space):
+    """ring.allgather's steps (tag ints[8])."""
+    return _allgather_steps(buf, ints, space, ints[8])
+
+
+@njit(nogil=True, cache=True)
+def allreduce(src, buf, landing, divisor, ints, space):
+    """ring.allreduce: the reduce-scatter (tag ints[8]); this rank's chunk divided by divisor[0] where
+    ints[13] says so (op "mean": the same division in the same dtype as host_ops.divide); the
+    allgather (tag ints[12]). state[3] says which phase a resumed visit is in."""
+    state = ints[PARAMS : PARAMS + STATE]
+    if state[3] == 0:
+        rc = _reduce_scatter_steps(src, buf, landing, ints, space, ints[8])
+        if rc != _DONE:
+            return rc
+        if ints[13] != 0:
+            r, bounds = ints[3], ints[PARAMS + STATE :]
+            divide_by(buf[bounds[r] : bounds[r + 1]], divisor[0])
+        state[0], state[1], state[2], state[3] = 0, 0, 0, 1
+    return _allgather_steps(buf, ints, space, ints[12])

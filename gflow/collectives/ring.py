@@ -32,6 +32,7 @@ from . import native
 
 # MPI-3 libraries (Open MPI 4, say) count in C ints: a single message of 2**31 bytes or more may fail.
 MAX_MESSAGE_BYTES = 2**30
+_DIVIDED_IN_LOOP = (np.dtype(np.float32), np.dtype(np.float64))  # (means native.allreduce divides)
 
 
 def chunk_bounds(n: int, p: int) -> list[int]:
@@ -137,6 +138,16 @@ def allgather(ctx: CommContext, buf, ops, bounds: list[int]) -> None:
 def allreduce(ctx: CommContext, src, buf, ops, op: str) -> None:
     """Ring allreduce of the flat `src` into the flat `buf` (may be src). op: sum, mean, max or min."""
     bounds = chunk_bounds(buf.size, ctx.size)
+    if ctx.size > 1 and native.usable(ops) and not timeline.active():
+        # Both phases in one compiled call, where each phase alone would run compiled too: the same
+        # messages, and the fixed cost of one visit from Python instead of two.
+        itemsize = buf.dtype.itemsize
+        widest = bounds[1]  # (chunk 0 is the longest: chunk_bounds)
+        if 0 < widest <= MAX_MESSAGE_BYTES // itemsize and (op != "mean" or buf.dtype in _DIVIDED_IN_LOOP):
+            seg = max(1, min(widest, config.ring_segment_bytes // itemsize))
+            landing = ctx.scratch("ring_tmp", 2 * seg, buf.dtype, ops)
+            native.allreduce(ctx, src, buf, landing, bounds, seg, widest, op)
+            return
     with timeline.span("reduce-scatter", bytes=buf.nbytes, ranks=ctx.size):
         reduce_scatter(ctx, src, buf, ops, "sum" if op == "mean" else op, bounds)
     if op == "mean":
