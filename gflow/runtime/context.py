@@ -140,6 +140,7 @@ class CommContext:
         # outstanding (ompi#2025; seen here as one rank never finishing its Idup).
         self.monitor_comm, self._wants_monitor = None, not own
         self.entered = 0  # collectives begun on this context (stall.py)
+        self.stall_report = (-1, 0)  # (collective, whether this rank reports its stall: stall.py)
         self.departed = {}  # rank -> collectives it completed here before its process exited
         self.abandoned = None  # the collective this rank left unfinished (stall.abandoned)
         # Ranks that left, shared by a user communicator's context and its background contexts: a

@@ -1,10 +1,12 @@
 """The stall inspector: a rank that has waited on its peers in a gflow collective for longer than
 config.stall_warning_s (GFLOW_STALL_WARNING_S, default 60) says so on stderr, naming the collective and
-the ranks that have not entered it yet. One line per stall, not one per waiting rank (at 512 ranks,
-511 copies): a rank that finds a lower-ranked peer waiting in it too leaves the report to that peer,
-and looks again every stall_warning_s; the rank that reports does so once per wait. (Where the peers
-cannot be asked, the first collective on a communicator or GFLOW_VALIDATE=0, every waiting rank
-reports, once.) Past config.stall_abort_s
+the ranks that have not entered it yet, once per wait. One line per stall, not one per waiting rank
+(at 512 ranks, 511 copies): a rank due to report says so in its answers to its peers' questions
+("about to report this collective", then "reported it"), and stays silent where a peer in the same
+collective has reported it, or a lower-ranked one is about to. The first rank past its threshold
+reports, whatever the others' settings; ranks past theirs at the same moment leave it to the lowest.
+(Where the peers cannot be asked, the first collective on a communicator or GFLOW_VALIDATE=0, every
+waiting rank reports, once.) Past config.stall_abort_s
 (GFLOW_STALL_ABORT_S, default 0: off) it ends the whole job with MPI_Abort and that message
 (Horovod's stall check, with the late ranks found rather than guessed).
 
@@ -62,6 +64,10 @@ _lock = threading.RLock()  # held while the monitor talks on a context's duplica
 _monitor = None
 _questions = 0
 _warned_off = False
+# A rank's stall report of the collective it waits in, told in its answers (one line per stall).
+_SILENT, _ABOUT_TO_REPORT, _REPORTED = 0, 1, 2
+_UNDECIDED = object()  # (_report: a higher-ranked peer about to report has not chosen yet)
+_DECIDE_TRIES, _DECIDE_PAUSE_S = 40, 0.05  # asking again, for at most 2 s, then reporting anyway
 # Non-empty once any peer on any watched context has said goodbye: the waits' one cheap test.
 departures: list = []
 
@@ -187,7 +193,10 @@ def _answer(ctx) -> None:
         about = (ctx, ctx._background, ctx.parent)[int(question[1])]
         entered, seconds = _where(about)
         needs, background_seconds, blocked = _background_wait(ctx if ctx.is_background else ctx._background)
+        number, report = (-1, _SILENT) if about is None else about.stall_report
+        report = report if number == entered else _SILENT  # (about the collective it is in now)
         answer = [question[0], entered, int(seconds * 1000), needs, int(background_seconds * 1000), blocked]
+        answer.append(report)
         comm.Send(np.array(answer, np.int64), status.Get_source(), TAG_ANSWER)
 
 
@@ -337,16 +346,26 @@ def _inspect(m: _Mark) -> None:
     due_warning = warn > 0 and waited >= warn and (m.warned_at is None or waited - m.warned_at >= warn)
     if not (due_abort or due_warning):
         return
-    m.warned_at = waited
+    m.warned_at = float("inf")  # once per wait (the abort, if set, still comes)
+    number = ctx.entered
+    ctx.stall_report = (number, _ABOUT_TO_REPORT)  # (peers that ask meanwhile leave it to this rank)
     with _lock:
         text, reporter = _report(ctx, m, waited)
+    for _ in range(_DECIDE_TRIES):  # a higher-ranked peer about to report may yet leave it to this one
+        if reporter is not _UNDECIDED or due_abort:
+            break
+        _answer_for(_DECIDE_PAUSE_S)
+        with _lock:
+            text, reporter = _report(ctx, m, waited)
     if due_abort:
         from .failures import end_job
 
         end_job(f"{text}; ending the job (GFLOW_STALL_ABORT_S={abort:g})")
-    if reporter is None:
+    if reporter is None or reporter is _UNDECIDED:
         print(text, file=sys.stderr, flush=True)
-        m.warned_at = float("inf")  # once per wait (the abort, if set, still comes)
+        ctx.stall_report = (number, _REPORTED)
+    else:
+        ctx.stall_report = (number, _SILENT)
 
 
 def _channel(ctx):
@@ -406,20 +425,36 @@ def _report(ctx, m: _Mark, waited: float) -> tuple:
         )
     if not (late or silent or gone):
         parts.append("every rank has entered it: a peer is slow inside it, or the network is")
-    lower = [r for r in waiting if r < me and answers[r][0] == mine]  # (waiting in this very collective)
-    return "; ".join(parts), (lower[0] if lower else None)
+    # Who reports: a peer in this very collective that has; else the lowest-ranked of those about to;
+    # a higher-ranked one about to may still defer to this rank: undecided until it has chosen.
+    same = [r for r in waiting if answers[r][0] == mine]
+    reporter = [r for r in same if answers[r][5] == _REPORTED]
+    reporter += [r for r in same if r < me and answers[r][5] == _ABOUT_TO_REPORT]
+    if not reporter and any(answers[r][5] == _ABOUT_TO_REPORT for r in same):
+        return "; ".join(parts), _UNDECIDED
+    return "; ".join(parts), (reporter[0] if reporter else None)
+
+
+def _answer_for(seconds: float) -> None:
+    """Answer the peers' questions for `seconds` (the monitor thread, between its own questions)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for other in _watched:
+            _answer(other)
+        time.sleep(0.005)
 
 
 def _ask(asked, about, peers) -> dict:
     """Ask the peers, on asked's monitor duplicate, where they are (about asked itself, or its
-    background context): {rank: (collectives entered, seconds a thread waits in one or -1, and
-    _background_wait's three)} for those that answered within ANSWER_S."""
+    background context): {rank: (collectives entered, seconds a thread waits in one or -1,
+    _background_wait's three, and its stall report of the collective it is in: _SILENT,
+    _ABOUT_TO_REPORT or _REPORTED)} for those that answered within ANSWER_S."""
     global _questions
     _questions += 1
     comm, answers = asked.monitor_comm, {}
     question = np.array([_questions, about], np.int64)
     sends = [comm.Isend(question, r, TAG_QUESTION) for r in peers]
-    buffers = {r: np.empty(6, np.int64) for r in peers}
+    buffers = {r: np.empty(7, np.int64) for r in peers}
     receives = {r: comm.Irecv(buffers[r], r, TAG_ANSWER) for r in peers}
     deadline = time.monotonic() + ANSWER_S
     while receives and time.monotonic() < deadline:
@@ -428,7 +463,7 @@ def _ask(asked, about, peers) -> dict:
                 if buffers[r][0] == _questions:
                     del receives[r]
                     b = buffers[r]
-                    answers[r] = (int(b[1]), b[2] / 1000, int(b[3]), b[4] / 1000, bool(b[5]))
+                    answers[r] = (int(b[1]), b[2] / 1000, int(b[3]), b[4] / 1000, bool(b[5]), int(b[6]))
                 else:  # a late answer to an earlier question: wait on for this one's
                     receives[r] = comm.Irecv(buffers[r], r, TAG_ANSWER)
         for other in _watched:  # peers may be asking us at the same time
@@ -476,7 +511,7 @@ def _check_crossed(ctx, making: bool) -> None:
     answers = _ask(asked, about, [r for r in range(ctx.size) if r != ctx.rank])
     crossed = sorted(
         r
-        for r, (entered, _, needs, background_seconds, blocked) in answers.items()
+        for r, (entered, _, needs, background_seconds, blocked, _) in answers.items()
         if entered < number and blocked and background_seconds >= 0 and needs > position
     )
     if not crossed or not _engine_idle():
