@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gflow
+from gflow.collectives.dispatch import latency_path_bytes
 from gflow.collectives.topology import parse_setting
 from gflow.runtime.context import context
 
@@ -134,7 +135,8 @@ def test_auto_settles_by_topology_and_size():
     across nodes the hierarchical allreduce from hierarchical_min_bytes; the ring below, on one node
     of 2 ranks, or where every node holds one rank. Watched through the hierarchy it builds (made only
     when that algorithm runs)."""
-    big = random_array(rank_rng(1), gflow.config.shared_memory_min_bytes // 4 + 1, np.float32)
+    above = max(gflow.config.shared_memory_min_bytes, latency_path_bytes(WORLD.size))  # (p = 2: 2 MiB)
+    big = random_array(rank_rng(1), above // 4 + 1, np.float32)
     p = WORLD.size
     for setting, hierarchical in [("", p > 2), ("2", p > 2), ("1", False)]:
         with posed_nodes(setting) as comm:
@@ -226,7 +228,7 @@ def test_a_malformed_setting_fails_every_rank_and_names_it():
 
 @pytest.mark.parallel([2, 3])
 def test_algorithm_and_threshold_disagreements_fail_every_rank():
-    x = random_array(rank_rng(4), 100_000, np.float32)
+    x = random_array(rank_rng(4), latency_path_bytes(WORLD.size) // 4 + 100_000, np.float32)  # auto: not RD
     last = WORLD.rank == WORLD.size - 1
     with pytest.raises(gflow.MismatchError, match="algorithm=hierarchical"):
         gflow.allreduce(x, algorithm="ring" if last else "hierarchical")

@@ -17,6 +17,7 @@ from helpers import (
 
 import gflow
 from gflow.collectives.recursive_doubling import SEPARATE_PAYLOAD_BYTES
+from gflow.runtime.config import TWO_RANKS_FACTOR
 from gflow.runtime.context import context
 
 SIZES = [1, 2, 3, 4]
@@ -69,10 +70,12 @@ def test_warm_mismatches_raise_on_every_rank(odd):
     # The first call learns what this rank passes (before anything moves); the second is all lane.
     odd_rank = WORLD.size - 1 if odd == "last" else 0
     apart = SEPARATE_PAYLOAD_BYTES // 8  # float64 payloads from this length travel apart from the header
+    two_ranks = TWO_RANKS_FACTOR * gflow.config.small_message_bytes // 8  # the latency path's end at p = 2
     cases = {
         "length": (np.ones(10), np.ones(11)),
         "length across the split": (np.ones(apart - 1), np.ones(apart)),
         "length, both apart": (np.ones(apart + 3), np.ones(apart)),
+        "length across the two-rank bound": (np.ones(two_ranks), np.ones(two_ranks + 1)),  # (p = 2: RD, ring)
         "shape": (np.ones((2, 3)), np.ones((3, 2))),
         "dtype": (np.ones(4, np.float32), np.ones(4, np.int32)),
         "op": (np.ones(4), np.ones(4)),
@@ -89,6 +92,21 @@ def test_warm_mismatches_raise_on_every_rank(odd):
         # nothing is left in flight: the next call is correct
         y = random_array(rank_rng(3), 9, np.float64)
         on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(y), y, "sum"))  # noqa: B023
+
+
+@pytest.mark.parallel([2, 3])
+def test_two_ranks_take_recursive_doubling_up_to_16x_small_message_bytes():
+    # At p = 2 recursive doubling is one exchange, as the ring's is: "auto" takes it further there.
+    limit = TWO_RANKS_FACTOR * gflow.config.small_message_bytes
+    for n in (limit // 4, limit // 4 + 1):  # float32: at the bound, and one element over
+        x = random_array(rank_rng(n), n, np.float32)
+        for _ in range(2):  # (the first call learns; the lane serves only recursive doubling)
+            y = gflow.allreduce(x)
+            on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"), f"n={n}")  # noqa: B023
+            assert_same_on_all_ranks(y)
+        key = (x.dtype, x.shape, "sum", "auto", gflow.config.small_message_bytes)
+        took_recursive_doubling = context().small_calls.get(key) is not None
+        assert took_recursive_doubling == (WORLD.size == 2 and n * 4 <= limit), n
 
 
 @pytest.mark.parallel(MULTI)

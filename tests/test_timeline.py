@@ -13,6 +13,7 @@ import pytest
 from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
 
 import gflow
+from gflow.collectives.dispatch import latency_path_bytes
 from gflow.runtime import timeline
 
 
@@ -38,7 +39,8 @@ def test_a_lazy_step_and_an_allreduce_are_traced(tmp_path):
         if WORLD.size == 1
         else os.path.join(folder, f"trace.{WORLD.rank}.json")
     )
-    x = random_array(rank_rng(1), 300_000, np.float32)
+    # fp16 halves the bytes on the wire: above the latency path's end (2 MiB at p = 2), the ring
+    x = random_array(rank_rng(1), latency_path_bytes(WORLD.size) // 2 + 1000, np.float32)
     y = gflow.allreduce(x, compression="fp16")
     lazy = gflow.LazyAllreduce(threshold_bytes=2**16, op="sum")
     grads = [random_array(rank_rng(2), n, np.float32) for n in (20_000, 30, 50_000)]

@@ -10,8 +10,9 @@ from ..runtime.signature import DTYPE_CODE, check_op
 from .dispatch import choose
 
 
-def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True, holds=None):
-    """allreduce's local checks: (kind, dtype, op name, algorithm, compression, result array).
+def check_allreduce(x, op, out, algorithm, compression, *, ranks: int, need_out: bool = True, holds=None):
+    """allreduce's local checks on a communicator of `ranks`: (kind, dtype, op name, algorithm,
+    compression, result array).
     `holds`: for gflow's own flat buffers (the compressed wire, LazyAllreduce's segments), the dtype
     they hold, which on the device may differ from the array's own (bfloat16 as uint16 bits)."""
     if holds is None:
@@ -22,7 +23,7 @@ def check_allreduce(x, op, out, algorithm, compression, need_out: bool = True, h
     codec = check_compression(compression, dtype) if compression is not None else None
     count = kind.size(x)
     nbytes = count * (2 if codec else dtype.itemsize)
-    chosen = choose(algorithm, nbytes, kind.transport().ring_only)
+    chosen = choose(algorithm, nbytes, ranks, kind.transport().ring_only)
     result = kind.prepare_out(x, out, dtype, count) if (need_out or out is not None) else None
     return kind, dtype, name, chosen, codec, result
 

@@ -9,13 +9,20 @@ signature by runtime/signature.py, so ranks configured differently fail the agre
 from mpi4py import MPI
 
 from ..runtime import timeline
-from ..runtime.config import config
+from ..runtime.config import MAX_SMALL_MESSAGE_BYTES, TWO_RANKS_FACTOR, config
 from ..runtime.context import CommContext
 from ..runtime.signature import MEMORY_CODE, signature
 from . import hierarchical, ring
 from .recursive_doubling import allreduce_with_agreement
 
 USER_ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")  # what algorithm= takes
+
+
+def latency_path_bytes(ranks: int) -> int:
+    """The largest message "auto" sends by recursive doubling on a communicator of `ranks`."""
+    if ranks == 2:
+        return min(MAX_SMALL_MESSAGE_BYTES, TWO_RANKS_FACTOR * config.small_message_bytes)
+    return config.small_message_bytes
 
 
 def _agree(ctx: CommContext, sig: tuple) -> None:
@@ -49,7 +56,7 @@ def allreduce_flat(ctx: CommContext, src, dst, *, ops, sig: tuple, chosen: str, 
     elif chosen == "recursive_doubling":
         with timeline.span("recursive doubling", bytes=dst.nbytes) if timeline.active() else timeline.OFF:
             allreduce_with_agreement(
-                ctx, sig, config.small_message_bytes, src, dst, "sum" if name == "mean" else name
+                ctx, sig, latency_path_bytes(ctx.size), src, dst, "sum" if name == "mean" else name
             )
         if name == "mean":
             ops.divide(dst, ctx.size)
@@ -64,14 +71,14 @@ def allreduce_flat(ctx: CommContext, src, dst, *, ops, sig: tuple, chosen: str, 
             ring.allreduce(ctx, src, dst, ops, name)
 
 
-def choose(algorithm: str, nbytes: int, ring_only: bool = False) -> str:
-    """The algorithm for a message of nbytes, as far as it can be told before the ranks talk: "auto"
-    above config.small_message_bytes stays "auto" (ring or hierarchical, settled from the topology
-    after the agreement). Where the transport is ring_only (device memory straight to MPI), the
-    latency path is out: a small "auto" or "recursive_doubling" takes the ring, once the request
-    itself has been checked."""
+def choose(algorithm: str, nbytes: int, ranks: int, ring_only: bool = False) -> str:
+    """The algorithm for a message of nbytes on a communicator of `ranks`, as far as it can be told
+    before the ranks talk: "auto" above latency_path_bytes stays "auto" (ring or hierarchical,
+    settled from the topology after the agreement). Where the transport is ring_only (device memory
+    straight to MPI), the latency path is out: a small "auto" or "recursive_doubling" takes the
+    ring, once the request itself has been checked."""
     if algorithm == "auto":
-        chosen = "recursive_doubling" if nbytes <= config.small_message_bytes else "auto"
+        chosen = "recursive_doubling" if nbytes <= latency_path_bytes(ranks) else "auto"
     elif algorithm in ("ring", "hierarchical"):
         chosen = algorithm
     elif algorithm == "recursive_doubling":

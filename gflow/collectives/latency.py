@@ -29,6 +29,7 @@ from ..runtime.context import CommContext
 from ..runtime.signature import signature
 from . import recursive_doubling
 from .checks import check_allreduce, shape_fingerprint
+from .dispatch import latency_path_bytes
 
 _UNSEEN = object()
 _MAX_ENTRIES = 256  # a trainer reduces a handful of shapes; a script that makes new ones forever is bounded
@@ -60,7 +61,7 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
     if small is None or not x.flags.c_contiguous:
         return None
     if small.plan is None:
-        small.plan = recursive_doubling.plan_for(ctx, small.sig, config.small_message_bytes, x)
+        small.plan = recursive_doubling.plan_for(ctx, small.sig, latency_path_bytes(ctx.size), x)
     if out is None:
         result = np.empty(small.shape, small.dtype)
     elif out is x and x.flags.writeable:
@@ -90,7 +91,8 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
 def _learn(ctx: CommContext, x: np.ndarray, op: str, algorithm: str):
     """A SmallCall for calls like this one, or None where the fast lane does not serve them."""
     try:
-        _, dtype, name, chosen, _, _ = check_allreduce(x, op, None, algorithm, None, need_out=False)
+        checked = check_allreduce(x, op, None, algorithm, None, ranks=ctx.size, need_out=False)
+        _, dtype, name, chosen, _, _ = checked
     except Exception:  # the general path raises it, after telling the peers
         return None
     if chosen != "recursive_doubling" or ctx.size == 1:  # (x is a plain ndarray: operations.allreduce)

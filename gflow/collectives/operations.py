@@ -47,7 +47,8 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
         op: "sum", "mean" (floating dtypes only), "max", "min", or MPI.SUM/MAX/MIN.
         comm: an mpi4py intracommunicator; gflow talks on its own cached duplicate. Default COMM_WORLD.
         out: where to write the result (same kind, dtype and size as x, C-contiguous); may be x.
-        algorithm: "auto" (recursive doubling up to config.small_message_bytes; above, the
+        algorithm: "auto" (recursive doubling up to config.small_message_bytes, 16x that on two
+            ranks, where it is one exchange as the ring's is; above, the
             hierarchical allreduce where the topology makes it pay (see gflow.config), else the
             ring), "ring", "hierarchical" (node phase, cross-node ring per shard, node phase; see
             collectives/hierarchical.py), or "recursive_doubling" (only up to
@@ -112,7 +113,7 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
     """allreduce_async on a given context; `tag` and `about` as for allreduce_on (gflow.torch's: what
     the ranks agree on in place of x's shape, and how this rank's call reads in a MismatchError)."""
     try:
-        kind = check_allreduce(x, op, out, algorithm, compression, need_out=False)[0]
+        kind = check_allreduce(x, op, out, algorithm, compression, ranks=parent.size, need_out=False)[0]
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
     ctx = parent.background()
@@ -153,7 +154,7 @@ def allreduce_on(
     ctx.check_usable()
     try:
         kind, dtype, name, chosen, codec, result = check_allreduce(
-            x, op, out, algorithm, compression, holds=holds
+            x, op, out, algorithm, compression, ranks=ctx.size, holds=holds
         )
     except Exception:
         reject(ctx, "allreduce")

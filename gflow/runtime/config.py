@@ -66,6 +66,11 @@ DEFAULT_SMALL_MESSAGE_BYTES = 128 * 1024
 # truncated: Open MPI 4.1's shared-memory transport overruns the receive buffer of a truncated
 # rendezvous message (bench/RESULTS.md, "Open MPI"). Above a few MiB the ring wins anyway.
 MAX_SMALL_MESSAGE_BYTES = 4 * 2**20
+# At two ranks recursive doubling is one exchange of the whole message each way, where the ring makes
+# two of half of it plus the agreement: the same bytes, fewer latencies. "auto" takes it up to this many
+# times small_message_bytes there (2 MiB at the default; at 4 MiB the ring's halved reduction won:
+# bench/RESULTS.md, "The cost of a call"), within MAX_SMALL_MESSAGE_BYTES.
+TWO_RANKS_FACTOR = 16
 # The ring's reduce-scatter moves each chunk in segments of this size, so that what a rank has just
 # received is still in cache when it is reduced (bench/RESULTS.md).
 DEFAULT_RING_SEGMENT_BYTES = 256 * 1024

@@ -38,8 +38,8 @@ follows its code:
 - ring: 2(p-1) steps; reduce-scatter steps move ceil(chunk / segment) segments each and reduce
   them (the code overlaps a segment's reduction with the next one's transfer, but the same cores do
   both, so the model adds them); a step waits for the slowest link it crosses.
-- recursive doubling (messages up to config.small_message_bytes): ceil(log2 p) rounds (+2 when p is
-  not a power of two), each a whole message.
+- recursive doubling (messages up to config.small_message_bytes, 16x that at p = 2): ceil(log2 p)
+  rounds (+2 when p is not a power of two), each a whole message.
 - hierarchical: the node phase (shared memory: node_passes copies per byte and two barriers; or
   a ring inside the node), then a ring per shard across the m nodes, whose k flows share each node's
   link, so 2(m-1)/m of the message crosses it instead of the flat ring's 2(p-1)/p.
@@ -64,6 +64,8 @@ from ..runtime.config import (
     DEFAULT_RING_SEGMENT_BYTES,
     DEFAULT_SHARED_MEMORY_MIN_BYTES,
     DEFAULT_SMALL_MESSAGE_BYTES,
+    MAX_SMALL_MESSAGE_BYTES,
+    TWO_RANKS_FACTOR,
 )
 from .workloads import MODELS
 
@@ -232,7 +234,9 @@ def allreduce_time(
         return codec + cpu * cal.copy * nbytes
     alpha_x, beta_x = (cal.alpha_inter, cal.beta_inter) if m > 1 else (cal.alpha_intra, cpu * cal.beta_intra)
     if algorithm == "auto":  # as collectives/dispatch.py settles it, for host arrays
-        if nbytes <= DEFAULT_SMALL_MESSAGE_BYTES:
+        two_ranks_bytes = min(MAX_SMALL_MESSAGE_BYTES, TWO_RANKS_FACTOR * DEFAULT_SMALL_MESSAGE_BYTES)
+        two_ranks = ranks == 2 and nbytes <= two_ranks_bytes
+        if nbytes <= DEFAULT_SMALL_MESSAGE_BYTES or two_ranks:
             algorithm = "recursive_doubling"
         elif m > 1:
             algorithm = "hierarchical" if k > 1 and nbytes >= DEFAULT_HIERARCHICAL_MIN_BYTES else "ring"
