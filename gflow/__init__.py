@@ -14,11 +14,16 @@ from .runtime import lifecycle as _lifecycle  # noqa: F401 - registers the exit 
 from .runtime.config import config
 from .runtime.engine import Handle
 from .runtime.failures import install as _install_excepthook
+from .runtime.mpi import launcher_mismatch as _launcher_mismatch
 from .runtime.timeline import start_timeline, stop_timeline
 from .training.data_parallel import DataParallel, broadcast_parameters
 from .training.loss_scaler import LossScaler
 
 _install_excepthook()
+if _launcher_mismatch() is not None:  # (before any collective: each rank would reduce with itself alone)
+    import warnings as _warnings
+
+    _warnings.warn(f"gflow: {_launcher_mismatch()}", RuntimeWarning, stacklevel=2)
 if _os.environ.get("GFLOW_TIMELINE"):
     start_timeline(_os.environ["GFLOW_TIMELINE"])
 

@@ -69,8 +69,9 @@ def info() -> int:
     from mpi4py import MPI
 
     import gflow
-    from gflow.runtime.mpi import mpi_library, thread_level_name
+    from gflow.runtime.mpi import launcher, launcher_mismatch, mpi_library, thread_level_name
 
+    started_by, ranks = launcher()
     lines = {
         "gflow": gflow.__version__,
         "python": sys.version.split()[0],
@@ -79,6 +80,7 @@ def info() -> int:
         "MPI standard": "{}.{}".format(*MPI.Get_version()),
         "thread level": thread_level_name(MPI.Query_thread()),
         "world size": MPI.COMM_WORLD.size,
+        "launcher": f"{started_by} ({ranks} ranks)" if ranks else "none (this process alone)",
         "topology": _topology(),
         "numpy": np.__version__,
         "validate": gflow.config.validate,
@@ -110,6 +112,9 @@ def info() -> int:
         lines["device buffers"] = transport.describe()
     except Exception as exc:  # noqa: BLE001 - Numba's CUDA support may fail to load without a GPU
         lines["device buffers"] = f"unavailable ({type(exc).__name__})"
+    mismatch = launcher_mismatch()
+    if mismatch is not None:
+        lines["LAUNCHER MISMATCH"] = mismatch
     if MPI.COMM_WORLD.rank == 0:
         width = max(map(len, lines))
         for key, value in lines.items():

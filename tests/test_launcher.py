@@ -1,0 +1,56 @@
+"""A launcher of another MPI library (a system Open MPI's mpiexec starting the MPICH wheel's processes,
+or MPICH's starting an Open MPI build) leaves every rank alone in a world of one: n trainings, each
+believing it is the job. gflow names it at import and in `gflow info` (gflow/runtime/mpi.py)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import WORLD
+
+from gflow.runtime.mpi import launcher, launcher_mismatch, mpi_library
+
+LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HYDI_CONTROL_FD", "SLURM_NTASKS", "SLURM_PROCID")
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, "Open MPI's mpiexec as one of 4 ranks"),
+        ({"PMI_SIZE": "3", "HYDI_CONTROL_FD": "7"}, "MPICH's mpiexec (Hydra) as one of 3 ranks"),
+        ({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}, "Slurm's srun as one of 8 ranks"),
+    ],
+)
+def test_several_ranks_launched_but_a_world_of_one_is_named(monkeypatch, variables, named):
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert launcher() == ("none", 0) and launcher_mismatch() is None  # a process on its own: all well
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    message = launcher_mismatch()
+    assert message is not None and named in message and "sees a world of 1" in message, message
+    right = "Open MPI's own" if mpi_library().startswith("Open MPI") else ".venv/bin/mpiexec"
+    assert right in message, message  # the launcher to use instead, for the library mpi4py loaded
+
+
+@pytest.mark.parallel([2, 3])
+def test_the_right_launcher_is_not_flagged():
+    name, ranks = launcher()
+    assert ranks == WORLD.size and launcher_mismatch() is None, (name, ranks)
+
+
+def test_import_warns_and_info_says_so():
+    # A launcher's variables that the MPICH wheel does not read: the process starts alone, as it does
+    # under another library's launcher (the real Open MPI's mpiexec also sets PMIx variables, on which
+    # MPICH's MPI_Init itself stops with "unsupported PMI version PMIx": README, "On a cluster").
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("PMI")}
+    env["OMPI_COMM_WORLD_SIZE"] = "4"
+    done = subprocess.run(
+        [sys.executable, "-c", "import gflow"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "as one of 4 ranks" in done.stderr, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "gflow", "info"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "LAUNCHER MISMATCH" in done.stdout and "Open MPI's mpiexec (4 ranks)" in done.stdout, done.stdout
