@@ -11,7 +11,7 @@ from helpers import WORLD
 
 from gflow.runtime.mpi import launcher, launcher_mismatch, mpi_library
 
-LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HYDI_CONTROL_FD", "SLURM_NTASKS", "SLURM_PROCID")
+LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HYDI_CONTROL_FD", "SLURM_STEP_NUM_TASKS")
 
 
 @pytest.mark.parametrize(
@@ -19,7 +19,7 @@ LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HYDI_CONTROL_FD", "SL
     [
         ({"OMPI_COMM_WORLD_SIZE": "4"}, "Open MPI's mpiexec as one of 4 ranks"),
         ({"PMI_SIZE": "3", "HYDI_CONTROL_FD": "7"}, "MPICH's mpiexec (Hydra) as one of 3 ranks"),
-        ({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}, "Slurm's srun as one of 8 ranks"),
+        ({"SLURM_STEP_NUM_TASKS": "8"}, "Slurm's srun as one of 8 ranks"),
     ],
 )
 def test_several_ranks_launched_but_a_world_of_one_is_named(monkeypatch, variables, named):
@@ -32,6 +32,27 @@ def test_several_ranks_launched_but_a_world_of_one_is_named(monkeypatch, variabl
     assert message is not None and named in message and "sees a world of 1" in message, message
     right = "Open MPI's own" if mpi_library().startswith("Open MPI") else ".venv/bin/mpiexec"
     assert right in message, message  # the launcher to use instead, for the library mpi4py loaded
+
+
+def test_a_slurm_batch_script_is_no_launch(monkeypatch):
+    # sbatch -n 4 sets the job's SLURM_NTASKS and SLURM_PROCID in the batch script itself: a process
+    # started there alone (data preparation, `gflow info`) is not a rank of a step.
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert launcher() == ("none", 0) and launcher_mismatch() is None
+
+
+def test_no_check_before_mpi_is_started():
+    # mpi4py.rc.initialize = False: the program starts MPI itself, after importing gflow.
+    code = (
+        "import mpi4py; mpi4py.rc.initialize = False; import gflow; "
+        "from mpi4py import MPI; print(MPI.Is_initialized())"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
 
 
 @pytest.mark.parallel([2, 3])

@@ -32,8 +32,8 @@ def launcher() -> tuple[str, int]:
     if "PMI_SIZE" in env:
         name = "MPICH's mpiexec (Hydra)" if "HYDI_CONTROL_FD" in env else "a PMI launcher (Slurm's srun?)"
         return name, int(env["PMI_SIZE"])
-    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
-        return "Slurm's srun", int(env["SLURM_NTASKS"])
+    if "SLURM_STEP_NUM_TASKS" in env:  # (an srun step's own: a batch script also has SLURM_NTASKS)
+        return "Slurm's srun", int(env["SLURM_STEP_NUM_TASKS"])
     return "none", 0
 
 
@@ -41,6 +41,8 @@ def launcher_mismatch() -> str | None:
     """What is wrong where the launcher started several ranks but MPI sees a world of one: the
     launcher belongs to another MPI library than the one mpi4py loaded, so every rank runs alone,
     each believing it is the whole job (n independent trainings, silently). None where all is well."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():  # (mpi4py.rc.initialize = False: not yet told)
+        return None
     name, ranks = launcher()
     world = MPI.COMM_WORLD.Get_size()
     if ranks > 1 and world == 1:
