@@ -42,6 +42,35 @@ def test_allreduce_time_follows_the_algorithms():
     )
 
 
+def test_recursive_doubling_rounds_across_nodes_share_the_link():
+    # Only the link costs here. 16 ranks: in nodes of 8, one round crosses, with all 8 ranks of a node
+    # sending their whole message over its link at once; in nodes of 1, all four rounds cross, one flow
+    # each. (The review's case: a 4 MiB call at 512 ranks, 8 per node, modelled with one flow per link.)
+    nbytes, beta = 4 * 2**20, 1e-9
+    links_only = model.Calibration(
+        alpha_inter=0, beta_inter=beta, alpha_intra=0, beta_intra=0, gamma=0, rd_step=0, py_call=0
+    )
+    rd = dict(algorithm="recursive_doubling", calibration=links_only)
+    assert model.allreduce_time(nbytes, 16, ranks_per_node=8, **rd) == pytest.approx(8 * nbytes * beta)
+    assert model.allreduce_time(nbytes, 16, ranks_per_node=1, **rd) == pytest.approx(4 * nbytes * beta)
+
+
+def test_a_cluster_keeps_its_own_latency_inside_a_node():
+    # A calibration taken with one rank per core carries that CPU's fixed costs; on a GPU cluster the
+    # latency inside a node is the cluster's (cluster()), which they must not replace.
+    crowded = model.Calibration(cores=2, uncrowded={"alpha_intra": 1.0, "py_step": CAL.py_step})
+    gpu = model.cluster(crowded, 56e9, 5e-6, 8)
+    assert "alpha_intra" not in gpu.uncrowded and gpu.alpha_intra == 5e-6
+    t = model.allreduce_time(2**20, 16, algorithm="hierarchical", ranks_per_node=8, calibration=gpu)
+    assert t < 0.5  # (with the CPU's 1 s latency in it, a second or more)
+
+
+def test_a_busy_machine_is_named():
+    assert model.busier_than_cores(4, 2, load=5.0) is None  # this job's 4 ranks, and 1 more: fine
+    message = model.busier_than_cores(4, 2, load=11.0)
+    assert message and "load 11.0 on 2 cores" in message and "4 ranks" in message, message
+
+
 def test_step_time_and_segments():
     assert model.segments([3, 3, 3, 3, 1], 5) == [6, 6, 1]
     sizes = model.workload_sizes("resnet50")

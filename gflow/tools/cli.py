@@ -144,9 +144,15 @@ def calibrate_command(args) -> int:
         progress=(lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     )
     if rank == 0:
-        for path in dict.fromkeys([args.out, model.LAST_CALIBRATION]):
-            cal.save(path)
-        print(f"wrote {args.out} (and {model.LAST_CALIBRATION}, the default for `gflow model`)")
+        cal.save(args.out)
+        if args.install:
+            cal.save(model.LAST_CALIBRATION)
+            print(f"wrote {args.out}, and {model.LAST_CALIBRATION}: now the default for `gflow model`")
+        else:
+            print(
+                f"wrote {args.out} (`gflow model --calibration {args.out}` uses it; `--install` makes it "
+                "the default)"
+            )
     return 0
 
 
@@ -303,6 +309,9 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="versions, MPI library and thread level, GPU seen or not")
     c = sub.add_parser("calibrate", help="measure the cost model's constants (run under mpiexec)")
     c.add_argument("--out", default="gflow-calibration.json", help="the JSON file to write")
+    c.add_argument(
+        "--install", action="store_true", help="also make it the default calibration of `gflow model`"
+    )
     m = sub.add_parser("model", help="predict allreduce and step times at scale from a calibration")
     m.add_argument("--ranks", type=int, required=True)
     m.add_argument("--ranks-per-node", type=int, default=8)
