@@ -65,6 +65,18 @@ def test_a_cluster_keeps_its_own_latency_inside_a_node():
     assert t < 0.5  # (with the CPU's 1 s latency in it, a second or more)
 
 
+def test_csc_counts_fp16_gradients_by_their_elements():
+    # The same gradients in fp16: half the bytes, the same number of elements to rank and select, so
+    # CSC's local pass costs the same (the review found it halved: nbytes // 4 of fp16 bytes).
+    elems = 2**22
+    kw = dict(lazy_threshold=None, density=0.01, calibration=CAL, ranks_per_node=1)
+    csc_only = model.Calibration(**{**vars(CAL), "csc": 1e-3})  # (the local pass dominates)
+    kw["calibration"] = csc_only
+    fp32 = model.step_time([4 * elems], 1, 0.0, **kw)["comm_s"]
+    fp16 = model.step_time([2 * elems], 1, 0.0, dtype_bytes=2, **kw)["comm_s"]
+    assert fp16 == pytest.approx(fp32, rel=0.01)
+
+
 def test_a_busy_machine_is_named():
     assert model.busier_than_cores(4, 2, load=5.0) is None  # this job's 4 ranks, and 1 more: fine
     message = model.busier_than_cores(4, 2, load=11.0)

@@ -306,11 +306,13 @@ def step_time(
     algorithm: str = "auto",
     calibration=None,
     local_copies: float = 1.0,
+    dtype_bytes: int = 4,
 ) -> dict:
     """One training step on `ranks` ranks: {'comm_s', 'iteration_s', 'speedup', 'efficiency'}.
 
     sizes_bytes: the gradients in production order (last layer first: pass them reversed from the
     parameter order). lazy_threshold None: one allreduce per tensor. density: CSC's (None: dense).
+    dtype_bytes: the gradients' element size (2: trained in fp16), for CSC's element count.
     local_copies: passes of copying over the gradients besides the allreduces (LazyAllreduce's
     flush() copies the results back into the pushed arrays: 1; pushing ordinary arrays adds 1)."""
     cal = calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
@@ -319,7 +321,7 @@ def step_time(
     times = []
     for nbytes in groups:
         if density is not None:
-            elems = nbytes // 4
+            elems = nbytes // dtype_bytes
             k = min(ranks_per_node or ranks, ranks)
             local = _slowdown(cal, k) * cal.csc * elems
             norms = allreduce_time(4 * max(1, elems // chunk_elems), ranks, **kw)
@@ -622,9 +624,9 @@ def predict(sizes_bytes, ranks, ranks_per_node, compute_s, batch, cal, density=0
     """Rows of the model's table: each technique's step at `ranks`."""
     rows = []
     for name, algorithm, compression, threshold, csc, overlap in techniques:
-        wire = sizes_bytes
+        wire, dtype_bytes = sizes_bytes, 4
         if compression == "fp16":  # compute in fp16: the gradients are fp16 already, no codec pass
-            wire, compression = [s // 2 for s in sizes_bytes], None
+            wire, compression, dtype_bytes = [s // 2 for s in sizes_bytes], None, 2
         step = step_time(
             wire,
             ranks,
@@ -632,6 +634,7 @@ def predict(sizes_bytes, ranks, ranks_per_node, compute_s, batch, cal, density=0
             ranks_per_node=ranks_per_node,
             compression=compression,
             lazy_threshold=threshold,
+            dtype_bytes=dtype_bytes,
             density=density if csc else None,
             overlap=overlap,
             algorithm=algorithm,
