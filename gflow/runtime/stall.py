@@ -380,8 +380,9 @@ def _channel(ctx):
 
 
 def _report(ctx, m: _Mark, waited: float) -> tuple:
-    """(the stall message: this rank, the collective and where every other rank of ctx is; the
-    lower-ranked peer waiting in it too that reports it instead, or None where this rank does)."""
+    """(the stall message: this rank, the collective and where every other rank of ctx is; who
+    reports it: the peer in it too that does instead, None where this rank does, or _UNDECIDED while
+    a higher-ranked peer about to report has not chosen)."""
     job = f" ({m.job})" if m.job else ""
     if not config.validate:
         return (
