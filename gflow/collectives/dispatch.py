@@ -9,7 +9,7 @@ signature by runtime/signature.py, so ranks configured differently fail the agre
 from mpi4py import MPI
 
 from ..runtime import timeline
-from ..runtime.config import MAX_SMALL_MESSAGE_BYTES, TWO_RANKS_FACTOR, config
+from ..runtime.config import config, latency_path_limit
 from ..runtime.context import CommContext
 from ..runtime.signature import MEMORY_CODE, signature
 from . import hierarchical, ring
@@ -20,9 +20,7 @@ USER_ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")  # what
 
 def latency_path_bytes(ranks: int) -> int:
     """The largest message "auto" sends by recursive doubling on a communicator of `ranks`."""
-    if ranks == 2:
-        return min(MAX_SMALL_MESSAGE_BYTES, TWO_RANKS_FACTOR * config.small_message_bytes)
-    return config.small_message_bytes
+    return latency_path_limit(ranks, config.small_message_bytes)
 
 
 def _agree(ctx: CommContext, sig: tuple) -> None:

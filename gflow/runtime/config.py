@@ -71,6 +71,16 @@ MAX_SMALL_MESSAGE_BYTES = 4 * 2**20
 # times small_message_bytes there (2 MiB at the default; at 4 MiB the ring's halved reduction won:
 # bench/RESULTS.md, "The cost of a call"), within MAX_SMALL_MESSAGE_BYTES.
 TWO_RANKS_FACTOR = 16
+
+
+def latency_path_limit(ranks: int, small_message_bytes: int) -> int:
+    """The largest message "auto" sends by recursive doubling on a communicator of `ranks`, given
+    small_message_bytes (collectives/dispatch.py with the live setting; the cost model with the default)."""
+    if ranks == 2:
+        return min(MAX_SMALL_MESSAGE_BYTES, TWO_RANKS_FACTOR * small_message_bytes)
+    return small_message_bytes
+
+
 # The ring's reduce-scatter moves each chunk in segments of this size, so that what a rank has just
 # received is still in cache when it is reduced (bench/RESULTS.md).
 DEFAULT_RING_SEGMENT_BYTES = 256 * 1024

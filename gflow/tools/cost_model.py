@@ -64,8 +64,7 @@ from ..runtime.config import (
     DEFAULT_RING_SEGMENT_BYTES,
     DEFAULT_SHARED_MEMORY_MIN_BYTES,
     DEFAULT_SMALL_MESSAGE_BYTES,
-    MAX_SMALL_MESSAGE_BYTES,
-    TWO_RANKS_FACTOR,
+    latency_path_limit,
 )
 from .workloads import MODELS
 
@@ -234,9 +233,7 @@ def allreduce_time(
         return codec + cpu * cal.copy * nbytes
     alpha_x, beta_x = (cal.alpha_inter, cal.beta_inter) if m > 1 else (cal.alpha_intra, cpu * cal.beta_intra)
     if algorithm == "auto":  # as collectives/dispatch.py settles it, for host arrays
-        two_ranks_bytes = min(MAX_SMALL_MESSAGE_BYTES, TWO_RANKS_FACTOR * DEFAULT_SMALL_MESSAGE_BYTES)
-        two_ranks = ranks == 2 and nbytes <= two_ranks_bytes
-        if nbytes <= DEFAULT_SMALL_MESSAGE_BYTES or two_ranks:
+        if nbytes <= latency_path_limit(ranks, DEFAULT_SMALL_MESSAGE_BYTES):
             algorithm = "recursive_doubling"
         elif m > 1:
             algorithm = "hierarchical" if k > 1 and nbytes >= DEFAULT_HIERARCHICAL_MIN_BYTES else "ring"
