@@ -20,10 +20,11 @@ from .training.data_parallel import DataParallel, broadcast_parameters
 from .training.loss_scaler import LossScaler
 
 _install_excepthook()
-if _launcher_mismatch() is not None:  # (before any collective: each rank would reduce with itself alone)
+_mismatch = _launcher_mismatch()
+if _mismatch is not None:  # (before any collective: each rank would reduce with itself alone)
     import warnings as _warnings
 
-    _warnings.warn(f"gflow: {_launcher_mismatch()}", RuntimeWarning, stacklevel=2)
+    _warnings.warn(f"gflow: {_mismatch}", RuntimeWarning, stacklevel=2)
 if _os.environ.get("GFLOW_TIMELINE"):
     start_timeline(_os.environ["GFLOW_TIMELINE"])
 

@@ -15,7 +15,8 @@ many payload bytes follow it, and the receiver takes a second message only when 
 says so: ranks that disagree on the size (and so on how they send) still pair message for message.
 
 Used two ways:
-- with the data as payload, for messages up to small_message_bytes: the check rides along for free;
+- with the data as payload, for messages up to small_message_bytes (16x that at two ranks:
+  dispatch.latency_path_bytes): the check rides along for free;
 - header only, before the ring, for larger messages: log2(p) tiny messages.
 
 Schedule (p2 = largest power of two <= p, rem = p - p2): ranks below 2*rem pair up, the even one sends
@@ -112,8 +113,8 @@ class _Plan:
         whole_recv = [recv, MPI.BYTE]
         payload = [send[HEADER_BYTES : HEADER_BYTES + nbytes], MPI.BYTE]
         payload_room = [recv[HEADER_BYTES:], MPI.BYTE]  # where a combined message's payload lands too
-        self.comm, fold = ctx.comm, ctx.rd_fold
-        comm = ctx.comm
+        self.comm = comm = ctx.comm
+        fold = ctx.rd_fold
 
         def step(peer, peer_is_lower, action, receives=True, sends=True):
             requests = [comm.Recv_init(whole_recv, peer, TAG_AGREE)] if receives else []
@@ -257,7 +258,7 @@ def _follows(recv_mv) -> int:
     """The bytes of payload a gflow peer's header says follow it in a message of their own; 0 for a
     header that says none, or that is not gflow's (its mismatch is recorded on combining)."""
     follows = int.from_bytes(recv_mv[_FOLLOWS_BYTES], sys.byteorder, signed=True)
-    if follows and 0 < follows <= MAX_SMALL_MESSAGE_BYTES and recv_mv[:8] == _MAGIC_BYTES:
+    if 0 < follows <= MAX_SMALL_MESSAGE_BYTES and recv_mv[:8] == _MAGIC_BYTES:
         return follows
     return 0
 

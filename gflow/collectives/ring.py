@@ -44,6 +44,12 @@ def chunk_bounds(n: int, p: int) -> list[int]:
     return bounds
 
 
+def segment_elems(widest: int, itemsize: int) -> int:
+    """Elements per reduce-scatter segment: config.ring_segment_bytes' worth, within one message and
+    within the widest chunk."""
+    return max(1, min(widest, config.ring_segment_bytes // itemsize, MAX_MESSAGE_BYTES // itemsize))
+
+
 def piece_elems(dtype) -> int:
     """Elements of dtype per message: as many whole elements as fit in MAX_MESSAGE_BYTES."""
     return max(1, MAX_MESSAGE_BYTES // np.dtype(dtype).itemsize)
@@ -64,8 +70,7 @@ def reduce_scatter(ctx: CommContext, src, buf, ops, op: str, bounds: list[int]) 
     widest = max([bounds[c + 1] - bounds[c] for c in range(p)])
     if widest == 0:  # nothing to reduce (an empty array): no exchange on any rank
         return
-    itemsize = buf.dtype.itemsize
-    seg = max(1, min(widest, config.ring_segment_bytes // itemsize, MAX_MESSAGE_BYTES // itemsize))
+    seg = segment_elems(widest, buf.dtype.itemsize)
     scratch = ctx.scratch("ring_tmp", 2 * seg, buf.dtype, ops)
     if native.usable(ops) and not timeline.active():  # (a timeline shows each wait: the Python loop)
         native.reduce_scatter(ctx, src, buf, scratch, bounds, seg, widest, op)
@@ -144,7 +149,7 @@ def allreduce(ctx: CommContext, src, buf, ops, op: str) -> None:
         itemsize = buf.dtype.itemsize
         widest = bounds[1]  # (chunk 0 is the longest: chunk_bounds)
         if 0 < widest <= MAX_MESSAGE_BYTES // itemsize and (op != "mean" or buf.dtype in _DIVIDED_IN_LOOP):
-            seg = max(1, min(widest, config.ring_segment_bytes // itemsize))
+            seg = segment_elems(widest, itemsize)
             landing = ctx.scratch("ring_tmp", 2 * seg, buf.dtype, ops)
             native.allreduce(ctx, src, buf, landing, bounds, seg, widest, op)
             return
