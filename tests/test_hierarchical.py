@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import (
@@ -27,6 +28,7 @@ from gflow.collectives.topology import parse_setting
 from gflow.runtime.context import context
 
 SIZES = [1, 2, 3, 4]
+BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 OPS = ["sum", "mean", "max", "min"]
 SETTINGS = ["", "1", "2", "3"]
@@ -101,7 +103,8 @@ def test_read_only_and_strided_inputs():
 def test_pieces_ints_and_a_node_without_room(monkeypatch):
     """Messages above shared_memory_max_bytes go in pieces; an int setting works like the string
     (and agrees with it); a node whose /dev/shm lacks room takes a ring inside the node, warning."""
-    from gflow.collectives import hierarchical
+    from gflow.collectives import peer_memory
+    from gflow.runtime import shared_memory
 
     x = random_array(rank_rng(8), 100_003, np.float64)
     monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 8192)
@@ -109,13 +112,13 @@ def test_pieces_ints_and_a_node_without_room(monkeypatch):
         with posed_nodes(setting) as comm:
             on_all_ranks(lambda c=comm: assert_close_to_reference(gflow.allreduce(x, comm=c), x, "sum"))
             assert_same_on_all_ranks(gflow.allreduce(x, "max", algorithm="hierarchical", comm=comm))
-    monkeypatch.setattr(hierarchical, "_shared_memory_room", lambda: 1000)
-    monkeypatch.setattr(hierarchical, "_warned", False)
+    monkeypatch.setattr(shared_memory, "room", lambda: 1000)
+    monkeypatch.setattr(peer_memory, "_warned", set())
     with posed_nodes("") as comm:
         with pytest.warns(RuntimeWarning, match="using a ring inside the node"):
             y = gflow.allreduce(x, algorithm="hierarchical", comm=comm)
         on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))
-        assert context(comm).hierarchy._window is None
+        assert context(comm).hierarchy.peers("host", "host")._slots is None
 
 
 @pytest.mark.parallel([2, 3])
@@ -191,17 +194,75 @@ def test_fp16_async_lazy_and_sparse_ride_on_the_hierarchy():
         on_all_ranks(check)
 
 
-@pytest.mark.parallel([1, 2, 3])
-def test_device_arrays_take_the_ring_node_phase(transport_mode):
-    """Device arrays (Numba's simulator here) keep their path inside the node: its ring."""
+def peers_used(comm):
+    """Which peer memory the node phase of comm's last hierarchical call could use, per key."""
+    h = context(comm).hierarchy
+    return {key: None if slots is None else type(slots.mapping).__name__ for key, slots in h._peers.items()}
+
+
+def assert_peers(comm, key, expected):
+    used = peers_used(comm) if context(comm).hierarchy else {}
+    assert used.get(key) == expected, used
+
+
+@pytest.mark.parallel(SIZES)
+def test_device_arrays_take_the_peer_memory_node_phase(transport_mode):
+    """Device arrays (Numba's simulator here): handed to MPI directly, the node phase works in the
+    node's device memory (CUDA IPC on a GPU; its simulator twin, a host window seen as device arrays,
+    here), with the device kernels; staged through the host, in a host window. Either way the result
+    has the bits of the host arrays' hierarchical allreduce (the same reductions in the same order)."""
     from numba import cuda
 
-    for setting in ["", "2"]:
+    memory = "device" if transport_mode == "direct" else "host"
+    for setting in ["", "2", "1"]:
         with posed_nodes(setting) as comm:
-            x = random_array(rank_rng(3), 40, np.float32)
-            y = gflow.allreduce(cuda.to_device(x), algorithm="hierarchical", comm=comm).copy_to_host()
-            on_all_ranks(lambda x=x, y=y: assert_close_to_reference(y, x, "sum"))
+            for n, dtype, op in [(37, np.float32, "sum"), (300, np.float64, "mean"), (65, np.int32, "max"),
+                                 (64, np.float16, "min"), (33, BF16, "sum"),
+                                 (0, np.float32, "sum")]:  # fmt: skip
+                x = random_array(rank_rng(n), n, np.float32 if dtype == BF16 else dtype).astype(dtype)
+                y = gflow.allreduce(cuda.to_device(x), op, algorithm="hierarchical", comm=comm).copy_to_host()
+                out = cuda.to_device(np.full_like(x, 7))
+                gflow.allreduce(cuda.to_device(x), op, algorithm="hierarchical", comm=comm, out=out)
+                host = gflow.allreduce(x, op, algorithm="hierarchical", comm=comm)
+
+                def check(x=x, y=y, out=out, host=host, op=op):
+                    if x.dtype != BF16:  # (bfloat16's bound is test_bfloat16.py's; here, the host's bits)
+                        assert_close_to_reference(y, x, op)
+                    np.testing.assert_array_equal(y.view(np.uint8), host.view(np.uint8))
+                    np.testing.assert_array_equal(out.copy_to_host(), y)
+
+                on_all_ranks(check, f"n={n} {np.dtype(dtype)} {op} setting={setting!r}")
+                assert_same_on_all_ranks(y)
+            h = context(comm).hierarchy  # (none at one rank: nothing to reduce)
+            alone = h is None or h.node.size == 1
+            expected = None if alone else {"device": "SimulatedIpc", "host": "HostWindow"}[memory]
+            on_all_ranks(lambda c=comm, e=expected: assert_peers(c, ("device", memory), e))
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_device_node_phase_without_ipc_takes_the_ring_and_says_why(monkeypatch):
+    """GFLOW_CUDA_IPC=0 (a container that forbids IPC) on every rank, then on one rank only: every rank
+    of the node takes the ring inside the node, and says once why; the result is still right."""
+    from numba import cuda
+
+    from gflow.collectives import peer_memory
+    from gflow.cuda import transport
+
+    monkeypatch.setattr(transport, "_decided", True)  # direct: the device node phase
+    x = random_array(rank_rng(5), 301, np.float32)
+    everyone, last = range(WORLD.size), [WORLD.size - 1]
+    for who, why in [(everyone, "GFLOW_CUDA_IPC=0"), (last, "another rank|GFLOW_CUDA_IPC=0")]:
+        monkeypatch.setattr(peer_memory, "_warned", set())
+        if WORLD.rank in who:
+            monkeypatch.setenv("GFLOW_CUDA_IPC", "0")
+        else:
+            monkeypatch.delenv("GFLOW_CUDA_IPC", raising=False)
+        with posed_nodes("") as comm:
+            with pytest.warns(RuntimeWarning, match=f"ring inside the node: ({why})"):
+                y = gflow.allreduce(cuda.to_device(x), algorithm="hierarchical", comm=comm).copy_to_host()
+            on_all_ranks(lambda y=y: assert_close_to_reference(y, x, "sum"))
             assert_same_on_all_ranks(y)
+            on_all_ranks(lambda c=comm: assert_peers(c, ("device", "device"), None))
 
 
 @pytest.mark.parallel([2, 3, 4])
@@ -338,6 +399,7 @@ def test_gradient_buffers_is_collective_and_checks_every_rank(monkeypatch):
     asking for different pools fail together; a node without room for the pool warns and keeps it in
     private memory; after all that, the next call works."""
     from gflow.collectives import hierarchical
+    from gflow.runtime import shared_memory
 
     last = WORLD.rank == WORLD.size - 1
     lazy = gflow.LazyAllreduce(op="sum")
@@ -351,7 +413,7 @@ def test_gradient_buffers_is_collective_and_checks_every_rank(monkeypatch):
         lazy.gradient_buffers([(10,), (5 if last else 6,)])
     with pytest.raises(ValueError, match="more than this machine's memory"):
         lazy.gradient_buffers([(2**32, 2**32)])  # (its element count wraps to 0 in int64)
-    monkeypatch.setattr(hierarchical, "_shared_memory_room", lambda: 1000)
+    monkeypatch.setattr(shared_memory, "room", lambda: 1000)
     with pytest.warns(RuntimeWarning, match="private memory.*has 0 MiB free"):
         (grad,) = lazy.gradient_buffers([(100_000,)])
     assert not any(p.place(grad) is not None for p in hierarchical._pools)

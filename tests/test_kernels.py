@@ -42,6 +42,28 @@ def test_reduce_matches_numpy(dtype, op):
         np.testing.assert_array_equal(out.copy_to_host(), expected, err_msg=f"n={n}")
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64, "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_reduce_many_matches_its_host_twin_bitwise(dtype, op):
+    """The node phase's k-way reduction, for k = 1..4, into a fresh array and into one of its parts
+    (the node phase reduces into the slot its own part may be read from)."""
+    import ml_dtypes
+
+    host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    bits = np.uint16 if dtype == "bfloat16" else host_dtype  # bfloat16 lives on the device as its bits
+    rng = np.random.default_rng(7)
+    for k in (1, 2, 3, 4):
+        parts = [rand(rng, 101, np.float32).astype(host_dtype) for _ in range(k)]
+        expected = np.empty(101, host_dtype)
+        host.reduce_many(expected, parts, op)
+        on_device = [cuda.to_device(p.view(bits)) for p in parts]
+        out = cuda.to_device(np.full(101, 0x7FC1, bits)) if dtype == "bfloat16" else poisoned(101, bits)
+        dev.reduce_many(out, on_device, op)
+        np.testing.assert_array_equal(out.copy_to_host(), expected.view(bits), err_msg=f"k={k}")
+        dev.reduce_many(on_device[k - 1], on_device, op)  # into the last part, which it reads too
+        np.testing.assert_array_equal(on_device[k - 1].copy_to_host(), expected.view(bits), err_msg=f"k={k}")
+
+
 def test_reduce_in_place_and_copy_and_divide():
     rng = np.random.default_rng(2)
     a, b = rand(rng, 200, np.float32), rand(rng, 200, np.float32)

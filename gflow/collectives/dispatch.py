@@ -11,7 +11,7 @@ from mpi4py import MPI
 from ..runtime import timeline
 from ..runtime.config import config, latency_path_limit
 from ..runtime.context import CommContext
-from ..runtime.signature import MEMORY_CODE, signature
+from ..runtime.signature import CODE_MEMORY, signature
 from . import hierarchical, ring
 from .recursive_doubling import allreduce_with_agreement
 
@@ -60,11 +60,11 @@ def allreduce_flat(ctx: CommContext, src, dst, *, ops, sig: tuple, chosen: str, 
             ops.divide(dst, ctx.size)
     else:
         _agree(ctx, sig)
-        host_memory = sig[6] == MEMORY_CODE["host"]  # agreed, unlike the transport each rank picked
         if chosen == "auto":
-            chosen = settle_auto(ctx, dst.nbytes, host_memory)
+            chosen = settle_auto(ctx, dst.nbytes)
         if chosen == "hierarchical":  # (the timeline shows which by the phases inside)
-            hierarchical.allreduce(ctx, src, dst, ops, name, host_memory)
+            agreed = CODE_MEMORY[int(sig[6])]  # the arrays' memory, unlike the transport each rank picked
+            hierarchical.allreduce(ctx, src, dst, ops, name, agreed)
         else:
             ring.allreduce(ctx, src, dst, ops, name)
 
@@ -91,18 +91,18 @@ def choose(algorithm: str, nbytes: int, ranks: int, ring_only: bool = False) -> 
     return "ring" if ring_only and chosen == "recursive_doubling" else chosen
 
 
-def settle_auto(ctx: CommContext, nbytes: int, host_memory: bool) -> str:
+def settle_auto(ctx: CommContext, nbytes: int) -> str:
     """What algorithm="auto" runs for a bandwidth-sized message, once the ranks have agreed on the
-    call: the topology (found now on first use, collectively) and the agreed size and memory of the array
-    decide, so every rank settles alike. Hierarchical where it pays: across nodes from
-    config.hierarchical_min_bytes; on one node of three ranks or more, for host arrays, its
-    shared-memory node phase from config.shared_memory_min_bytes. The thresholds are measured
-    (bench/RESULTS.md, "Scale")."""
+    call: the topology (found now on first use, collectively) and the agreed size decide, so every
+    rank settles alike. Hierarchical where it pays: across nodes from config.hierarchical_min_bytes;
+    on one node of three ranks or more, its peer-memory node phase (a shared window on the host,
+    CUDA IPC on the device) from config.shared_memory_min_bytes. The thresholds are measured on the
+    host (bench/RESULTS.md, "Scale")."""
     topo = hierarchical.topology(ctx)
     if len(topo.nodes) > 1:
         if topo.shards > 1 and nbytes >= config.hierarchical_min_bytes:
             return "hierarchical"
-    elif host_memory and topo.shared_memory and ctx.size > 2 and nbytes >= config.shared_memory_min_bytes:
+    elif topo.shared_memory and ctx.size > 2 and nbytes >= config.shared_memory_min_bytes:
         return "hierarchical"  # (two ranks alone: one exchange each way; the ring is as fast or faster)
     return "ring"
 

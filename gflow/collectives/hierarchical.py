@@ -6,33 +6,29 @@ The shards and who owns them are described in collectives/topology.py. A flat ri
 2(m-1) across m nodes, and only 1/k of the data crosses the node's link from each rank.
 
 The node phase has two forms:
-- shared memory (host arrays, when every node's ranks can map one MPI window): each rank copies its
-  input into its slot of the node's window (all but its own block), then reduces its own block of
-  shards reading every peer's slot once, in local-rank order, in one fused pass
-  (host.reduce_many), into its own slot; after the cross-node ring and a node barrier, each rank
-  copies every block straight out of the slot of the rank that finished it. Two node barriers per
-  call (the slots alternate between calls, see Hierarchy.slots). When the input already lives in a
-  gradient pool allocated in shared memory (shared_pool, LazyAllreduce.gradient_buffers), the ranks
-  reduce straight from their peers' pools and the copy in is saved. Per rank that is about 5 passes
-  over the message where a ring makes about 8 (its copies through MPI's shared-memory cells, and its
+- in peer memory (collectives/peer_memory.py: an MPI shared window for host buffers, CUDA IPC for
+  device buffers handed to MPI as they are): each rank copies its input into its slot (all but its
+  own block), then reduces its own block of shards reading every peer's slot once, in local-rank
+  order (ops.reduce_many), into its own slot; after the cross-node ring and a node barrier, each
+  rank copies every block straight out of the slot of the rank that finished it. Two node barriers
+  per call (the slots alternate between calls). When the input already lives in a gradient pool
+  allocated in shared memory (shared_pool, LazyAllreduce.gradient_buffers), the ranks reduce
+  straight from their peers' pools and the copy in is saved. Per rank that is about 5 passes over
+  the message where a ring makes about 8 (its copies through MPI's shared-memory cells, and its
   reductions), and no Python step per segment;
-- a ring on the node's communicator (device arrays, or no shared memory): the same reduce-scatter and
-  allgather as collectives/ring.py, with chunk bounds at the shard blocks. A device variant of the
-  window phase (CUDA IPC handles in place of the window) would slot in beside the host one.
+- a ring on the node's communicator (no peer memory, or no room for it): the same reduce-scatter
+  and allgather as collectives/ring.py, with chunk bounds at the shard blocks.
 
 Every block is reduced by one rank, in one fixed order, then copied: all ranks get the same bits.
 """
 
-import os
-import warnings
-
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime import stall, timeline
+from ..runtime import shared_memory, timeline
 from ..runtime.config import config
-from ..runtime.context import CommContext, watched
-from . import ring
+from ..runtime.context import CommContext
+from . import peer_memory, ring
 from .topology import Topology, discover, shard_block
 
 
@@ -44,8 +40,8 @@ def topology(ctx: CommContext) -> Topology:
 
 
 class Hierarchy:
-    """The communicators and the window of one context's hierarchical allreduce (made collectively,
-    once, on the first call that needs them)."""
+    """The communicators and the peer memory of one context's hierarchical allreduce (made
+    collectively, once, on the first call that needs them)."""
 
     def __init__(self, ctx: CommContext):
         topo = topology(ctx)
@@ -65,74 +61,40 @@ class Hierarchy:
             comm = ctx.comm.Split(0 if owns else MPI.UNDEFINED, node_index)
             if owns:
                 self.cross[s] = CommContext(comm, ctx.is_background, own=True)
-        self._window = None
-        self._slot_bytes = 0
-        self._slots = None
-        self._parity = 0
+        self._peers = {}  # (agreed memory, buffers' memory) -> NodeSlots, or None: the node's ring
 
-    def barrier(self, value: int = 0, pool=None) -> bool:
-        """A node barrier that also orders the window's memory (MPI's unified model: sync, barrier,
-        sync), and tells whether every node rank passed the same `value`. It waits politely,
-        yielding the core between polls: a node phase is memory-bound work spread over every rank
-        of the node, and a rank spinning in a barrier would slow the ones still working whenever
-        ranks outnumber cores. `pool`: a SharedPool whose memory is ordered too."""
-        windows = [self._window] if pool is None else [self._window, pool.window]
-        for window in windows:
-            window.Sync()
-        values = np.array([value, -value], np.int64)
-        extremes = np.empty(2, np.int64)
-        request = self.node.comm.Iallreduce(values, extremes, op=MPI.MIN)
-        (self.node.waitall if self.node.is_background else _yielding_wait)([request])
-        for window in windows:
-            window.Sync()
-        return extremes[0] == -extremes[1]
+    def peers(self, agreed: str, memory: str):
+        """The node's slots in peer memory for buffers of `memory`, on a call whose ranks agreed on
+        arrays of `agreed` memory; None when the node phase takes the node's ring. Made on first use,
+        collectively over the node (the key is alike on its ranks: the agreed memory is, and each
+        rank's transport for it is fixed), with its ranks agreeing on the mapping."""
+        key = (agreed, memory)
+        if key not in self._peers:
+            mapping = None
+            if self.node.size > 1:
+                mapping = peer_memory.node_mapping(self.node, memory, self.topology.shared_memory)
+            self._peers[key] = peer_memory.NodeSlots(self.node, self.local, mapping) if mapping else None
+        return self._peers[key]
 
     def pool_views(self, src):
         """(tag, views, pool): when src lies in a shared pool this node phase can read, each node
         rank's memory at the same place, and a tag naming the pool and the place, for the node ranks
         to check that they all pass theirs; (0, None, None) when it does not."""
+        if not isinstance(src, np.ndarray):
+            return 0, None, None
         for pool in _pools:
             start = pool.place(src)
             if start is not None and MPI.Group.Compare(pool.group, self.node_group) == MPI.IDENT:
                 return pool.tag(start), pool.views(src, start), pool
         return 0, None, None
 
-    def slots(self, count: int, dtype):
-        """Every node rank's slot of the window for this call, as count elements of dtype; None when
-        the node cannot hold the window (then the node phase takes the ring).
-
-        The window holds two slots per rank, used by alternate calls: a rank copies its result out
-        of its peers' slots after the call's last barrier, and the next call overwrites only the
-        other slots, so no third barrier is needed. Growing the window is collective over the node;
-        all its ranks ask for the same size (the ranks agreed on it), in the same call, and agree
-        whether the shared-memory file system has room for it: MPICH maps the window without
-        checking, and a write beyond the room there is a SIGBUS, not an error."""
-        nbytes = count * np.dtype(dtype).itemsize
-        if nbytes > self._slot_bytes or self._window is None:
-            self._free_window()
-            size = _pages(nbytes)
-            room = self.node.comm.allreduce(_shared_memory_room(), op=MPI.MIN)
-            if 2 * size * self.node.size > room // 2:  # leave half the room to everyone else
-                _warn_no_room(2 * size * self.node.size, room)
-                return None
-            self._window, memory = _allocate_shared(self.node.comm, 2 * size, self.local)
-            self._slots = [[m[:size], m[size : 2 * size]] for m in memory]
-            self._slot_bytes = size
-        self._parity ^= 1
-        return [pair[self._parity][:nbytes].view(dtype) for pair in self._slots]
-
-    def _free_window(self) -> None:
-        if self._window is not None:
-            self._slots = None
-            self._window.Unlock_all()
-            self._window.Free()
-            self._window = None
-            self._slot_bytes = 0
-
     def free(self) -> None:
         if MPI.Is_finalized():
             return
-        self._free_window()
+        for slots in self._peers.values():
+            if slots is not None:
+                slots.free()
+        self._peers = {}
         self.node_group.Free()
         self.node.free()
         for cross in self.cross.values():
@@ -182,8 +144,8 @@ def shared_pool(ctx: CommContext, nbytes: int):
     topo = h.topology
     largest = max(len(n) for n in topo.nodes)
     useful = topo.shared_memory and (largest > 1 if len(topo.nodes) > 1 else ctx.size > 2)
-    size = _pages(nbytes)
-    room = h.node.comm.allreduce(_shared_memory_room(), op=MPI.MIN) if useful else 0
+    size = shared_memory.pages(nbytes)
+    room = h.node.comm.allreduce(shared_memory.room(), op=MPI.MIN) if useful else 0
     fits = useful and size * h.node.size <= room // 2 and len(_pools) < MAX_SHARED_POOLS
     if not ctx.comm.allreduce(bool(fits), op=MPI.LAND):
         if not useful:
@@ -191,68 +153,14 @@ def shared_pool(ctx: CommContext, nbytes: int):
         if len(_pools) >= MAX_SHARED_POOLS:
             return None, f"this process already holds {MAX_SHARED_POOLS} shared pools (kept until exit)"
         return None, (
-            f"{size * h.node.size >> 20} MiB on this node, and {_SHM} has {room >> 20} MiB free (gflow "
-            f"takes at most half of it); give {_SHM} more room"
+            f"{size * h.node.size >> 20} MiB on this node, and {shared_memory.SHM} has {room >> 20} MiB free "
+            f"(gflow takes at most half of it); give {shared_memory.SHM} more room"
         )
     ident = h.node.comm.allreduce(_next_pool, op=MPI.MAX)
     _next_pool = ident + 1
-    window, memory = _allocate_shared(h.node.comm, size, h.local)
+    window, memory = shared_memory.allocate(h.node.comm, size, h.local)
     _pools.append(SharedPool(window, memory, h.local, h.node.comm.Get_group(), ident))
     return memory[h.local][:nbytes], None
-
-
-def _pages(nbytes: int) -> int:
-    """nbytes rounded up to whole 4 KiB pages (at least one)."""
-    return max(4096, -(-nbytes // 4096) * 4096)
-
-
-def _allocate_shared(node_comm, nbytes: int, local: int):
-    """(window, every node rank's memory as bytes) of a shared window of nbytes per rank, with this
-    rank's part zeroed, so it takes its room in /dev/shm at once: a later window must not count it
-    as free (MPICH maps windows without reserving their pages; a write past the room is a SIGBUS)."""
-    window = MPI.Win.Allocate_shared(nbytes, 1, comm=node_comm)
-    window.Lock_all(MPI.MODE_NOCHECK)
-    memory = [np.frombuffer(window.Shared_query(q)[0], np.uint8) for q in range(node_comm.size)]
-    memory[local][:] = 0
-    return window, memory
-
-
-_SHM = "/dev/shm"  # where MPICH and Open MPI put shared-memory windows on Linux
-_warned = False
-
-
-def _shared_memory_room() -> int:
-    """Free bytes where shared windows live (very large when it cannot be told)."""
-    try:
-        stat = os.statvfs(_SHM)
-    except OSError:
-        return 2**62
-    return stat.f_bavail * stat.f_frsize
-
-
-def _warn_no_room(needed: int, room: int) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(
-            f"gflow: the hierarchical allreduce's node phase needs a {needed >> 20} MiB shared-memory "
-            f"window and {_SHM} has {room >> 20} MiB free (gflow takes at most half of it); using a ring "
-            f"inside the node instead (give {_SHM} more room, or lower "
-            "gflow.config.shared_memory_max_bytes)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
-def _yield_until_done(requests) -> None:
-    departures = stall.departures
-    while not MPI.Request.Testall(requests):
-        if departures:
-            stall.check_waiting()
-        os.sched_yield()
-
-
-_yielding_wait = watched(_yield_until_done)  # the caller's thread in a node barrier (see barrier)
 
 
 def hierarchy(ctx: CommContext) -> Hierarchy:
@@ -261,72 +169,80 @@ def hierarchy(ctx: CommContext) -> Hierarchy:
     return ctx.hierarchy
 
 
-def allreduce(ctx: CommContext, src, dst, ops, op: str, host_memory: bool) -> None:
+def allreduce(ctx: CommContext, src, dst, ops, op: str, agreed: str) -> None:
     """Hierarchical allreduce of the flat `src` into the flat `dst` (may be src). op: sum, mean, max
-    or min. host_memory: the buffers are host memory the node phase may place in a shared window
-    (the ranks agreed on the kind of array, so they agree on this).
+    or min. agreed: the memory ("host" or "device") of the arrays the ranks agreed on (the buffers
+    are in ops.memory: a device array staged through the host is reduced in host buffers).
 
     A message above config.shared_memory_max_bytes goes in pieces of at most that size, each a whole
-    hierarchical allreduce, so that the window stays bounded (the ranks agree on the setting: it is
-    part of the call's signature)."""
+    hierarchical allreduce, so that the peer memory stays bounded (the ranks agree on the setting: it
+    is part of the call's signature)."""
     step = max(4096, config.shared_memory_max_bytes) // dst.itemsize
     if dst.size <= step:
-        _allreduce_piece(ctx, src, dst, ops, op, host_memory)
+        _allreduce_piece(ctx, src, dst, ops, op, agreed)
         return
     for lo in range(0, dst.size, step):
-        _allreduce_piece(ctx, src[lo : lo + step], dst[lo : lo + step], ops, op, host_memory)
+        _allreduce_piece(ctx, src[lo : lo + step], dst[lo : lo + step], ops, op, agreed)
 
 
-def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, host_memory: bool) -> None:
+def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str) -> None:
     h = hierarchy(ctx)
     reduce_op = "sum" if op == "mean" else op
     bounds = ring.chunk_bounds(dst.size, h.shards)
     node_bounds = [bounds[s] for s in h.starts] + [dst.size]  # each local rank's block
     lo, hi = node_bounds[h.local], node_bounds[h.local + 1]
-    slots = None
-    if host_memory and h.topology.shared_memory and h.node.size > 1:
-        slots = h.slots(dst.size, dst.dtype)  # None when the node has no room for the window
+    peers = h.peers(agreed, ops.memory)
+    slots = None if peers is None else peers.slots(dst.size, dst.dtype)  # None: no room for them
     with timeline.span("node phase", bytes=dst.nbytes, ranks=h.node.size) as phase:
         if slots is not None:
             mine = slots[h.local]
             tag, pools, pool = h.pool_views(src)
+            own = src if _reads_in_place(src, ops) else None  # see _copy_in
             if pools is None:
-                _copy_in(ops, mine, src, lo, hi)
-            if not h.barrier(tag, pool):  # some node rank's src is elsewhere: all copy in after all
+                _copy_in(ops, mine, src, lo, hi, own is None)
+            if not peers.barrier(tag, pool):  # some node rank's src is elsewhere: all copy in after all
                 if pools is not None:
-                    _copy_in(ops, mine, src, lo, hi)
+                    _copy_in(ops, mine, src, lo, hi, own is None)
                 pools = pool = None
-                h.barrier()
+                peers.barrier()
             if pools is not None:  # every node rank's src is at the same place of its shared pool
                 parts = [memory[lo:hi] for memory in pools]
             else:
-                own = src[lo:hi] if src.flags.writeable else None  # see _copy_in
-                parts = [own if q == h.local and own is not None else s[lo:hi] for q, s in enumerate(slots)]
+                parts = [s[lo:hi] for s in slots]
+                if own is not None:
+                    parts[h.local] = own[lo:hi]
             ops.reduce_many(mine[lo:hi], parts, reduce_op)
-            phase.note(pool=pools is not None)
+            phase.note(peers=peers.mapping.where, pool=pools is not None)
         else:
             ring.reduce_scatter(h.node, src, dst, ops, reduce_op, node_bounds)
             mine = dst
     for s in range(h.first, h.last) if len(h.topology.nodes) > 1 else ():  # (one node: nothing to do)
         shard = mine[bounds[s] : bounds[s + 1]]
         with timeline.span("cross-node ring", bytes=shard.nbytes, shard=s):
+            ops.fence()  # (device kernels that reduced the shard have finished before MPI reads it)
             ring.allreduce(h.cross[s], shard, shard, ops, reduce_op)
     if op == "mean":
         ops.divide(mine[lo:hi], ctx.size)
         ops.fence()
     with timeline.span("node allgather", bytes=dst.nbytes):
         if slots is not None:
-            h.barrier(pool=pool)
+            peers.barrier(pool=pool)
             for q, slot in enumerate(slots):  # every block from the rank that finished it
                 ops.copy(dst[node_bounds[q] : node_bounds[q + 1]], slot[node_bounds[q] : node_bounds[q + 1]])
         else:
             ring.allgather(h.node, dst, ops, node_bounds)
 
 
-def _copy_in(ops, mine, src, lo: int, hi: int) -> None:
+def _reads_in_place(src, ops) -> bool:
+    """Whether this rank's own block may be reduced straight from src: not when src is a read-only
+    host array (the fused host reduction takes operands of one type)."""
+    return ops.memory == "device" or src.flags.writeable
+
+
+def _copy_in(ops, mine, src, lo: int, hi: int, own_block_too: bool) -> None:
     """src into this rank's slot for the peers to read: every block but this rank's own, which it
-    reads from src itself (unless src is read-only: the fused reduction takes operands of one type)."""
+    reads from src itself (unless own_block_too: see _reads_in_place)."""
     ops.copy(mine[:lo], src[:lo])
     ops.copy(mine[hi:], src[hi:])
-    if not src.flags.writeable:
+    if own_block_too:
         ops.copy(mine[lo:hi], src[lo:hi])

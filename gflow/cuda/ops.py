@@ -63,6 +63,18 @@ def reduce(out, low, high, op: str) -> None:
             _REDUCE[op][blocks, threads](out, low, high)
 
 
+def reduce_many(out, parts: list, op: str) -> None:
+    """out = ((parts[0] op parts[1]) op parts[2]) ..., elementwise, in that order; out may alias any
+    part. Pairwise, with the association of the host twin (host_ops.reduce_many), so the bits match:
+    the node phase reduces its peers' slots with it."""
+    if len(parts) == 1:
+        copy(out, parts[0])
+        return
+    acc = empty(out.size, out.dtype) if len(parts) > 2 else out
+    for q in range(1, len(parts)):
+        reduce(out if q == len(parts) - 1 else acc, parts[0] if q == 1 else acc, parts[q], op)
+
+
 def divide(x, divisor: int) -> None:
     if x.size:
         blocks, threads = _grid(x.size)
