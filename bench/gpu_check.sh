@@ -4,7 +4,8 @@
 # compile kernels under NumPy 2.5, which removed np.row_stack), a venv that sees python3's
 # packages (CuPy, torch, numba, numba-cuda) gets them, so its mpiexec is the MPICH wheel's, as in CI;
 # otherwise the current Python environment must already have everything.
-# Bounded: the kernel/allreduce check gets 90 s, the GPU tests 220 s. Logs go to $OUT if it is set.
+# Bounded: the kernel/allreduce check gets 90 s, the GPU tests 220 s, the device node phase 150 s.
+# Logs go to $OUT if it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=python3
@@ -39,5 +40,9 @@ timeout 90 $PY bench/gpu_check.py "$@" 2>&1 | tee "$LOGS/gpu_check.log" || statu
 GFLOW_TEST_GPU=1 timeout 220 $PY -m pytest -q -n 8 --durations=15 --junitxml="$LOGS/gpu_tests.xml" \
   tests/test_kernels.py tests/test_cupy.py tests/test_torch_cuda.py tests/test_device.py \
   tests/test_sparse.py tests/test_checkpoint.py tests/test_large_messages.py tests/test_error_paths.py \
-  tests/test_faults.py -k "device or cuda or cupy or kernel or test_kernels" 2>&1 | tee "$LOGS/gpu_tests.log" || status=1
+  tests/test_faults.py tests/test_hierarchical.py -k "device or cuda or cupy or kernel or test_kernels" 2>&1 \
+  | tee "$LOGS/gpu_tests.log" || status=1
+# The node phase in CUDA IPC peer memory against the staged ring, 2 and 4 ranks sharing the GPU (issue 26).
+timeout 150 $PY bench/device_node_phase.py --procs 2 4 --mbytes 256 --rounds 5 2>&1 \
+  | tee "$LOGS/device_node_phase.log" || status=1
 exit $status

@@ -207,13 +207,15 @@ def assert_peers(comm, key, expected):
 
 @pytest.mark.parallel(SIZES)
 def test_device_arrays_take_the_peer_memory_node_phase(transport_mode):
-    """Device arrays (Numba's simulator here): handed to MPI directly, the node phase works in the
-    node's device memory (CUDA IPC on a GPU; its simulator twin, a host window seen as device arrays,
-    here), with the device kernels; staged through the host, in a host window. Either way the result
-    has the bits of the host arrays' hierarchical allreduce (the same reductions in the same order)."""
+    """Device arrays (Numba's simulator here), handed to MPI directly or staged: the node phase
+    works in the node's device memory (CUDA IPC on a GPU; its simulator twin, a host window seen as
+    device arrays, here), with the device kernels, and only the cross-node shards are staged. The
+    result has the bits of the host arrays' hierarchical allreduce (the same reductions in the same
+    order)."""
     from numba import cuda
 
-    memory = "device" if transport_mode == "direct" else "host"
+    from gflow.cuda import memory
+
     for setting in ["", "2", "1"]:
         with posed_nodes(setting) as comm:
             for n, dtype, op in [(37, np.float32, "sum"), (300, np.float64, "mean"), (65, np.int32, "max"),
@@ -235,20 +237,19 @@ def test_device_arrays_take_the_peer_memory_node_phase(transport_mode):
                 assert_same_on_all_ranks(y)
             h = context(comm).hierarchy  # (none at one rank: nothing to reduce)
             alone = h is None or h.node.size == 1
-            expected = None if alone else {"device": "SimulatedIpc", "host": "HostWindow"}[memory]
-            on_all_ranks(lambda c=comm, e=expected: assert_peers(c, ("device", memory), e))
+            expected = None if alone else "SimulatedIpc" if memory.SIMULATED else "CudaIpc"
+            on_all_ranks(lambda c=comm, e=expected: assert_peers(c, ("device", "device"), e))
 
 
 @pytest.mark.parallel([2, 3, 4])
-def test_device_node_phase_without_ipc_takes_the_ring_and_says_why(monkeypatch):
+def test_device_node_phase_without_ipc_takes_the_ring_and_says_why(monkeypatch, transport_mode):
     """GFLOW_CUDA_IPC=0 (a container that forbids IPC) on every rank, then on one rank only: every rank
-    of the node takes the ring inside the node, and says once why; the result is still right."""
+    of the node says once why, and takes the ring inside the node (direct), or stages the message
+    whole and reduces it in the host window (staged); the result is still right."""
     from numba import cuda
 
     from gflow.collectives import peer_memory
-    from gflow.cuda import transport
 
-    monkeypatch.setattr(transport, "_decided", True)  # direct: the device node phase
     x = random_array(rank_rng(5), 301, np.float32)
     everyone, last = range(WORLD.size), [WORLD.size - 1]
     for who, why in [(everyone, "GFLOW_CUDA_IPC=0"), (last, "another rank|GFLOW_CUDA_IPC=0")]:
@@ -263,6 +264,8 @@ def test_device_node_phase_without_ipc_takes_the_ring_and_says_why(monkeypatch):
             on_all_ranks(lambda y=y: assert_close_to_reference(y, x, "sum"))
             assert_same_on_all_ranks(y)
             on_all_ranks(lambda c=comm: assert_peers(c, ("device", "device"), None))
+            staged_in_window = "HostWindow" if transport_mode == "staged" else None
+            on_all_ranks(lambda c=comm, e=staged_in_window: assert_peers(c, ("device", "host"), e))
 
 
 @pytest.mark.parallel([2, 3, 4])

@@ -48,8 +48,8 @@ class Direct:
         if buffer is not view:
             self.ops.copy(view, buffer)
 
-    def send(self, ctx, view):
-        """`view`'s values in a buffer MPI can read."""
+    def send(self, ctx, view, name: str = "stage_in"):
+        """`view`'s values in a buffer MPI can read (a staging transport's scratch buffer `name`)."""
         return view
 
     def result(self, kind, x, flat, shape, dtype):

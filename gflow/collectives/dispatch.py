@@ -45,8 +45,15 @@ def _predivided(ctx: CommContext, src, ops, name: str):
     return divided, "sum"
 
 
-def allreduce_flat(ctx: CommContext, src, dst, *, ops, sig: tuple, chosen: str, name: str) -> None:
-    """Allreduce the flat contiguous src into dst (may be src), after the checks have passed."""
+def allreduce_flat(
+    ctx: CommContext, src, dst, *, ops, sig: tuple, chosen: str, name: str, staging=None
+) -> None:
+    """Allreduce the flat contiguous src into dst (may be src), after the checks have passed.
+
+    staging: for device buffers MPI cannot read, the transport that stages them through the host
+    (cuda/arrays.py's Staged). src and dst are then device views and ops the device ops: the ring
+    stages the whole message, the hierarchical allreduce only what crosses nodes. (The latency path
+    stages before it is called: its agreement rides with the payload.)"""
     src, name = _predivided(ctx, src, ops, name)
     if ctx.size == 1:
         if dst is not src:
@@ -64,7 +71,12 @@ def allreduce_flat(ctx: CommContext, src, dst, *, ops, sig: tuple, chosen: str, 
             chosen = settle_auto(ctx, dst.nbytes)
         if chosen == "hierarchical":  # (the timeline shows which by the phases inside)
             agreed = CODE_MEMORY[int(sig[6])]  # the arrays' memory, unlike the transport each rank picked
-            hierarchical.allreduce(ctx, src, dst, ops, name, agreed)
+            hierarchical.allreduce(ctx, src, dst, ops, name, agreed, staging)
+        elif staging is not None:
+            host_src = staging.send(ctx, src)
+            host_dst = staging.buffer_for(ctx, "stage_out", dst)
+            ring.allreduce(ctx, host_src, host_dst, staging.ops, name)
+            staging.store(dst, host_dst)
         else:
             ring.allreduce(ctx, src, dst, ops, name)
 

@@ -169,23 +169,25 @@ def hierarchy(ctx: CommContext) -> Hierarchy:
     return ctx.hierarchy
 
 
-def allreduce(ctx: CommContext, src, dst, ops, op: str, agreed: str) -> None:
+def allreduce(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging=None) -> None:
     """Hierarchical allreduce of the flat `src` into the flat `dst` (may be src). op: sum, mean, max
     or min. agreed: the memory ("host" or "device") of the arrays the ranks agreed on (the buffers
-    are in ops.memory: a device array staged through the host is reduced in host buffers).
+    are in ops.memory). staging: device buffers that MPI cannot read (see dispatch.allreduce_flat):
+    the node phase stays on the device when the node maps its peers' device memory, and only the
+    shards that cross nodes go through the host; otherwise each piece is staged whole.
 
     A message above config.shared_memory_max_bytes goes in pieces of at most that size, each a whole
     hierarchical allreduce, so that the peer memory stays bounded (the ranks agree on the setting: it
     is part of the call's signature)."""
     step = max(4096, config.shared_memory_max_bytes) // dst.itemsize
     if dst.size <= step:
-        _allreduce_piece(ctx, src, dst, ops, op, agreed)
+        _allreduce_piece(ctx, src, dst, ops, op, agreed, staging)
         return
     for lo in range(0, dst.size, step):
-        _allreduce_piece(ctx, src[lo : lo + step], dst[lo : lo + step], ops, op, agreed)
+        _allreduce_piece(ctx, src[lo : lo + step], dst[lo : lo + step], ops, op, agreed, staging)
 
 
-def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str) -> None:
+def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging) -> None:
     h = hierarchy(ctx)
     reduce_op = "sum" if op == "mean" else op
     bounds = ring.chunk_bounds(dst.size, h.shards)
@@ -193,6 +195,11 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str) -> N
     lo, hi = node_bounds[h.local], node_bounds[h.local + 1]
     peers = h.peers(agreed, ops.memory)
     slots = None if peers is None else peers.slots(dst.size, dst.dtype)  # None: no room for them
+    if slots is None and staging is not None:  # (alike on the node's ranks: they agreed on both)
+        host_dst = staging.buffer_for(ctx, "stage_out", dst)
+        _allreduce_piece(ctx, staging.send(ctx, src), host_dst, staging.ops, op, agreed, None)
+        staging.store(dst, host_dst)
+        return
     with timeline.span("node phase", bytes=dst.nbytes, ranks=h.node.size) as phase:
         if slots is not None:
             mine = slots[h.local]
@@ -220,7 +227,10 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str) -> N
         shard = mine[bounds[s] : bounds[s + 1]]
         with timeline.span("cross-node ring", bytes=shard.nbytes, shard=s):
             ops.fence()  # (device kernels that reduced the shard have finished before MPI reads it)
-            ring.allreduce(h.cross[s], shard, shard, ops, reduce_op)
+            if staging is None:
+                ring.allreduce(h.cross[s], shard, shard, ops, reduce_op)
+            else:
+                _staged_ring(ctx, h.cross[s], shard, staging, reduce_op)
     if op == "mean":
         ops.divide(mine[lo:hi], ctx.size)
         ops.fence()
@@ -231,6 +241,13 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str) -> N
                 ops.copy(dst[node_bounds[q] : node_bounds[q + 1]], slot[node_bounds[q] : node_bounds[q + 1]])
         else:
             ring.allgather(h.node, dst, ops, node_bounds)
+
+
+def _staged_ring(ctx: CommContext, cross: CommContext, shard, staging, op: str) -> None:
+    """The cross-node ring of a device shard, through a pinned host buffer."""
+    host = staging.send(ctx, shard, "stage_shard")
+    ring.allreduce(cross, host, host, staging.ops, op)
+    staging.store(shard, host)
 
 
 def _reads_in_place(src, ops) -> bool:

@@ -186,9 +186,15 @@ def _allreduce_checked(ctx: CommContext, x, *, kind, dtype, name, chosen, codec,
         )
     transport = kind.transport()
     dst_view = kind.write_view(result, "out")
-    src = transport.send(ctx, kind.read(x, "x", spare=dst_view))
+    src_view = kind.read(x, "x", spare=dst_view)
+    sig = signature(tag[0], chosen, src_view.size, dtype, name, extra=tag[1], memory=kind.memory)
+    if transport.name == "staged" and chosen != "recursive_doubling":  # (see allreduce_flat)
+        allreduce_flat(
+            ctx, src_view, dst_view, ops=kind.ops, sig=sig, chosen=chosen, name=name, staging=transport
+        )
+        return kind.done(result)
+    src = transport.send(ctx, src_view)
     dst = transport.buffer_for(ctx, "stage_out", dst_view)
-    sig = signature(tag[0], chosen, src.size, dtype, name, extra=tag[1], memory=kind.memory)
     allreduce_flat(ctx, src, dst, ops=transport.ops, sig=sig, chosen=chosen, name=name)
     transport.store(dst_view, dst)
     return kind.done(result)

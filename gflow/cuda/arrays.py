@@ -44,9 +44,9 @@ class Staged:
     def store(self, view, buffer) -> None:
         from_host(view, buffer)
 
-    def send(self, ctx, view):
+    def send(self, ctx, view, name: str = "stage_in"):
         transport.note_staging()
-        buffer = self.buffer_for(ctx, "stage_in", view)
+        buffer = self.buffer_for(ctx, name, view)
         self.load(buffer, view)
         return buffer
 
