@@ -160,3 +160,62 @@ def test_the_mpi_library_is_found_for_the_cuda_support_query():
     """mpi4py may load libmpi privately (the MPICH wheel does): the CUDA-support query must still reach
     it, or a CUDA-aware MPI would be taken for one that is not."""
     assert any(hasattr(handle, "MPI_Init") for handle in transport._mpi_library_handles())
+
+
+def test_staging_through_the_host_pipelines_every_segment_count(monkeypatch):
+    """Staged.through_host: the work sees every segment, in order, holding the device's values; the
+    device holds every result afterwards; any segment size (1, uneven, the whole, more than the
+    whole) and an empty view; bfloat16 as its bits. On a GPU the copies overlap the work (streams);
+    under the simulator they are synchronous, and the order and the data are what is checked."""
+    import ml_dtypes
+
+    from gflow.cuda.arrays import Staged
+    from gflow.runtime.context import context
+
+    monkeypatch.setattr(transport, "_warned", True)
+    ctx, staged = context(WORLD), Staged()
+    rng = np.random.default_rng(11)
+    for dtype in (np.float32, np.int64, np.dtype(ml_dtypes.bfloat16)):
+        for n, segment in [(0, 4), (1, 1), (37, 1), (37, 5), (37, 36), (37, 37), (37, 100)]:
+            x = rng.standard_normal(n).astype(dtype)
+            view = memory.flat_view(cuda.to_device(x))
+            seen = []
+
+            def double(host, seen=seen):
+                seen.append(host.copy())
+                host[...] = (host.astype(np.float64) * 2).astype(host.dtype)
+
+            staged.through_host(ctx, view, double, segment)
+            pieces = [x[lo : lo + segment] for lo in range(0, n, segment)]
+            assert len(seen) == len(pieces), (n, segment)
+            for got, want in zip(seen, pieces, strict=True):
+                np.testing.assert_array_equal(got, want)
+            expected = (x.astype(np.float64) * 2).astype(dtype)
+            np.testing.assert_array_equal(memory.device_view(view).copy_to_host().view(dtype), expected)
+
+
+def test_a_failure_in_the_middle_of_the_staging_pipeline_leaves_no_copy_running(monkeypatch):
+    """Work that raises on the third segment: the error reaches the caller; the segments before it are
+    back on the device, the ones after it untouched; the next call works."""
+    from gflow.cuda.arrays import Staged
+    from gflow.runtime.context import context
+
+    monkeypatch.setattr(transport, "_warned", True)
+    ctx, staged = context(WORLD), Staged()
+    x = np.arange(40, dtype=np.float32) + 1
+    view = memory.flat_view(cuda.to_device(x))
+    calls = []
+
+    def negate_then_fail(host):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the ring failed")
+        host *= -1
+
+    with pytest.raises(RuntimeError, match="the ring failed"):
+        staged.through_host(ctx, view, negate_then_fail, 10)
+    after = view.copy_to_host()
+    np.testing.assert_array_equal(after[:20], -x[:20])
+    np.testing.assert_array_equal(after[20:], x[20:])
+    staged.through_host(ctx, view, negate_then_fail, 10)  # (calls 4 to 7 do not fail)
+    np.testing.assert_array_equal(view.copy_to_host(), np.concatenate([x[:20], -x[20:]]))

@@ -242,6 +242,27 @@ def test_device_arrays_take_the_peer_memory_node_phase(transport_mode):
 
 
 @pytest.mark.parallel([2, 3, 4])
+def test_staged_cross_node_rings_go_in_pipelined_segments(monkeypatch):
+    """Staged device arrays across two or more posed nodes, with the cross-node ring cut into segments
+    of 16 bytes (several per shard, the last one short): right, and the same bits on every rank."""
+    from numba import cuda
+
+    from gflow.collectives import hierarchical
+    from gflow.cuda import transport
+
+    monkeypatch.setattr(transport, "_decided", False)
+    monkeypatch.setattr(transport, "_warned", True)
+    monkeypatch.setattr(hierarchical, "STAGING_SEGMENT_BYTES", 16)
+    for setting in ["1", "2"]:
+        with posed_nodes(setting) as comm:
+            for n, dtype, op in [(301, np.float32, "sum"), (97, np.float64, "mean"), (50, np.int32, "min")]:
+                x = random_array(rank_rng(n), n, dtype)
+                y = gflow.allreduce(cuda.to_device(x), op, algorithm="hierarchical", comm=comm).copy_to_host()
+                on_all_ranks(lambda x=x, y=y, op=op: assert_close_to_reference(y, x, op))
+                assert_same_on_all_ranks(y)  # (each segment's ring has its own order: not the host's bits)
+
+
+@pytest.mark.parallel([2, 3, 4])
 def test_device_node_phase_without_ipc_takes_the_ring_and_says_why(monkeypatch, transport_mode):
     """GFLOW_CUDA_IPC=0 (a container that forbids IPC) on every rank, then on one rank only: every rank
     of the node says once why, and takes the ring inside the node (direct), or stages the message

@@ -227,10 +227,7 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str, stag
         shard = mine[bounds[s] : bounds[s + 1]]
         with timeline.span("cross-node ring", bytes=shard.nbytes, shard=s):
             ops.fence()  # (device kernels that reduced the shard have finished before MPI reads it)
-            if staging is None:
-                ring.allreduce(h.cross[s], shard, shard, ops, reduce_op)
-            else:
-                _staged_ring(ctx, h.cross[s], shard, staging, reduce_op)
+            _cross_ring(ctx, h.cross[s], shard, ops, reduce_op, agreed, staging)
     if op == "mean":
         ops.divide(mine[lo:hi], ctx.size)
         ops.fence()
@@ -243,11 +240,26 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str, stag
             ring.allgather(h.node, dst, ops, node_bounds)
 
 
-def _staged_ring(ctx: CommContext, cross: CommContext, shard, staging, op: str) -> None:
-    """The cross-node ring of a device shard, through a pinned host buffer."""
-    host = staging.send(ctx, shard, "stage_shard")
-    ring.allreduce(cross, host, host, staging.ops, op)
-    staging.store(shard, host)
+# The cross-node rings of device arrays go in segments of this size, so that a staged shard's copies to
+# and from the host overlap its ring (Staged.through_host). Every rank of a cross-node group cuts alike
+# (each segment is one ring), whether its node stages, maps its peers' memory or hands MPI device memory.
+STAGING_SEGMENT_BYTES = 4 * 2**20
+
+
+def _cross_ring(ctx: CommContext, cross: CommContext, shard, ops, op: str, agreed: str, staging) -> None:
+    """The allreduce of one shard across nodes: one ring for host arrays; for device arrays a ring
+    per segment, pipelined through pinned host memory where the shard is staged."""
+    if agreed == "host":
+        ring.allreduce(cross, shard, shard, ops, op)
+        return
+    segment = max(1, STAGING_SEGMENT_BYTES // shard.dtype.itemsize)
+    if staging is not None:
+        reduce = lambda host: ring.allreduce(cross, host, host, staging.ops, op)  # noqa: E731
+        staging.through_host(ctx, shard, reduce, segment)
+        return
+    for lo in range(0, shard.size, segment):
+        piece = shard[lo : lo + segment]
+        ring.allreduce(cross, piece, piece, ops, op)
 
 
 def _reads_in_place(src, ops) -> bool:

@@ -10,15 +10,18 @@ from ..arrays.numpy_arrays import Direct
 from ..runtime.signature import check_dtype, holds
 from . import ops, transport
 from .memory import (
+    copy_streams,
     describe,
     flat_view,
     from_host,
+    from_host_async,
     input_view,
     new_like,
     on_callers_device,
     pinned,
     prepare_out,
     to_host,
+    to_host_async,
     writable,
 )
 
@@ -54,6 +57,31 @@ class Staged:
         result = kind.new(x, shape, dtype)
         from_host(kind.write_view(result, "result"), flat)
         return result
+
+    def through_host(self, ctx, view, work, segment: int, name: str = "stage_shard") -> None:
+        """work(host) on each segment of at most `segment` elements of the device view, in order, each
+        segment staged through pinned memory and written back, the copies overlapping the work: while
+        work runs on segment i, segment i + 1 comes in and segment i - 1 goes out, each on its own
+        stream (so a staged transfer costs about the slower of the copies and the work, not their
+        sum). The view holds every result when this returns; if work raises, no copy is left running.
+        The device work that produced the view must have finished (ops.fence)."""
+        transport.note_staging()
+        host = self.buffer_for(ctx, name, view)
+        inbound, outbound = copy_streams()
+        pieces = [(lo, min(lo + segment, view.size)) for lo in range(0, view.size, max(1, segment))]
+        try:
+            if pieces:
+                to_host_async(host[: pieces[0][1]], view[: pieces[0][1]], inbound)
+            for i, (lo, hi) in enumerate(pieces):
+                inbound.synchronize()  # segment i is on the host
+                if i + 1 < len(pieces):
+                    nlo, nhi = pieces[i + 1]
+                    to_host_async(host[nlo:nhi], view[nlo:nhi], inbound)
+                work(host[lo:hi])
+                from_host_async(view[lo:hi], host[lo:hi], outbound)
+        finally:
+            inbound.synchronize()
+            outbound.synchronize()
 
 
 class DeviceArrays:

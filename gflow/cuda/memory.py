@@ -203,6 +203,37 @@ def from_host(view, host) -> None:
             view.copy_to_device(host)
 
 
+def to_host_async(host, view, stream) -> None:
+    """to_host, queued on `stream` (host must be pinned for the copy to overlap other work)."""
+    host = host_ops.buffer(host)
+    if view.size:
+        if SIMULATED:
+            np.copyto(host, view._ary.reshape(-1))
+        else:
+            view.copy_to_host(host, stream=stream)
+
+
+def from_host_async(view, host, stream) -> None:
+    """from_host, queued on `stream`."""
+    host = host_ops.buffer(host)
+    if view.size:
+        if SIMULATED:
+            np.copyto(view._ary.reshape(-1), host)
+        else:
+            view.copy_to_device(host, stream=stream)
+
+
+_copy_streams: dict = {}
+
+
+def copy_streams():
+    """(inbound, outbound): this process's two copy streams on the current device, made once."""
+    device = 0 if SIMULATED else cuda.get_current_device().id
+    if device not in _copy_streams:
+        _copy_streams[device] = (cuda.stream(), cuda.stream())
+    return _copy_streams[device]
+
+
 class pinned:  # noqa: N801 - used like the ops modules: pinned.memory, pinned.empty(...)
     """Allocator of page-locked host memory for staging (plain memory under the simulator)."""
 
