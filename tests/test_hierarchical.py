@@ -118,7 +118,7 @@ def test_pieces_ints_and_a_node_without_room(monkeypatch):
         with pytest.warns(RuntimeWarning, match="using a ring inside the node"):
             y = gflow.allreduce(x, algorithm="hierarchical", comm=comm)
         on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))
-        assert context(comm).hierarchy.peers("host", "host")._slots is None
+        assert context(comm).hierarchy.peers("host", "host", False)[0]._slots is None
 
 
 @pytest.mark.parallel([2, 3])
@@ -197,7 +197,7 @@ def test_fp16_async_lazy_and_sparse_ride_on_the_hierarchy():
 def peers_used(comm):
     """Which peer memory the node phase of comm's last hierarchical call could use, per key."""
     h = context(comm).hierarchy
-    return {key: None if slots is None else type(slots.mapping).__name__ for key, slots in h._peers.items()}
+    return {key: slots and type(slots.mapping).__name__ for key, (slots, _) in h._peers.items()}
 
 
 def assert_peers(comm, key, expected):
@@ -260,6 +260,65 @@ def test_staged_cross_node_rings_go_in_pipelined_segments(monkeypatch):
                 y = gflow.allreduce(cuda.to_device(x), op, algorithm="hierarchical", comm=comm).copy_to_host()
                 on_all_ranks(lambda x=x, y=y, op=op: assert_close_to_reference(y, x, op))
                 assert_same_on_all_ranks(y)  # (each segment's ring has its own order: not the host's bits)
+
+
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("why", ["no ipc", "no room", "ipc"])
+def test_ranks_of_one_node_that_stage_and_ranks_that_do_not_agree(monkeypatch, why):
+    """Rank 0 hands device buffers to MPI directly, the others stage them, on one node and on posed
+    nodes of 2: with peer memory, without it (IPC off everywhere), and without room for it on one
+    rank. Each piece's node phase must be the same on every rank of the node (the staged ranks must
+    not take the host window while the direct one takes the ring): right results, nothing hangs."""
+    from numba import cuda
+
+    from gflow.collectives import peer_memory
+    from gflow.cuda import transport
+    from gflow.runtime import shared_memory
+
+    monkeypatch.setattr(transport, "_decided", WORLD.rank == 0)
+    monkeypatch.setattr(transport, "_warned", True)
+    monkeypatch.setattr(peer_memory, "_warned", {"device", "room"})
+    monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 4096)  # (two pieces)
+    if why == "no ipc":
+        monkeypatch.setenv("GFLOW_CUDA_IPC", "0")
+    if why == "no room" and WORLD.rank == WORLD.size - 1:
+        monkeypatch.setattr(shared_memory, "room", lambda: 1000)
+    x = random_array(rank_rng(17), 1500, np.float32)
+    for setting in ["", "2"]:
+        with posed_nodes(setting) as comm:
+            y = gflow.allreduce(cuda.to_device(x), algorithm="hierarchical", comm=comm).copy_to_host()
+            on_all_ranks(lambda y=y: assert_close_to_reference(y, x, "sum"))
+            assert_same_on_all_ranks(y)
+
+
+@pytest.mark.parallel([2, 3])
+def test_peer_memory_that_cannot_be_allocated_is_not_tried_again(monkeypatch):
+    """An allocation that fails on the node's ranks (a peer's GPU not peer-accessible) is not retried
+    for every piece of every call: once per size, then the ring."""
+    from numba import cuda
+
+    from gflow.collectives import peer_memory
+    from gflow.cuda import ipc, transport
+    from gflow.runtime.shared_memory import PeerMemoryUnavailable
+
+    attempts = []
+
+    def failing(self, node_comm, nbytes, local):
+        attempts.append(nbytes)
+        node_comm.Barrier()  # (collective, as CudaIpc.allocate is, and failing alike on every rank)
+        raise PeerMemoryUnavailable("node rank 1's GPU is not peer-accessible from here")
+
+    monkeypatch.setattr(transport, "_decided", True)
+    monkeypatch.setattr(ipc.SimulatedIpc, "allocate", failing)
+    monkeypatch.setattr(peer_memory, "_warned", set())
+    monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 4096)
+    x = random_array(rank_rng(19), 1500, np.float32)
+    with posed_nodes("") as comm:
+        with pytest.warns(RuntimeWarning, match="not peer-accessible"):
+            for _ in range(3):
+                y = gflow.allreduce(cuda.to_device(x), algorithm="hierarchical", comm=comm).copy_to_host()
+        on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))
+    assert len(attempts) == 1, attempts
 
 
 @pytest.mark.parallel([2, 3, 4])

@@ -77,6 +77,54 @@ def test_csc_counts_fp16_gradients_by_their_elements():
     assert fp16 == pytest.approx(fp32, rel=0.01)
 
 
+def test_the_device_path_costs_what_gflow_runs():
+    """Device buffers: the latency path goes through the host whatever the transport; staged ones pay
+    the PCIe copies, whole for the flat ring, overlapped with the rings for the hierarchical
+    allreduce's cross-node shards; the node phase reads the peers over the node's links; CSC's own
+    allreduces take "auto" whatever the dense path takes."""
+    mb = 2**20
+    direct = model.cluster(CAL, 56e9, 5e-6, 8, transport="direct")
+    staged = model.cluster(CAL, 56e9, 5e-6, 8, transport="staged")
+    kw = dict(ranks_per_node=8)
+    # small: the latency path, through the host (its header is read there) whatever the transport
+    host = replace_transport(staged, None)
+    copies = 2 * 4096 * staged.pcie + 2 * staged.launch
+    for cal in (direct, staged):
+        assert model.allreduce_time(4096, 64, calibration=cal, **kw) == pytest.approx(
+            model.allreduce_time(4096, 64, algorithm="recursive_doubling", calibration=host, **kw) + copies
+        )
+    # the flat ring stages the whole message: the copies add to it
+    both = {"direct": direct, "staged": staged}
+    flat = {
+        name: model.allreduce_time(64 * mb, 64, algorithm="ring", calibration=c, **kw)
+        for name, c in both.items()
+    }
+    assert flat["staged"] == pytest.approx(flat["direct"] + 2 * 64 * mb * staged.pcie + 2 * staged.launch)
+    # the hierarchy stages only the shards, and overlaps their copies with the rings: at most one
+    # segment's copies more than the slower of the two
+    hier = {
+        name: model.allreduce_time(64 * mb, 64, algorithm="hierarchical", calibration=c, **kw)
+        for name, c in both.items()
+    }
+    shard_copy = 64 * mb / 8 * staged.pcie
+    assert hier["direct"] <= hier["staged"] <= hier["direct"] + shard_copy + 2 * 4 * mb * staged.pcie
+    assert hier["staged"] < flat["staged"] / 2
+    # CSC's norms and packed chunks go by "auto": asking for the ring changes only the dense rows
+    sizes = model.workload_sizes("alexnet")
+    csc = dict(density=0.01, calibration=direct, ranks_per_node=8)
+    assert model.step_time(sizes, 512, 0.04, algorithm="ring", **csc) == model.step_time(
+        sizes, 512, 0.04, algorithm="hierarchical", **csc
+    )
+    with pytest.raises(ValueError, match="transport"):
+        model.cluster(CAL, 56e9, 5e-6, 8, transport="tcp")
+
+
+def replace_transport(cal, transport):
+    from dataclasses import replace
+
+    return replace(cal, transport=transport)
+
+
 def test_a_busy_machine_is_named():
     assert model.busier_than_cores(4, 2, load=5.0) is None  # this job's 4 ranks, and 1 more: fine
     message = model.busier_than_cores(4, 2, load=11.0)

@@ -30,9 +30,11 @@ class Direct:
 
     name = "direct"
 
-    def __init__(self, ops, ring_only: bool = False):
+    def __init__(self, ops, latency_path=None):
         self.ops = ops  # the per-element ops on the buffers handed to MPI
-        self.ring_only = ring_only  # the latency path reads its header on the host: not for device memory
+        # The latency path's transport: this one, or for device memory one through the host (the latency
+        # path reads its header on the host, and a small message costs less copied than in a ring).
+        self.latency_path = latency_path or self
 
     def buffer_for(self, ctx, name: str, view):
         """A buffer MPI can use in place of the flat `view`: the view itself."""

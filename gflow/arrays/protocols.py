@@ -42,7 +42,7 @@ class Transport(Protocol):
 
     name: str  # "direct" or "staged"
     ops: ArrayOps  # the ops on the buffers handed to MPI (where the reductions run)
-    ring_only: bool  # the latency path reads its header on the host: not for device buffers
+    latency_path: "Transport"  # the latency path's (it reads its header on the host: device memory stages)
 
     def buffer_for(self, ctx, name: str, view): ...  # a buffer MPI can use in place of view
     def load(self, buffer, view) -> None: ...  # make buffer hold view's values

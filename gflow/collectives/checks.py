@@ -23,7 +23,7 @@ def check_allreduce(x, op, out, algorithm, compression, *, ranks: int, need_out:
     codec = check_compression(compression, dtype) if compression is not None else None
     count = kind.size(x)
     nbytes = count * (2 if codec else dtype.itemsize)
-    chosen = choose(algorithm, nbytes, ranks, kind.transport().ring_only)
+    chosen = choose(algorithm, nbytes, ranks)
     result = kind.prepare_out(x, out, dtype, count) if (need_out or out is not None) else None
     return kind, dtype, name, chosen, codec, result
 

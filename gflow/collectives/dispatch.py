@@ -81,12 +81,11 @@ def allreduce_flat(
             ring.allreduce(ctx, src, dst, ops, name)
 
 
-def choose(algorithm: str, nbytes: int, ranks: int, ring_only: bool = False) -> str:
+def choose(algorithm: str, nbytes: int, ranks: int) -> str:
     """The algorithm for a message of nbytes on a communicator of `ranks`, as far as it can be told
     before the ranks talk: "auto" above latency_path_bytes stays "auto" (ring or hierarchical,
-    settled from the topology after the agreement). Where the transport is ring_only (device memory
-    straight to MPI), the latency path is out: a small "auto" or "recursive_doubling" takes the
-    ring, once the request itself has been checked."""
+    settled from the topology after the agreement). Alike on every rank, whatever its transport (the
+    latency path of device memory goes through the host: see Transport.latency_path)."""
     if algorithm == "auto":
         chosen = "recursive_doubling" if nbytes <= latency_path_bytes(ranks) else "auto"
     elif algorithm in ("ring", "hierarchical"):
@@ -100,7 +99,7 @@ def choose(algorithm: str, nbytes: int, ranks: int, ring_only: bool = False) -> 
         chosen = algorithm
     else:
         raise ValueError(f"algorithm: expected one of {USER_ALGORITHMS}, got {algorithm!r}")
-    return "ring" if ring_only and chosen == "recursive_doubling" else chosen
+    return chosen
 
 
 def settle_auto(ctx: CommContext, nbytes: int) -> str:

@@ -61,19 +61,25 @@ class Hierarchy:
             comm = ctx.comm.Split(0 if owns else MPI.UNDEFINED, node_index)
             if owns:
                 self.cross[s] = CommContext(comm, ctx.is_background, own=True)
-        self._peers = {}  # (agreed memory, buffers' memory) -> NodeSlots, or None: the node's ring
+        # (agreed memory, buffers' memory) -> (NodeSlots, or None: the node's ring; whether every rank
+        # of the node stages its device buffers through the host)
+        self._peers = {}
 
-    def peers(self, agreed: str, memory: str):
-        """The node's slots in peer memory for buffers of `memory`, on a call whose ranks agreed on
-        arrays of `agreed` memory; None when the node phase takes the node's ring. Made on first use,
-        collectively over the node (the key is alike on its ranks: the agreed memory is, and each
-        rank's transport for it is fixed), with its ranks agreeing on the mapping."""
+    def peers(self, agreed: str, memory: str, staged: bool) -> tuple:
+        """(the node's slots in peer memory for buffers of `memory`, or None when the node phase takes
+        the node's ring; whether every rank of the node stages), on a call whose ranks agreed on arrays
+        of `agreed` memory, this rank staging or not. Made on first use, collectively over the node
+        (the key is alike on its ranks: the agreed memory is, and each rank's transport for it is
+        fixed; the buffers' memory is the arrays' own for every transport but a host one), with its
+        ranks agreeing on the mapping and on whether they all stage."""
         key = (agreed, memory)
         if key not in self._peers:
-            mapping = None
+            mapping, all_staged = None, staged
             if self.node.size > 1:
                 mapping = peer_memory.node_mapping(self.node, memory, self.topology.shared_memory)
-            self._peers[key] = peer_memory.NodeSlots(self.node, self.local, mapping) if mapping else None
+                all_staged = self.node.comm.allreduce(int(staged), op=MPI.MIN) == 1
+            slots = peer_memory.NodeSlots(self.node, self.local, mapping) if mapping else None
+            self._peers[key] = (slots, all_staged)
         return self._peers[key]
 
     def pool_views(self, src):
@@ -91,7 +97,7 @@ class Hierarchy:
     def free(self) -> None:
         if MPI.Is_finalized():
             return
-        for slots in self._peers.values():
+        for slots, _ in self._peers.values():
             if slots is not None:
                 slots.free()
         self._peers = {}
@@ -187,17 +193,22 @@ def allreduce(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging=Non
         _allreduce_piece(ctx, src[lo : lo + step], dst[lo : lo + step], ops, op, agreed, staging)
 
 
-def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging) -> None:
+def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging, with_peers=True) -> None:
+    """One piece. with_peers False: the node phase takes the node's ring (see the staged case below)."""
     h = hierarchy(ctx)
     reduce_op = "sum" if op == "mean" else op
     bounds = ring.chunk_bounds(dst.size, h.shards)
     node_bounds = [bounds[s] for s in h.starts] + [dst.size]  # each local rank's block
     lo, hi = node_bounds[h.local], node_bounds[h.local + 1]
-    peers = h.peers(agreed, ops.memory)
+    peers, all_staged = h.peers(agreed, ops.memory, staging is not None) if with_peers else (None, False)
     slots = None if peers is None else peers.slots(dst.size, dst.dtype)  # None: no room for them
-    if slots is None and staging is not None:  # (alike on the node's ranks: they agreed on both)
+    if slots is None and staging is not None:  # (alike on the node's ranks: they agreed on peers)
+        # MPI cannot read this rank's device buffers: the piece goes through the host, whole. Its node
+        # phase then takes the host window if every rank of the node stages; the node's ring (as the
+        # ranks handing MPI device memory take it) if any does not.
         host_dst = staging.buffer_for(ctx, "stage_out", dst)
-        _allreduce_piece(ctx, staging.send(ctx, src), host_dst, staging.ops, op, agreed, None)
+        host_src = staging.send(ctx, src)
+        _allreduce_piece(ctx, host_src, host_dst, staging.ops, op, agreed, None, with_peers=all_staged)
         staging.store(dst, host_dst)
         return
     with timeline.span("node phase", bytes=dst.nbytes, ranks=h.node.size) as phase:

@@ -185,6 +185,8 @@ def _allreduce_checked(ctx: CommContext, x, *, kind, dtype, name, chosen, codec,
             ctx, x, kind=kind, result=result, name=name, algorithm=algorithm, tag=tag, codec=codec
         )
     transport = kind.transport()
+    if chosen == "recursive_doubling":
+        transport = transport.latency_path
     dst_view = kind.write_view(result, "out")
     src_view = kind.read(x, "x", spare=dst_view)
     sig = signature(tag[0], chosen, src_view.size, dtype, name, extra=tag[1], memory=kind.memory)

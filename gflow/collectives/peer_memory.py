@@ -63,6 +63,7 @@ class NodeSlots:
         self._slot_bytes = 0
         self._slots = None
         self._parity = 0
+        self._failed_bytes = None  # the smallest allocation that failed: not tried again at that size
 
     def slots(self, count: int, dtype):
         """Every node rank's slot for this call, as count elements of dtype; None when the node cannot
@@ -84,9 +85,12 @@ class NodeSlots:
                     "gflow.config.shared_memory_max_bytes)",
                 )
                 return None
+            if self._failed_bytes is not None and 2 * size >= self._failed_bytes:
+                return None  # (alike on the node's ranks: the failure was raised on all of them)
             try:
                 memory = self.mapping.allocate(self.node.comm, 2 * size, self.local)
             except PeerMemoryUnavailable as failure:
+                self._failed_bytes = 2 * size
                 warn_once("allocate", f"the node phase runs a ring inside the node: {failure}")
                 return None
             self._slots = [[m[:size], m[size : 2 * size]] for m in memory]

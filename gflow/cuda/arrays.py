@@ -32,10 +32,10 @@ class Staged:
     reductions run on the host."""
 
     name = "staged"
-    ring_only = False
 
     def __init__(self):
         self.ops = host_ops
+        self.latency_path = self
 
     def buffer_for(self, ctx, name: str, view):
         # uint16 device memory is bfloat16's bits: on the host, where it is reduced, it is bfloat16
@@ -140,12 +140,13 @@ class DeviceArrays:
         return prepare_out(x, out, dtype, count, name)
 
     def transport(self):
-        """Direct to a CUDA-aware MPI (every size then takes the ring: the latency path inspects
-        its header on the host), else staged; decided once per process by gflow/cuda/transport.py."""
+        """Direct to a CUDA-aware MPI (but for the latency path, which reads its header on the host
+        and stages its small messages there), else staged; decided once per process by
+        gflow/cuda/transport.py."""
         if not transport.cuda_aware():
             return _STAGED
         if self._direct is None:
-            self._direct = Direct(self.ops, ring_only=True)
+            self._direct = Direct(self.ops, latency_path=_STAGED)
         return self._direct
 
     def in_background(self, fn, *arrays):

@@ -31,9 +31,9 @@ def mapping(shared_memory: bool):
     """(a mapping of device memory for the node's ranks, None) or (None, why not)."""
     if os.environ.get(ENV, "") == "0":
         return None, f"{ENV}=0 turns CUDA IPC off"
+    if not shared_memory:  # (ranks posed as one node across machines cannot map each other's GPUs)
+        return None, "the node's ranks share no memory (MPI's shared-memory communicator says so)"
     if SIMULATED:
-        if not shared_memory:
-            return None, "no shared memory between this node's ranks (the simulator maps through it)"
         return SimulatedIpc(), None
     if not sys.platform.startswith("linux"):
         return None, "CUDA IPC needs Linux"
@@ -52,7 +52,11 @@ class CudaIpc:
         self._comm = None
 
     def room(self) -> int:
-        free, _total = cuda.current_context().get_memory_info()
+        """Free device memory (very large when the allocator cannot tell: an external pool's)."""
+        try:
+            free, _total = cuda.current_context().get_memory_info()
+        except NotImplementedError:
+            return 2**62
         return free
 
     def allocate(self, node_comm, nbytes: int, local: int) -> list:

@@ -92,7 +92,7 @@ def arrays_simulated() -> bool:
 def note_staging() -> None:
     """Warn once that device buffers are being staged, unless the user chose that explicitly."""
     global _warned
-    if not _warned and os.environ.get(_ENV, "") == "":
+    if not _warned and os.environ.get(_ENV, "") == "" and not cuda_aware():  # (not the latency path's)
         _warned = True
         warnings.warn(
             f"gflow: the MPI library does not report CUDA support, so device buffers are staged through "

@@ -179,12 +179,15 @@ def model_command(parser, args) -> int:
         parser.error("--compute-ms is needed for a workload given as a file")
     batch = args.batch or (v100["batch"] if v100 else 1)
     compute_s = args.compute_ms / 1e3 if args.compute_ms is not None else batch / v100["images_per_s"]
-    cal = model.cluster(base, link, args.latency_us * 1e-6, args.ranks_per_node, gpu=not args.cpu)
+    cal = model.cluster(
+        base, link, args.latency_us * 1e-6, args.ranks_per_node, gpu=not args.cpu, transport=args.transport
+    )
     rows = model.predict(sizes, args.ranks, args.ranks_per_node, compute_s, batch, cal, args.density)
     print(
         f"{args.workload}: {sum(sizes) / 2**20:.1f} MiB of fp32 gradients in {len(sizes)} tensors; "
         f"{args.ranks} ranks, {args.ranks_per_node} per node, {args.link} and {args.latency_us:g} us "
         f"between nodes; compute {compute_s * 1e3:.1f} ms per step, batch {batch} per rank"
+        + ("" if args.cpu else f"; device buffers {args.transport}")
     )
     print(
         f"calibration: {base.source}; gflow's own cost per ring step {base.py_step * 1e6:.2f} us, per call "
@@ -326,6 +329,12 @@ def main(argv=None) -> int:
     m.add_argument("--calibration", help="a `gflow calibrate` JSON (default: the last one, else defaults)")
     m.add_argument(
         "--cpu", action="store_true", help="ranks on CPUs: keep the calibration's per-element costs"
+    )
+    m.add_argument(
+        "--transport",
+        choices=("direct", "staged"),
+        default="direct",
+        help="how device buffers reach MPI: direct (a CUDA-aware MPI) or staged through host memory",
     )
     m.add_argument("--plot", default="gflow-model.png", help="speedup against ranks (PNG); '' for none")
     args = parser.parse_args(argv)

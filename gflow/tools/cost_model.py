@@ -68,6 +68,8 @@ from ..runtime.config import (
 )
 from .workloads import MODELS
 
+STAGING_SEGMENT_BYTES = 4 * 2**20  # collectives/hierarchical.py's: device shards cross nodes in these
+
 BACKWARD_SHARE = 2 / 3  # of a step's compute: what communication can hide behind
 CALIBRATION_ENV = "GFLOW_CALIBRATION"
 LAST_CALIBRATION = os.path.join(os.path.expanduser("~"), ".cache", "gflow", "calibration.json")
@@ -97,6 +99,15 @@ class Calibration:
     # ring_scale measured at RING_SCALE_BYTES[1] (ring_scale: at [0]); between them the model
     # interpolates in log size (caches make a ring's bytes dearer as messages grow). None: one scale.
     ring_scale_large: float | None = None
+    # The device path (cluster(gpu=True) sets it; None: host arrays): "direct" (a CUDA-aware MPI reads
+    # device memory; the latency path still stages its small messages through the host) or "staged"
+    # (through pinned host memory: the flat ring and the latency path stage the whole message, the
+    # hierarchical allreduce only its cross-node shards, pipelined). pcie: seconds per byte between
+    # device and host, each direction. launch: one kernel launch and the stream sync after it, paid per
+    # ring step and per kernel of the node phase (assumed until `calibrate --device` measures it).
+    transport: str | None = None
+    pcie: float = 1 / 12e9
+    launch: float = 10e-6
 
     @classmethod
     def load(cls, path: str | None = None) -> "Calibration":
@@ -117,7 +128,7 @@ class Calibration:
         if not isinstance(data, dict):
             raise ValueError(f"calibration {path}: expected a JSON object of constants")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        optional = {"source", "uncrowded", "ring_scale_large", "py_call"}
+        optional = {"source", "uncrowded", "ring_scale_large", "py_call", "transport", "pcie", "launch"}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(
@@ -173,12 +184,13 @@ def _slowdown(cal: Calibration, ranks_on_node: int) -> float:
 
 def _ring_parts(cal, nbytes, p, alpha, beta, cpu, flows=1, network=False):
     """(fixed, bandwidth) seconds of a ring over p ranks whose steps cross links of (alpha, beta)
-    shared by `flows` flows; network: the links are between nodes."""
+    shared by `flows` flows; network: the links are between nodes. On the device each step also
+    launches its reduction and waits for it."""
     if p == 1 or nbytes == 0:
         return 0.0, 0.0
     chunk = nbytes / p
     segments = max(1, math.ceil(chunk / DEFAULT_RING_SEGMENT_BYTES))
-    step = cpu * cal.py_step + alpha
+    step = cpu * cal.py_step + alpha + (cal.launch if cal.transport else 0.0)
     fixed = (p - 1) * (segments + 1) * step
     if network:  # the cores reduce one segment while the link carries the next
         bandwidth = (p - 1) * chunk * (flows * beta + max(flows * beta, cpu * cal.gamma))
@@ -232,7 +244,10 @@ def allreduce_time(
     if ranks == 1:
         return codec + cpu * cal.copy * nbytes
     alpha_x, beta_x = (cal.alpha_inter, cal.beta_inter) if m > 1 else (cal.alpha_intra, cpu * cal.beta_intra)
-    if algorithm == "auto":  # as collectives/dispatch.py settles it, for host arrays
+    # Device memory through the host, whole: the latency path always (it reads its header there),
+    # the flat ring where MPI is not CUDA-aware.
+    through_host = 2 * nbytes * cal.pcie + 2 * cal.launch if cal.transport else 0.0
+    if algorithm == "auto":  # as collectives/dispatch.py settles it
         if nbytes <= latency_path_limit(ranks, DEFAULT_SMALL_MESSAGE_BYTES):
             algorithm = "recursive_doubling"
         elif m > 1:
@@ -247,11 +262,12 @@ def allreduce_time(
         # A round across nodes: all k ranks of a node send their whole message over its link at once.
         flows = k if m > 1 else 1
         far = alpha_x + cpu * cal.rd_step + nbytes * (flows * beta_x + cpu * cal.gamma)
-        return codec + inside * near + (rounds - inside) * far
+        return codec + through_host + inside * near + (rounds - inside) * far
     agree = cpu * cal.py_call + _agreement(cal, ranks, alpha_x, cpu, int(math.log2(k)) if m > 1 else 0)
     if algorithm == "ring":
         scale = _ring_scale(cal, nbytes) if m == 1 else 1.0
-        return codec + agree + _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu, scale=scale, network=m > 1)
+        ring = _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu, scale=scale, network=m > 1)
+        return codec + agree + (through_host if cal.transport == "staged" else 0.0) + ring
     if algorithm != "hierarchical":
         raise ValueError(
             f"algorithm: expected auto, ring, recursive_doubling or hierarchical, got {algorithm!r}"
@@ -259,12 +275,26 @@ def allreduce_time(
     node = 0.0
     if k > 1:
         node = cpu * (cal.node_fixed + cal.node_passes * cal.copy * nbytes)
-    cross = (
-        _ring(cal, nbytes / k, m, cal.alpha_inter, cal.beta_inter, cpu, flows=k, network=True)
-        if m > 1
-        else 0.0
-    )
-    return codec + agree + node + cross
+        if cal.transport:  # peers' device memory through CUDA IPC: over the node's links, a kernel each
+            node += 2 * (k - 1) / k * nbytes * cal.beta_intra + (k + 3) * cal.launch
+    return codec + agree + node + _cross_node(cal, nbytes / k, m, k, cpu)
+
+
+def _cross_node(cal: Calibration, shard: float, m: int, k: int, cpu: float) -> float:
+    """The hierarchical allreduce's ring of one shard across m nodes, whose k flows share each node's
+    link. Device arrays go in segments of STAGING_SEGMENT_BYTES, a ring each; staged ones copy each
+    segment in and out while the next and the previous ring run (pipelined: the slower of the copies
+    and the rings, plus one segment's copies to fill and drain the pipeline)."""
+    if m == 1:
+        return 0.0
+    if not cal.transport:
+        return _ring(cal, shard, m, cal.alpha_inter, cal.beta_inter, cpu, flows=k, network=True)
+    count = max(1, math.ceil(shard / STAGING_SEGMENT_BYTES))
+    rings = count * _ring(cal, shard / count, m, cal.alpha_inter, cal.beta_inter, cpu, flows=k, network=True)
+    if cal.transport == "direct":
+        return rings
+    segment = shard / count
+    return max(rings, shard * cal.pcie) + 2 * segment * cal.pcie
 
 
 def parse_rate(text: str) -> float:
@@ -304,6 +334,7 @@ def step_time(
     calibration=None,
     local_copies: float = 1.0,
     dtype_bytes: int = 4,
+    backward_share: float = BACKWARD_SHARE,
 ) -> dict:
     """One training step on `ranks` ranks: {'comm_s', 'iteration_s', 'speedup', 'efficiency'}.
 
@@ -311,7 +342,8 @@ def step_time(
     parameter order). lazy_threshold None: one allreduce per tensor. density: CSC's (None: dense).
     dtype_bytes: the gradients' element size (2: trained in fp16), for CSC's element count.
     local_copies: passes of copying over the gradients besides the allreduces (LazyAllreduce's
-    flush() copies the results back into the pushed arrays: 1; pushing ordinary arrays adds 1)."""
+    flush() copies the results back into the pushed arrays: 1; pushing ordinary arrays adds 1).
+    backward_share: the share of compute that communication can hide behind (with overlap)."""
     cal = calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
     kw = dict(ranks_per_node=ranks_per_node, algorithm=algorithm, calibration=cal)
     groups = segments(sizes_bytes, lazy_threshold) if lazy_threshold else list(sizes_bytes)
@@ -321,8 +353,9 @@ def step_time(
             elems = nbytes // dtype_bytes
             k = min(ranks_per_node or ranks, ranks)
             local = _slowdown(cal, k) * cal.csc * elems
-            norms = allreduce_time(4 * max(1, elems // chunk_elems), ranks, **kw)
-            packed = allreduce_time(int(density * nbytes), ranks, compression=compression, **kw)
+            auto = {**kw, "algorithm": "auto"}  # (SparseAllreduce's own allreduces take "auto")
+            norms = allreduce_time(4 * max(1, elems // chunk_elems), ranks, **auto)
+            packed = allreduce_time(int(density * nbytes), ranks, compression=compression, **auto)
             times.append(local + norms + packed)
         else:
             times.append(allreduce_time(nbytes, ranks, compression=compression, **kw))
@@ -330,7 +363,7 @@ def step_time(
     copies = local_copies * _slowdown(cal, k) * cal.copy * sum(sizes_bytes) if ranks > 1 else 0.0
     comm = float(sum(times))
     if overlap and times:  # hidden behind backward, but for the last segment; the copies come after
-        iteration = compute_s + max(times[-1], comm - BACKWARD_SHARE * compute_s) + copies
+        iteration = compute_s + max(times[-1], comm - backward_share * compute_s) + copies
     else:
         iteration = compute_s + comm + copies
     comm += copies
@@ -578,7 +611,11 @@ def _uncrowded(comm, cores: int) -> dict:
 # A V100 node of GradientFlow's cluster, for `python -m gflow model` (stated in the README): per-element
 # work on the GPU at HBM2 speeds (900 GB/s peak; a copy moves its bytes twice, a reduction three times),
 # NVLink inside the node, and gflow's own Python cost as calibrated (it runs on the host regardless).
-GPU_NODE = {"copy": 1 / 400e9, "gamma": 1 / 270e9, "codec": 8 / 400e9, "csc": 12 / 400e9, "intra_Bps": 100e9}
+# PCIe 3.0 x16 between a V100 and its host: about 12 GB/s each way in practice.
+GPU_NODE = {
+    "copy": 1 / 400e9, "gamma": 1 / 270e9, "codec": 8 / 400e9, "csc": 12 / 400e9, "intra_Bps": 100e9,
+    "pcie_Bps": 12e9,
+}  # fmt: skip
 V100 = {
     # Derived from GradientFlow's own figures: 95 epochs of ImageNet (1.28M images) in 1.5 minutes on
     # 512 GPUs at a 410.2x speedup is 3,294 img/s on one V100; batch 128 per GPU (64K in all).
@@ -589,19 +626,32 @@ V100 = {
 }
 
 
-def cluster(base: Calibration, link_bits: float, latency_s: float, ranks_per_node: int, gpu: bool = True):
+def cluster(
+    base: Calibration,
+    link_bits: float,
+    latency_s: float,
+    ranks_per_node: int,
+    gpu: bool = True,
+    transport: str = "direct",
+):
     """`base` (gflow's Python cost) on a cluster: nodes joined by links of link_bits/s and latency_s,
-    each node's ranks with a core each; with gpu, the per-element work and the node phase at GPU
-    speeds (GPU_NODE)."""
+    each node's ranks with a core each; with gpu, the per-element work at GPU speeds (GPU_NODE), the
+    node phase in CUDA IPC peer memory, and device buffers reaching MPI by `transport` ("direct":
+    a CUDA-aware MPI; "staged": through pinned host memory over PCIe)."""
+    if transport not in ("direct", "staged"):
+        raise ValueError(f"transport: expected 'direct' or 'staged', got {transport!r}")
     cal = Calibration(**asdict(base))
     cal.beta_inter, cal.alpha_inter = 8.0 / link_bits, latency_s
     cal.cores = max(cal.cores, ranks_per_node)
     if gpu:
         cal.copy, cal.gamma, cal.codec, cal.csc = (GPU_NODE[k] for k in ("copy", "gamma", "codec", "csc"))
         cal.beta_intra, cal.alpha_intra = 1 / GPU_NODE["intra_Bps"], 5e-6
+        cal.transport, cal.pcie = transport, 1 / GPU_NODE["pcie_Bps"]
         if cal.uncrowded:  # (the node's latency is the cluster's now, not the calibrating CPU's)
             cal.uncrowded = {k: v for k, v in cal.uncrowded.items() if k != "alpha_intra"}
     cal.source = f"{base.source}; cluster: {link_bits / 1e9:g} Gbit/s, {latency_s * 1e6:g} us between nodes"
+    if gpu:
+        cal.source += f"; device buffers {transport}"
     return cal
 
 
@@ -617,7 +667,17 @@ TECHNIQUES = [
 ]
 
 
-def predict(sizes_bytes, ranks, ranks_per_node, compute_s, batch, cal, density=0.01, techniques=TECHNIQUES):
+def predict(
+    sizes_bytes,
+    ranks,
+    ranks_per_node,
+    compute_s,
+    batch,
+    cal,
+    density=0.01,
+    techniques=TECHNIQUES,
+    backward_share=BACKWARD_SHARE,
+):
     """Rows of the model's table: each technique's step at `ranks`."""
     rows = []
     for name, algorithm, compression, threshold, csc, overlap in techniques:
@@ -636,6 +696,7 @@ def predict(sizes_bytes, ranks, ranks_per_node, compute_s, batch, cal, density=0
             overlap=overlap,
             algorithm=algorithm,
             calibration=cal,
+            backward_share=backward_share,
         )
         step["images_per_s"] = ranks * batch / step["iteration_s"]
         rows.append({"technique": name + (f" {density:g}" if csc else ""), **step})
