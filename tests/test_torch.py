@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -180,6 +181,51 @@ def test_grouped_allreduce_against_mpis_allreduce():
                 assert_allreduce(y, x, op, post=2.0)
 
         on_all_ranks(check, f"op={op}")
+
+
+@pytest.mark.parallel(SIZES)
+def test_the_narrow_integer_and_bool_dtypes_horovod_reduces():
+    """uint8, int8, int16 and bool, as Horovod reduces them: against MPI's Allreduce of every rank's
+    values in those types (mpi4py's own), sums wrapping as the type wraps, an integer average dividing
+    the wrapped sum and truncating, bool's sum a logical or; every form (new tensor, in place, async,
+    grouped). Values span each type's whole range, so sums overflow."""
+    rng = rank_rng(23)
+    numpy_of = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.bool: np.bool_}
+    mpi_op = {hvd.Sum: MPI.SUM, hvd.Max: MPI.MAX, hvd.Min: MPI.MIN}
+    for dtype, np_dtype in numpy_of.items():
+        if dtype == torch.bool:
+            x = torch.from_numpy(rng.integers(0, 2, 41).astype(np.bool_))
+        else:
+            info = np.iinfo(np_dtype)
+            x = torch.from_numpy(rng.integers(info.min, info.max, 41, endpoint=True).astype(np_dtype))
+        for op in (hvd.Sum, hvd.Max, hvd.Min, hvd.Average):
+            if op == hvd.Average and dtype == torch.bool:
+                continue
+            expected = np.empty_like(x.numpy())
+            if dtype == torch.bool:  # (MPI's logical ops: a sum of bools is an or, a min an and)
+                WORLD.Allreduce(
+                    x.numpy(), expected, {hvd.Sum: MPI.LOR, hvd.Max: MPI.LOR, hvd.Min: MPI.LAND}[op]
+                )
+            else:
+                WORLD.Allreduce(x.numpy(), expected, mpi_op.get(op, MPI.SUM))
+            if op == hvd.Average:  # Horovod's C: the (wrapped) sum scaled by 1/size, truncated
+                expected = np.trunc(expected.astype(np.float64) / WORLD.size).astype(np_dtype)
+            in_place = x.clone()
+            hvd.allreduce_(in_place, op=op)
+            grouped = hvd.grouped_allreduce([x, x[:7]], op=op)
+
+            def check(op=op, expected=expected, in_place=in_place, grouped=grouped, x=x, dtype=dtype):
+                for got in (
+                    hvd.allreduce(x, op=op),
+                    in_place,
+                    hvd.synchronize(hvd.allreduce_async(x, op=op)),
+                ):
+                    assert got.dtype == dtype
+                    np.testing.assert_array_equal(got.numpy(), expected)
+                np.testing.assert_array_equal(grouped[0].numpy(), expected)
+                np.testing.assert_array_equal(grouped[1].numpy(), expected[:7])
+
+            on_all_ranks(check, f"{dtype} {hvd._basics.OP_NAMES[op]}")
 
 
 @pytest.mark.parallel(SIZES)
@@ -401,7 +447,7 @@ def test_bad_arguments_fail_on_their_rank_and_the_peers_never_hang():
         ("not a tensor", lambda: hvd.allreduce(np.ones(3)), TypeError, "torch.Tensor"),
         ("strided in place", lambda: hvd.allreduce_(strided), ValueError, "contiguous"),
         ("meta device", lambda: hvd.allreduce(torch.ones(3, device="meta")), ValueError, "device"),
-        ("bool allreduce", lambda: hvd.allreduce(torch.ones(3, dtype=torch.bool)), TypeError, "dtype"),
+        ("complex", lambda: hvd.allreduce(torch.ones(3, dtype=torch.complex64)), TypeError, "dtype"),
         ("adasum", lambda: hvd.allreduce(good, op=hvd.Adasum), NotImplementedError, "Adasum"),
         ("op and average", lambda: hvd.allreduce(good, average=True, op=hvd.Sum), ValueError, "supersedes"),
         ("bad op", lambda: hvd.allreduce(good, op=42), ValueError, "op"),
@@ -680,3 +726,88 @@ def test_objects_that_cannot_be_pickled_fail_every_rank():
         assert [o.value for o in gathered] == list(range(WORLD.size))
 
     on_all_ranks(next_calls, "the next calls")
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_horovod_environment_variables_are_honoured_or_named(monkeypatch, tmp_path):
+    """Horovod's variables with a gflow knob set it at init(); every other HOROVOD_* set is ignored
+    with one warning line on rank 0 naming it; a malformed value fails init on every rank."""
+    from gflow.runtime import timeline
+
+    for knob in ("stall_warning_s", "stall_abort_s", "hierarchical_min_bytes", "shared_memory_min_bytes"):
+        monkeypatch.setattr(gflow.config, knob, getattr(gflow.config, knob))  # (restored afterwards)
+    trace = str(tmp_path / "trace.json")
+    for name, value in [
+        ("HOROVOD_STALL_CHECK_TIME_SECONDS", "7"), ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30"),
+        ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"), ("HOROVOD_FUSION_THRESHOLD", "1048576"),
+        ("HOROVOD_CYCLE_TIME", "5"), ("HOROVOD_TIMELINE", trace),
+    ]:  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hvd.init()
+    ignored = [str(w.message) for w in caught if "HOROVOD_" in str(w.message)]
+    try:
+        why = "gflow starts a fused segment as soon as it is full, not on a timer"
+        expected = [f"gflow.torch: HOROVOD_CYCLE_TIME is set and ignored ({why})"] if WORLD.rank == 0 else []
+        assert ignored == expected, ignored
+        assert gflow.config.stall_warning_s == 7 and gflow.config.stall_abort_s == 30
+        assert gflow.config.hierarchical_min_bytes == gflow.config.shared_memory_min_bytes == 0
+        model = torch.nn.Linear(3, 2)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        assert optimizer._threshold_arg == 1048576
+        assert timeline.active()
+        hvd.allreduce(torch.ones(3))
+    finally:
+        hvd.stop_timeline()
+    written = trace if WORLD.size == 1 else str(tmp_path / f"trace.{WORLD.rank}.json")
+    assert "allreduce" in open(written).read()
+    monkeypatch.setenv("HOROVOD_AUTOTUNE", "1")
+    monkeypatch.delenv("HOROVOD_TIMELINE")
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME")
+    hvd.init()
+    assert hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))._threshold_arg == "auto"
+    monkeypatch.delenv("HOROVOD_AUTOTUNE")
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
+    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD must be a number of bytes, got '64MB'"):
+        hvd.init()
+
+
+@pytest.mark.parallel(SIZES)
+def test_start_and_stop_timeline_and_sparse_allreduce(tmp_path):
+    """hvd.start_timeline/stop_timeline write gflow's timeline; sparse_allreduce_async gives every
+    rank's entries (the dense sum of every rank's dense tensor, MPI's Allreduce; divided for Average)."""
+    import json
+
+    path = str(tmp_path / "tl.json")
+    with pytest.warns(UserWarning, match="mark_cycles is ignored"):
+        hvd.start_timeline(path, mark_cycles=True)
+    hvd.allreduce(torch.ones(5), name="in the trace")
+    hvd.stop_timeline()
+    written = path if WORLD.size == 1 else str(tmp_path / f"tl.{WORLD.rank}.json")
+    assert any(e.get("name") == "allreduce" for e in json.load(open(written)))
+    rng = rank_rng(29)
+    for op in (hvd.Sum, hvd.Average):
+        n = int(rng.integers(1, 6))
+        indices = torch.from_numpy(np.stack([rng.integers(0, 4, n), rng.integers(0, 3, n)]))
+        values = torch.from_numpy(rng.standard_normal(n))
+        sparse = torch.sparse_coo_tensor(indices, values, (4, 3))
+        handle = hvd.sparse_allreduce_async(sparse, name=f"emb.{op}", op=op)
+        result = hvd.synchronize(handle) if op == hvd.Sum else handle()
+        dense = sparse.to_dense().numpy()
+        expected = np.empty_like(dense)
+        WORLD.Allreduce(dense, expected, MPI.SUM)
+        if op == hvd.Average:
+            expected /= WORLD.size
+        on_all_ranks(
+            lambda r=result, e=expected: np.testing.assert_allclose(r.to_dense().numpy(), e, rtol=1e-12)
+        )
+    with pytest.raises(TypeError, match="sparse_coo"):
+        hvd.sparse_allreduce_async(torch.ones(3), name="dense")
+
+
+def test_elastic_is_an_import_error_that_says_what_to_do():
+    import importlib
+
+    with pytest.raises(ImportError, match="no elastic mode.*checkpoint.*mpiexec"):
+        importlib.import_module("gflow.torch.elastic")

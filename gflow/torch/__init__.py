@@ -10,8 +10,10 @@
 Where gflow differs from Horovod (each is documented where it applies): every rank must start its
 collectives in the same order (a name= is checked, not used to reorder); only the global process set;
 Adasum is not implemented; join() works when every rank joins; allgather/broadcast *_async run at the
-call; broadcast_optimizer_state does not step an empty optimizer. gflow's errors (MismatchError, ...)
-raised here are also HorovodInternalErrors. `import gflow` never imports torch; this module does.
+call; broadcast_optimizer_state does not step an empty optimizer; no elastic mode (gflow.torch.elastic
+raises ImportError saying what to do instead). Horovod's environment variables: see _settings.py.
+gflow's errors (MismatchError, ...) raised here are also HorovodInternalErrors. `import gflow` never
+imports torch; this module does.
 """
 
 from ._allreduce import (
@@ -65,10 +67,18 @@ from ._gather import (
     broadcast_async,
     broadcast_async_,
     join,
+    sparse_allreduce_async,
 )
 from ._handles import poll, shutdown, synchronize
 from .compression import Compression, Compressor
-from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    start_timeline,
+    stop_timeline,
+)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
@@ -129,5 +139,8 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]

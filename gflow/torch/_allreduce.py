@@ -37,12 +37,14 @@ from ._basics import Average, Product, Sum
 from ._common import (
     GFLOW_OP,
     ITS_OWN_WIRE,
+    WIDENED,
     check_factor,
     check_tensor,
     comm,
     dtype_name,
     fingerprint,
     named,
+    narrowed,
     process_set_error,
     reject_async,
     reject_blocking,
@@ -72,6 +74,7 @@ class _AllreducePlan:
         floating = tensor.dtype.is_floating_point
         self.gop = "mean" if (op == Average and floating) else GFLOW_OP.get(op, "sum")
         self.product = op == Product
+        self.narrow = tensor.dtype if tensor.dtype in WIDENED else None  # reduced as int32 (narrowed)
         # Integer Average: the sum, then scaled by postscale/size and truncated, as Horovod does in C.
         self.post = postscale / _basics.size() if (op == Average and not floating) else postscale
         # (the other 16-bit type as compression is passed on, for gflow's TypeError naming both)
@@ -85,6 +88,8 @@ class _AllreducePlan:
         else:
             self.src = tensor.detach().contiguous()
         self.result_of = output  # the in-place variant returns the tensor itself
+        if self.narrow is not None:
+            self.src, self.out = self.src.to(torch.int32), None
         # The ranks agree on the shapes (and their order), the op and the factors, as Horovod's
         # controller does: an integer Average travels as a sum and the factors are applied locally,
         # so gflow's own signature would not tell them apart.
@@ -97,6 +102,13 @@ class _AllreducePlan:
         )
 
     def finish(self, result):
+        if self.narrow is not None:  # back to the narrow type first: an average divides its wrapped sum
+            result = narrowed(result, self.narrow)
+            scale_(result, self.post)
+            if self.result_of is None:
+                return result
+            self.result_of.detach().copy_(result)
+            return self.result_of
         scale_(result, self.post)
         return result if self.result_of is None else self.result_of
 

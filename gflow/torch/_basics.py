@@ -159,6 +159,9 @@ def init(comm=None, process_sets=None) -> None:
     largest, smallest = gflow.allreduce(sizes, "max", comm=comm)
     _state.homogeneous = bool(largest == -smallest)
     _state.comm = comm
+    from . import _settings
+
+    _settings.apply(_state.rank)
 
 
 _SHOWN = 16  # ranks of a list shown in init's error

@@ -15,6 +15,8 @@ from ._basics import Adasum, Average, Max, Min, Sum, check_process_set
 from ._handles import Pending, register
 
 REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16)
+# Horovod also reduces these; gflow reduces them as int32 and casts the result back (see widened).
+WIDENED = (torch.uint8, torch.int8, torch.int16, torch.bool)
 ITS_OWN_WIRE = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # compression that changes nothing
 MOVABLE_DIRECT = REDUCIBLE  # moved by gflow as they are; other dtypes travel as int32 words
 GFLOW_OP = {Sum: "sum", Min: "min", Max: "max"}
@@ -48,8 +50,8 @@ def check_tensor(tensor, where: str, arg: str = "tensor", in_place: bool = False
         )
     if tensor.layout != torch.strided:
         raise TypeError(f"{where}: {arg} must be a dense (strided) tensor, got layout {tensor.layout}")
-    if reduce and tensor.dtype not in REDUCIBLE:
-        supported = ", ".join(str(t) for t in REDUCIBLE)
+    if reduce and tensor.dtype not in REDUCIBLE and tensor.dtype not in WIDENED:
+        supported = ", ".join(str(t) for t in REDUCIBLE + WIDENED)
         raise TypeError(f"{where}: {arg} has dtype {tensor.dtype}; allreduce takes {supported}")
     if in_place and not tensor.is_contiguous():
         raise ValueError(
@@ -112,6 +114,13 @@ def tensors_text(tensors) -> str:
 
 
 # --- scaling -----------------------------------------------------------------------------------------
+
+
+def narrowed(t, dtype):
+    """An int32 result of a WIDENED dtype's reduction, back in that dtype: integers wrap as the
+    narrow type's own arithmetic would have (sums and products modulo 2**bits agree either way); a
+    bool is True where the int32 is not zero (its sum is a logical or, its min an and)."""
+    return t != 0 if dtype == torch.bool else t.to(dtype)
 
 
 def scale_(t, factor: float) -> None:

@@ -13,7 +13,7 @@ from ..collectives.operations import allgather_on, allreduce_on, broadcast_on
 from ..runtime.context import context
 from . import _basics
 from ._allreduce import allreduce
-from ._basics import Average, check_process_set
+from ._basics import Average, Sum, check_process_set
 from ._common import (
     MOVABLE_DIRECT,
     check_tensor,
@@ -24,7 +24,7 @@ from ._common import (
     process_set_error,
     reject_blocking,
 )
-from ._handles import Pending, raise_as_horovod, register
+from ._handles import Pending, raise_as_horovod, register, synchronize
 
 # --- allgather ---------------------------------------------------------------------------------------
 
@@ -250,3 +250,35 @@ def join(device=-1) -> int:
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
     return int(torch.argmax(latest).item())  # ties: the lowest rank
+
+
+# --- sparse tensors --------------------------------------------------------------------------------
+
+
+def sparse_allreduce_async(tensor, name=None, op=None, process_set=None):
+    """Horovod's sparse allreduce of a torch.sparse_coo tensor: every rank's indices and values are
+    allgathered, so the result holds every rank's entries (duplicates summed when it is coalesced);
+    op Average divides the values by the size. Returns a callable (Horovod's handle for this one):
+    calling it, or hvd.synchronize(it), gives the sparse result."""
+    where = "sparse_allreduce_async"
+    if op is None:
+        op = Average
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        got = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else f"layout {tensor.layout}"
+        raise TypeError(f"{where}: tensor must be a torch.sparse_coo tensor, got {got}")
+    if isinstance(op, bool) or op not in (Average, Sum):
+        raise ValueError(f"{where}: op must be hvd.Average or hvd.Sum, got {op!r}")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    prefix = "" if name is None else f"{name}."
+    # Allgather concatenates along the first dimension: the indices go transposed (one row each).
+    indices = allgather_async(t.indices().t().contiguous(), name=f"{prefix}indices", process_set=process_set)
+    values = allgather_async(t.values().contiguous(), name=f"{prefix}values", process_set=process_set)
+
+    def handle():
+        gathered_values = synchronize(values)
+        gathered_indices = synchronize(indices)
+        if op == Average:
+            gathered_values = gathered_values / _basics.size()
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, t.size())
+
+    return handle

@@ -55,6 +55,8 @@ def synchronize(handle):
         HorovodInternalError: the collective failed on every rank (gflow's MismatchError etc., which
             are instances of it); TypeError/ValueError: this rank's own arguments were bad.
     """
+    if callable(handle):  # (sparse_allreduce_async's handle is a function, as in Horovod)
+        return handle()
     pending = _handle_map.pop(handle, None)
     if pending is None:
         return None

@@ -8,6 +8,7 @@ and MismatchError on the others.
 """
 
 import pickle
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -207,3 +208,17 @@ def _collect_slots(value, slots: list) -> None:
     elif isinstance(value, (list, tuple)):
         for v in value:
             _collect_slots(v, slots)
+
+
+def start_timeline(file_path, mark_cycles: bool = False) -> None:
+    """Horovod's start_timeline, onto gflow's timeline: each rank writes its own Chrome trace
+    (file_path on one rank; with more, <root>.<rank><ext>, see gflow.start_timeline). mark_cycles:
+    gflow has no cycles to mark (True warns, once)."""
+    if mark_cycles:
+        warnings.warn("gflow.torch.start_timeline: mark_cycles is ignored (no cycles in gflow)", stacklevel=2)
+    gflow.start_timeline(file_path)
+
+
+def stop_timeline() -> None:
+    """Horovod's stop_timeline: finish and close this rank's timeline file."""
+    gflow.stop_timeline()

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from . import _settings
 from ._basics import Adasum, Average, Sum, check_process_set
 from ._distributed import _DistributedOptimizer, check_passes
 from .compression import Compression, wire_compression
@@ -157,7 +158,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         num_groups, groups: accepted for compatibility; gflow fuses gradients by threshold_bytes.
         sparse_as_dense: accepted; sparse gradients are always reduced as dense.
         process_set: only the global process set is supported.
-        threshold_bytes: gflow's fusion segment size; by default 25 MiB (DDP's bucket size), 4 MiB with
+        threshold_bytes: gflow's fusion segment size; by default HOROVOD_FUSION_THRESHOLD when set
+            ("auto" under HOROVOD_AUTOTUNE=1), else 25 MiB (DDP's bucket size), 4 MiB with
             Compression.fp16 (gflow.DataParallel's defaults, measured end to end); "auto" tunes it
             during the first steps (gflow.LazyAllreduce).
         sparse: None, or coarse-grained sparse communication settings (a dict: density, chunk_elems,
@@ -216,6 +218,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         raise TypeError(
             f"sparse must be None or a dict of sparse-communication settings, got {type(sparse).__name__}"
         )
+    if threshold_bytes is None:
+        threshold_bytes = _settings.fusion_threshold()  # (HOROVOD_FUSION_THRESHOLD, HOROVOD_AUTOTUNE)
     names = _named_parameters(optimizer, named_parameters)
     cls = _distributed_class(type(optimizer))
     distributed = cls.__new__(cls)
