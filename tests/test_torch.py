@@ -811,3 +811,33 @@ def test_elastic_is_an_import_error_that_says_what_to_do():
 
     with pytest.raises(ImportError, match="no elastic mode.*checkpoint.*mpiexec"):
         importlib.import_module("gflow.torch.elastic")
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_second_operation_under_a_name_in_flight_raises_as_in_horovod():
+    """Horovod's duplicate-name rule: while an async operation named n is not synchronized, another
+    one named n raises ValueError at the call (allreduce, grouped, allgather, broadcast); on one rank
+    only, the peers' collective at that place fails with MismatchError; the first one still completes,
+    and the name is free again once it is synchronized."""
+    t = torch.ones(6, 4)
+    for start in (
+        lambda n: hvd.allreduce_async(t, name=n),
+        lambda n: hvd.grouped_allreduce_async([t, t[:2]], name=n),
+        lambda n: hvd.allgather_async(t, name=n),
+        lambda n: hvd.broadcast_async(t, 0, name=n),
+    ):
+        first = start("dup")
+        for _ in range(3):
+            with pytest.raises(ValueError, match="'dup' is in flight on this rank"):
+                start("dup")
+        assert hvd.synchronize(first) is not None
+        hvd.synchronize(start("dup"))  # free again
+    first = hvd.allreduce_async(t, name="w")
+    if WORLD.rank == 0:
+        with pytest.raises(ValueError, match="in flight"):
+            hvd.allreduce_async(t, name="w")
+    else:
+        with pytest.raises(gflow.MismatchError, match="rank 0 called allreduce with arguments it rejected"):
+            hvd.synchronize(hvd.allreduce_async(t, name="other"))
+    assert torch.equal(hvd.synchronize(first), t)
+    assert torch.equal(hvd.allreduce(t, op=hvd.Sum), t * WORLD.size)

@@ -44,6 +44,7 @@ from ._common import (
     dtype_name,
     fingerprint,
     named,
+    names_in_flight,
     narrowed,
     process_set_error,
     reject_async,
@@ -171,6 +172,7 @@ def _op_args(op, average, where):
         return None, exc
 
 
+@names_in_flight("allreduce", blocking=False)
 def allreduce_async(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ) -> int:
@@ -187,6 +189,7 @@ def allreduce_async(
     )
 
 
+@names_in_flight("allreduce", blocking=False)
 def allreduce_async_(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ) -> int:
@@ -344,6 +347,7 @@ def _grouped(
     return _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name)
 
 
+@names_in_flight("allreduce", blocking=False)
 def grouped_allreduce_async(
     tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ) -> int:
@@ -362,6 +366,7 @@ def grouped_allreduce_async(
     )
 
 
+@names_in_flight("allreduce", blocking=False)
 def grouped_allreduce_async_(
     tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ) -> int:

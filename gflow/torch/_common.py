@@ -2,6 +2,8 @@
 rejection of bad arguments on every rank, what the ranks agree on beyond gflow's own signature, and
 Horovod's scaling."""
 
+import functools
+import inspect
 import zlib
 
 import numpy as np
@@ -12,7 +14,7 @@ from ..collectives.operations import reject, rejected_in_background
 from ..runtime.context import context
 from . import _basics
 from ._basics import Adasum, Average, Max, Min, Sum, check_process_set
-from ._handles import Pending, register
+from ._handles import Pending, in_flight, name_handle, register
 
 REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16)
 # Horovod also reduces these; gflow reduces them as int32 and casts the result back (see widened).
@@ -82,6 +84,37 @@ def reject_async(collective: str, exc: Exception) -> int:
     """As reject_blocking, for a call whose peers queued a background collective: the rejection takes
     this rank's place in the queue, and synchronize() raises exc."""
     return register(Pending([rejected_in_background(context(comm()), collective, exc)], None))
+
+
+def names_in_flight(collective: str, blocking: bool):
+    """Decorate an *_async call taking name=: a second operation under a name whose handle is not
+    synchronized yet raises ValueError at the call, as in Horovod (the peers' collective at that place
+    fails with MismatchError, as for any argument this rank refused); the handle is named otherwise.
+    blocking: the call runs its collective at once (the peers are in it now), else in the background."""
+
+    def decorate(fn):
+        position = list(inspect.signature(fn).parameters).index("name")
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            name = kwargs["name"] if "name" in kwargs else args[position] if len(args) > position else None
+            if name is not None and in_flight(name) is not None:
+                error = ValueError(
+                    f"{fn.__name__}: an operation named {name!r} is in flight on this rank (handle "
+                    f"{in_flight(name)}, not synchronized yet); synchronize it first, or use another name"
+                )
+                if blocking:
+                    reject_blocking(collective, error)  # (raises it)
+                reject_async(collective, error)  # (its handle is dropped: the error is raised now)
+                raise error
+            handle = fn(*args, **kwargs)
+            if name is not None:
+                name_handle(name, handle)
+            return handle
+
+        return call
+
+    return decorate
 
 
 # --- what the ranks agree on ------------------------------------------------------------------------

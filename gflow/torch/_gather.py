@@ -21,6 +21,7 @@ from ._common import (
     dtype_name,
     fingerprint,
     named,
+    names_in_flight,
     process_set_error,
     reject_blocking,
 )
@@ -80,6 +81,7 @@ def _allgather_now(tensor, where, name=None):
     return _from_words(gathered, nbytes, x.dtype, x.shape[1:] if x.dim() else ())
 
 
+@names_in_flight("allgather", blocking=True)
 def allgather_async(tensor, name=None, process_set=None) -> int:
     """Concatenate every rank's tensor along the first dimension, in rank order (ranks may differ in
     the first dimension only). Runs at the call; synchronize() returns the new tensor."""
@@ -166,12 +168,14 @@ def _broadcast_async(tensor, root_rank, process_set, in_place, where, name=None)
     return register(Pending([], lambda _: result))
 
 
+@names_in_flight("broadcast", blocking=True)
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
     """root_rank's tensor on every rank (a new tensor; the input is not modified). Runs at the call;
     synchronize() returns the result."""
     return _broadcast_async(tensor, root_rank, process_set, False, "broadcast_async", name)
 
 
+@names_in_flight("broadcast", blocking=True)
 def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
     """As broadcast_async, in place: synchronize() returns `tensor`, holding root_rank's values."""
     return _broadcast_async(tensor, root_rank, process_set, True, "broadcast_async_", name)

@@ -22,6 +22,10 @@ class Pending:
 
 _handle_map: dict = {}
 _counter = itertools.count()
+# name= of an async operation whose handle is not synchronized yet -> that handle, and back: Horovod
+# refuses a second operation under a name in flight (collectives/../_common.py's names_in_flight).
+_handle_of_name: dict = {}
+_name_of_handle: dict = {}
 
 
 def register(pending: Pending) -> int:
@@ -30,11 +34,23 @@ def register(pending: Pending) -> int:
     return handle
 
 
+def in_flight(name):
+    """The handle of the operation named `name` that is not synchronized yet, or None."""
+    return _handle_of_name.get(name)
+
+
+def name_handle(name, handle) -> None:
+    _handle_of_name[name] = handle
+    _name_of_handle[handle] = name
+
+
 def shutdown() -> None:
     """Forget the communicator and the async handles; is_initialized() is then False until the next
     init(). MPI stays up (mpi4py finalizes it at exit), and async operations started before still
     complete."""
     _handle_map.clear()
+    _handle_of_name.clear()
+    _name_of_handle.clear()
     _basics.forget_comm()
 
 
@@ -60,6 +76,9 @@ def synchronize(handle):
     pending = _handle_map.pop(handle, None)
     if pending is None:
         return None
+    name = _name_of_handle.pop(handle, None)
+    if name is not None:
+        _handle_of_name.pop(name, None)
     error, results = pending.error, []
     for h in pending.handles:  # wait for all of them, even after a failure: the channel resets
         try:
