@@ -5,6 +5,7 @@ whole computation in float64; argument errors on one rank and mismatches across 
 DistributedOptimizer is tested in tests/test_torch_optimizer.py.
 """
 
+import os
 import subprocess
 import sys
 import threading
@@ -733,7 +734,10 @@ def test_horovod_environment_variables_are_honoured_or_named(monkeypatch, tmp_pa
     """Horovod's variables with a gflow knob set it at init(); every other HOROVOD_* set is ignored
     with one warning line on rank 0 naming it; a malformed value fails init on every rank."""
     from gflow.runtime import timeline
+    from gflow.torch import _settings
 
+    monkeypatch.setattr(_settings, "_timeline_started", False)
+    monkeypatch.setattr(_settings, "_warned", set())
     for knob in ("stall_warning_s", "stall_abort_s", "hierarchical_min_bytes", "shared_memory_min_bytes"):
         monkeypatch.setattr(gflow.config, knob, getattr(gflow.config, knob))  # (restored afterwards)
     trace = str(tmp_path / "trace.json")
@@ -762,15 +766,35 @@ def test_horovod_environment_variables_are_honoured_or_named(monkeypatch, tmp_pa
         hvd.stop_timeline()
     written = trace if WORLD.size == 1 else str(tmp_path / f"trace.{WORLD.rank}.json")
     assert "allreduce" in open(written).read()
-    monkeypatch.setenv("HOROVOD_AUTOTUNE", "1")
-    monkeypatch.delenv("HOROVOD_TIMELINE")
-    monkeypatch.delenv("HOROVOD_CYCLE_TIME")
-    hvd.init()
+    size = os.path.getsize(written)
+    # Again: the trace is not reopened (emptied), the ignored variable not named twice; switches read
+    # as Horovod reads them; disabling the stall check disables the abort too; Horovod's default
+    # HOROVOD_HIERARCHICAL_ALLREDUCE=0 leaves gflow's thresholds alone.
+    monkeypatch.setenv("HOROVOD_AUTOTUNE", "true")
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_DISABLE", "2")
+    monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "0")
+    gflow.config.hierarchical_min_bytes = 12345
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hvd.init()
+    assert not [w for w in caught if "HOROVOD_" in str(w.message)]
+    assert os.path.getsize(written) == size and not timeline.active()
+    assert gflow.config.stall_warning_s == gflow.config.stall_abort_s == 0
+    assert gflow.config.hierarchical_min_bytes == 12345
     assert hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))._threshold_arg == "auto"
     monkeypatch.delenv("HOROVOD_AUTOTUNE")
-    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
-    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD must be a number of bytes, got '64MB'"):
-        hvd.init()
+    for bad in ("64MB", "-5"):
+        monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", bad)
+        with pytest.raises(
+            ValueError, match=f"HOROVOD_FUSION_THRESHOLD must be a number of bytes >= 0, got '{bad}'"
+        ):
+            hvd.init()
+    monkeypatch.delenv("HOROVOD_FUSION_THRESHOLD")
+    monkeypatch.setattr(_settings, "_timeline_started", False)
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")  # (Horovod's: only when the script starts one)
+    monkeypatch.chdir(tmp_path)
+    hvd.init()
+    assert not timeline.active() and not os.path.exists("DYNAMIC")
 
 
 @pytest.mark.parallel(SIZES)
@@ -802,8 +826,21 @@ def test_start_and_stop_timeline_and_sparse_allreduce(tmp_path):
         on_all_ranks(
             lambda r=result, e=expected: np.testing.assert_allclose(r.to_dense().numpy(), e, rtol=1e-12)
         )
-    with pytest.raises(TypeError, match="sparse_coo"):
-        hvd.sparse_allreduce_async(torch.ones(3), name="dense")
+    # One rank's dense tensor: it raises its TypeError, the others MismatchError, nobody waits.
+    last = WORLD.rank == WORLD.size - 1
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (4,))
+    if WORLD.size > 1:
+        if last:
+            with pytest.raises(TypeError, match="sparse_coo"):
+                hvd.sparse_allreduce_async(torch.ones(3), name="dense")
+        else:
+            with pytest.raises(gflow.MismatchError):
+                hvd.sparse_allreduce_async(sparse, name="dense")
+        # Another dense size on one rank: every rank fails, naming the sizes (never a silent result).
+        other = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (5 if last else 4,))
+        with pytest.raises(gflow.MismatchError, match="sparse"):
+            hvd.sparse_allreduce_async(other, name="sizes")
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(WORLD.size)))
 
 
 def test_elastic_is_an_import_error_that_says_what_to_do():

@@ -117,7 +117,8 @@ class _AllreducePlan:
         """Product: every rank multiplies all ranks' values in rank order (bitwise identical)."""
         rows = self.src.reshape(1, -1)
         everyone = allgather_on(context(comm()), rows, fingerprint=self.tag[1], about=self.about)
-        product = torch.prod(everyone, dim=0).reshape(self.src.shape)
+        product = torch.prod(everyone, dim=0).to(self.src.dtype)  # (torch.prod promotes integers)
+        product = product.reshape(self.src.shape)
         if self.out is None:
             return product
         self.out.copy_(product)

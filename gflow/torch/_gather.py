@@ -25,7 +25,7 @@ from ._common import (
     process_set_error,
     reject_blocking,
 )
-from ._handles import Pending, raise_as_horovod, register, synchronize
+from ._handles import Pending, raise_as_horovod, register
 
 # --- allgather ---------------------------------------------------------------------------------------
 
@@ -261,28 +261,28 @@ def join(device=-1) -> int:
 
 def sparse_allreduce_async(tensor, name=None, op=None, process_set=None):
     """Horovod's sparse allreduce of a torch.sparse_coo tensor: every rank's indices and values are
-    allgathered, so the result holds every rank's entries (duplicates summed when it is coalesced);
-    op Average divides the values by the size. Returns a callable (Horovod's handle for this one):
-    calling it, or hvd.synchronize(it), gives the sparse result."""
+    allgathered (at the call, as allgather_async), so the result holds every rank's entries
+    (duplicates summed once coalesced); op Average divides the values by the size. The ranks agree on
+    the dense size, the sparse dimensions and the dtype (the size travels in the checked name), so a
+    rank with another fails every rank with MismatchError. Returns a callable (Horovod's handle for
+    this one): calling it, or hvd.synchronize(it), gives the sparse result."""
     where = "sparse_allreduce_async"
-    if op is None:
-        op = Average
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
-        got = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else f"layout {tensor.layout}"
-        raise TypeError(f"{where}: tensor must be a torch.sparse_coo tensor, got {got}")
-    if isinstance(op, bool) or op not in (Average, Sum):
-        raise ValueError(f"{where}: op must be hvd.Average or hvd.Sum, got {op!r}")
+    try:
+        op = Average if op is None else op
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+            got = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else f"layout {tensor.layout}"
+            raise TypeError(f"{where}: tensor must be a torch.sparse_coo tensor, got {got}")
+        if isinstance(op, bool) or op not in (Average, Sum):
+            raise ValueError(f"{where}: op must be hvd.Average or hvd.Sum, got {op!r}")
+        check_process_set(process_set, where)
+    except Exception as exc:  # noqa: BLE001 - the peers' first allgather fails too
+        reject_blocking("allgather", exc)
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    prefix = "" if name is None else f"{name}."
+    label = f"{'' if name is None else name + '.'}indices of a sparse {tuple(t.size())} tensor"
     # Allgather concatenates along the first dimension: the indices go transposed (one row each).
-    indices = allgather_async(t.indices().t().contiguous(), name=f"{prefix}indices", process_set=process_set)
-    values = allgather_async(t.values().contiguous(), name=f"{prefix}values", process_set=process_set)
-
-    def handle():
-        gathered_values = synchronize(values)
-        gathered_indices = synchronize(indices)
-        if op == Average:
-            gathered_values = gathered_values / _basics.size()
-        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, t.size())
-
-    return handle
+    indices = _allgather_now(t.indices().t().contiguous(), where, label)
+    values = _allgather_now(t.values().contiguous(), where, None if name is None else f"{name}.values")
+    if op == Average:
+        values = values / _basics.size()
+    result = torch.sparse_coo_tensor(indices.t(), values, t.size(), check_invariants=True)
+    return lambda: result

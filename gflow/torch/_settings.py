@@ -2,11 +2,14 @@
 other HOROVOD_* variable that is set is ignored, with one warning line each (on the lowest rank), so a
 job script written for Horovod says what no longer applies instead of silently losing it.
 
-Honoured: HOROVOD_TIMELINE (gflow's timeline, one file per rank), HOROVOD_FUSION_THRESHOLD
+Honoured: HOROVOD_TIMELINE (gflow's timeline, one file per rank, started by the first init();
+DYNAMIC: only when the script calls hvd.start_timeline), HOROVOD_FUSION_THRESHOLD
 (DistributedOptimizer's threshold_bytes when not given), HOROVOD_AUTOTUNE=1 (threshold_bytes="auto"),
 HOROVOD_STALL_CHECK_TIME_SECONDS, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS and HOROVOD_STALL_CHECK_DISABLE
-(gflow's stall warning and abort), HOROVOD_HIERARCHICAL_ALLREDUCE (1: "auto" takes the hierarchical
-allreduce from every size above the latency path; 0: never).
+(gflow's stall warning and abort; disabling the check disables both), HOROVOD_HIERARCHICAL_ALLREDUCE
+(on: "auto" takes the hierarchical allreduce from every size above the latency path; off, Horovod's
+default: gflow's own thresholds). Switches are on for a positive number or true/yes/on, as Horovod
+reads them.
 """
 
 import os
@@ -16,7 +19,7 @@ import gflow
 
 from ..runtime import timeline
 
-_HONOURED = (
+_HONOURED = {
     "HOROVOD_TIMELINE",
     "HOROVOD_FUSION_THRESHOLD",
     "HOROVOD_AUTOTUNE",
@@ -24,7 +27,7 @@ _HONOURED = (
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
     "HOROVOD_STALL_CHECK_DISABLE",
     "HOROVOD_HIERARCHICAL_ALLREDUCE",
-)
+}
 # Why a Horovod variable has no gflow counterpart (the rest: "gflow has no such setting").
 _WHY_IGNORED = {
     "HOROVOD_CYCLE_TIME": "gflow starts a fused segment as soon as it is full, not on a timer",
@@ -35,10 +38,23 @@ _WHY_IGNORED = {
 }
 
 
+_warned: set = set()  # ignored variables already named (init() may run again)
+_timeline_started = False
+
+
+def _on(name: str) -> bool:
+    """A Horovod switch: on for a positive number or true/yes/on."""
+    value = os.environ.get(name, "").strip().lower()
+    try:
+        return int(value) > 0
+    except ValueError:
+        return value in ("true", "yes", "on")
+
+
 def fusion_threshold():
     """DistributedOptimizer's threshold_bytes when the script gives none: Horovod's variables, else
     None (gflow's default)."""
-    if os.environ.get("HOROVOD_AUTOTUNE", "") == "1":
+    if _on("HOROVOD_AUTOTUNE"):
         return "auto"
     value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
     if value is None:
@@ -46,28 +62,32 @@ def fusion_threshold():
     try:
         threshold = int(value)
     except ValueError:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes, got {value!r}") from None
+        threshold = -1
+    if threshold < 0:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD must be a number of bytes >= 0, got {value!r}")
     return max(1, threshold)  # (Horovod's 0 turns fusion off: gflow then fuses nothing beyond a tensor)
 
 
 def apply(rank: int) -> None:
     """Set gflow's knobs from Horovod's variables and warn (rank 0) of those set and ignored."""
+    global _timeline_started
     env = os.environ
-    if env.get("HOROVOD_TIMELINE") and not timeline.active():
-        gflow.start_timeline(env["HOROVOD_TIMELINE"])
+    path = env.get("HOROVOD_TIMELINE", "")
+    if path and path != "DYNAMIC" and not _timeline_started and not timeline.active():
+        _timeline_started = True  # (a later init() must not reopen, and so empty, the file)
+        gflow.start_timeline(path)
     if "HOROVOD_STALL_CHECK_TIME_SECONDS" in env:
         gflow.config.stall_warning_s = _seconds("HOROVOD_STALL_CHECK_TIME_SECONDS")
     if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" in env:
         gflow.config.stall_abort_s = _seconds("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
-    if env.get("HOROVOD_STALL_CHECK_DISABLE", "") == "1":
-        gflow.config.stall_warning_s = 0.0
-    hierarchical = env.get("HOROVOD_HIERARCHICAL_ALLREDUCE")
-    if hierarchical in ("0", "1"):
-        size = 0 if hierarchical == "1" else 2**62
-        gflow.config.hierarchical_min_bytes = gflow.config.shared_memory_min_bytes = size
+    if _on("HOROVOD_STALL_CHECK_DISABLE"):
+        gflow.config.stall_warning_s = gflow.config.stall_abort_s = 0.0
+    if _on("HOROVOD_HIERARCHICAL_ALLREDUCE"):
+        gflow.config.hierarchical_min_bytes = gflow.config.shared_memory_min_bytes = 0
     fusion_threshold()  # (a malformed value fails at init, not at the first optimizer)
     if rank == 0:
-        for name in sorted(n for n in env if n.startswith("HOROVOD_") and n not in _HONOURED):
+        for name in sorted(n for n in env if n.startswith("HOROVOD_") and n not in _HONOURED | _warned):
+            _warned.add(name)
             why = _WHY_IGNORED.get(name, "gflow has no such setting")
             warnings.warn(f"gflow.torch: {name} is set and ignored ({why})", RuntimeWarning, stacklevel=3)
 

@@ -214,6 +214,8 @@ def start_timeline(file_path, mark_cycles: bool = False) -> None:
     """Horovod's start_timeline, onto gflow's timeline: each rank writes its own Chrome trace
     (file_path on one rank; with more, <root>.<rank><ext>, see gflow.start_timeline). mark_cycles:
     gflow has no cycles to mark (True warns, once)."""
+    if not file_path:
+        raise ValueError("start_timeline: file_path must name a file, got an empty path")
     if mark_cycles:
         warnings.warn("gflow.torch.start_timeline: mark_cycles is ignored (no cycles in gflow)", stacklevel=2)
     gflow.start_timeline(file_path)
