@@ -853,9 +853,9 @@ def test_elastic_is_an_import_error_that_says_what_to_do():
 @pytest.mark.parallel([2, 3])
 def test_a_second_operation_under_a_name_in_flight_raises_as_in_horovod():
     """Horovod's duplicate-name rule: while an async operation named n is not synchronized, another
-    one named n raises ValueError at the call (allreduce, grouped, allgather, broadcast); on one rank
-    only, the peers' collective at that place fails with MismatchError; the first one still completes,
-    and the name is free again once it is synchronized."""
+    one named n raises ValueError at the call and starts nothing (allreduce, grouped, allgather,
+    broadcast); the first one still completes, and the name is free again once it is synchronized. On
+    one rank only: its next collective meets the peers' one of another name, MismatchError on all."""
     t = torch.ones(6, 4)
     for start in (
         lambda n: hvd.allreduce_async(t, name=n),
@@ -873,8 +873,41 @@ def test_a_second_operation_under_a_name_in_flight_raises_as_in_horovod():
     if WORLD.rank == 0:
         with pytest.raises(ValueError, match="in flight"):
             hvd.allreduce_async(t, name="w")
-    else:
-        with pytest.raises(gflow.MismatchError, match="rank 0 called allreduce with arguments it rejected"):
-            hvd.synchronize(hvd.allreduce_async(t, name="other"))
+    second = hvd.allreduce_async(t, name="x" if WORLD.rank == 0 else "other")
+    with pytest.raises(gflow.MismatchError, match="name="):
+        hvd.synchronize(second)
     assert torch.equal(hvd.synchronize(first), t)
     assert torch.equal(hvd.allreduce(t, op=hvd.Sum), t * WORLD.size)
+
+
+@pytest.mark.parallel([2, 3])
+def test_allgather_and_broadcast_async_do_not_wait_for_late_peers():
+    """allgather_async and broadcast_async run on gflow's background thread, as in Horovod: they
+    return at once while a peer is late, poll() is False until it arrives, and the results are right;
+    an allreduce started after them is still matched in order."""
+    x = torch.arange(6, dtype=torch.float32).reshape(3, 2) + WORLD.rank
+    hvd.synchronize(hvd.allgather_async(x))  # (the background channel exists, as after a first step)
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        time.sleep(1.5)
+    start = time.monotonic()
+    gathered = hvd.allgather_async(x, name="late.g")
+    broadcast = hvd.broadcast_async(x, root_rank=0, name="late.b")
+    reduced = hvd.allreduce_async(x, op=hvd.Sum, name="late.r")
+    returned = time.monotonic() - start
+    waiting = [hvd.poll(h) for h in (gathered, broadcast, reduced)]
+    everyone = np.concatenate(WORLD.allgather(x.numpy()))
+    root_x = x.numpy().copy()
+    WORLD.Bcast(root_x, root=0)
+
+    def check():
+        assert returned < 1.0, returned
+        if WORLD.rank != 0:
+            assert waiting == [False, False, False], waiting
+        np.testing.assert_array_equal(hvd.synchronize(gathered).numpy(), everyone)
+        np.testing.assert_array_equal(hvd.synchronize(broadcast).numpy(), root_x)
+        np.testing.assert_array_equal(
+            hvd.synchronize(reduced).numpy(), everyone.reshape(WORLD.size, 3, 2).sum(0)
+        )
+
+    on_all_ranks(check)

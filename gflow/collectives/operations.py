@@ -10,7 +10,7 @@ the kind, so they are of the caller's kind (a tensor for a tensor, CuPy for CuPy
 import numpy as np
 
 from ..arrays.codecs import decode, encode, overflow_message, wire_dtype
-from ..arrays.kinds import check_array
+from ..arrays.kinds import check_array, kind_of
 from ..errors import CompressionOverflowError, MismatchError
 from ..runtime import engine, timeline
 from ..runtime.config import config
@@ -122,6 +122,16 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
     )
     run = kind.in_background(run, x, *([] if out is None else [out]))
     return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
+
+
+def background_on(parent: CommContext, collective: str, call, *arrays):
+    """Run call(ctx) on gflow's background thread, on parent's background context, after the async
+    collectives this rank started before (every rank starts them in the same order); `arrays` are
+    kept alive, and read after the work that produced them (device arrays). Returns the Handle. The
+    arguments must have been checked: a rank that refuses its own calls rejected_in_background."""
+    ctx = parent.background()
+    run = kind_of(arrays[0]).in_background(lambda: call(ctx), *arrays)
+    return engine.submit(collective, run, keep=arrays, ctx=ctx, on_failure=parent.reset_background)
 
 
 def _annotated(call, about):

@@ -6,18 +6,17 @@ Where this differs from Horovod, and why:
   given, is agreed on with the shapes: two tensors of one shape started in another order on some
   rank, under their names, fail with MismatchError on every rank instead of coming back swapped
   (Horovod matches them by name; without names, gflow cannot tell two same-shape tensors apart).
-- allreduce and the allreduce_async family run on gflow's background thread (gflow.allreduce_async);
-  blocking allreduce/allreduce_ runs in the caller's thread. allgather and broadcast have no
-  background form in gflow: their *_async variants run at the call and return a finished handle
-  (errors are still raised by synchronize(), as for the others).
+- The *_async calls (allreduce, grouped, allgather, broadcast) run on gflow's background thread, in
+  the order each rank started them; the blocking ones run in the caller's thread.
 - A rank whose own arguments are bad (not a tensor, not contiguous for an in-place op, a bad op...)
   raises its TypeError/ValueError/NotImplementedError, and its peers raise MismatchError instead of
   waiting for it (blocking calls raise at the call, async ones at synchronize()). Ranks passing
   different shapes (another shape of the same size too; for grouped_allreduce, each tensor's shape, in
   order) or dtypes, or (allreduce) different ops or prescale/postscale factors, raise MismatchError, a
   HorovodInternalError, on every rank, as Horovod's controller checks them.
-- dtypes: allreduce takes float16/32/64, bfloat16 and int32/64 (gflow's); allgather and broadcast move
-  any dtype (others travel as bytes). Integer Average is the sum times 1/size truncated toward zero, as
+- dtypes: allreduce takes float16/32/64, bfloat16 and int32/64 (gflow's), and uint8, int8, int16 and
+  bool (reduced as int32, cast back: see _common.narrowed); allgather and broadcast move any dtype
+  (others travel as bytes). Integer Average is the sum times 1/size truncated toward zero, as
   Horovod's scaling in C. Product is computed from an allgather (p times the memory of the tensor);
   Adasum raises NotImplementedError.
 - Gradients: allreduce's backward is an allreduce with the same op and factors (Average and Sum only;
@@ -173,7 +172,7 @@ def _op_args(op, average, where):
         return None, exc
 
 
-@names_in_flight("allreduce", blocking=False)
+@names_in_flight
 def allreduce_async(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ) -> int:
@@ -190,7 +189,7 @@ def allreduce_async(
     )
 
 
-@names_in_flight("allreduce", blocking=False)
+@names_in_flight
 def allreduce_async_(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ) -> int:
@@ -348,7 +347,7 @@ def _grouped(
     return _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name)
 
 
-@names_in_flight("allreduce", blocking=False)
+@names_in_flight
 def grouped_allreduce_async(
     tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ) -> int:
@@ -367,7 +366,7 @@ def grouped_allreduce_async(
     )
 
 
-@names_in_flight("allreduce", blocking=False)
+@names_in_flight
 def grouped_allreduce_async_(
     tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ) -> int:

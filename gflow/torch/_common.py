@@ -86,35 +86,28 @@ def reject_async(collective: str, exc: Exception) -> int:
     return register(Pending([rejected_in_background(context(comm()), collective, exc)], None))
 
 
-def names_in_flight(collective: str, blocking: bool):
+def names_in_flight(fn):
     """Decorate an *_async call taking name=: a second operation under a name whose handle is not
-    synchronized yet raises ValueError at the call, as in Horovod (the peers' collective at that place
-    fails with MismatchError, as for any argument this rank refused); the handle is named otherwise.
-    blocking: the call runs its collective at once (the peers are in it now), else in the background."""
+    synchronized yet raises ValueError at the call, as in Horovod, and starts nothing (no collective:
+    ranks that all make the same mistake all raise and go on in step; a peer that started something
+    there instead meets this rank's next collective, whose signature and name differ: MismatchError
+    on both). Otherwise the handle is named, until synchronize()."""
+    position = list(inspect.signature(fn).parameters).index("name")
 
-    def decorate(fn):
-        position = list(inspect.signature(fn).parameters).index("name")
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        name = kwargs["name"] if "name" in kwargs else args[position] if len(args) > position else None
+        if name is not None and in_flight(name) is not None:
+            raise ValueError(
+                f"{fn.__name__}: an operation named {name!r} is in flight on this rank (handle "
+                f"{in_flight(name)}, not synchronized yet); synchronize it first, or use another name"
+            )
+        handle = fn(*args, **kwargs)
+        if name is not None:
+            name_handle(name, handle)
+        return handle
 
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            name = kwargs["name"] if "name" in kwargs else args[position] if len(args) > position else None
-            if name is not None and in_flight(name) is not None:
-                error = ValueError(
-                    f"{fn.__name__}: an operation named {name!r} is in flight on this rank (handle "
-                    f"{in_flight(name)}, not synchronized yet); synchronize it first, or use another name"
-                )
-                if blocking:
-                    reject_blocking(collective, error)  # (raises it)
-                reject_async(collective, error)  # (its handle is dropped: the error is raised now)
-                raise error
-            handle = fn(*args, **kwargs)
-            if name is not None:
-                name_handle(name, handle)
-            return handle
-
-        return call
-
-    return decorate
+    return call
 
 
 # --- what the ranks agree on ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 import gflow
 
-from ..collectives.operations import allgather_on, allreduce_on, broadcast_on
+from ..collectives.operations import allgather_on, allreduce_on, background_on, broadcast_on
 from ..runtime.context import context
 from . import _basics
 from ._allreduce import allreduce
@@ -23,6 +23,7 @@ from ._common import (
     named,
     names_in_flight,
     process_set_error,
+    reject_async,
     reject_blocking,
 )
 from ._handles import Pending, raise_as_horovod, register
@@ -61,38 +62,52 @@ def _agreed(x, shape, name=None):
     return fingerprint(dtype_name(x.dtype), tuple(shape), name), about
 
 
+class _AllgatherPlan:
+    """One allgather, checked (raises on bad arguments): the rows to send and how to read the result."""
+
+    def __init__(self, tensor, where, name=None):
+        check_tensor(tensor, where)
+        self.x = x = tensor.detach()
+        if x.dtype in MOVABLE_DIRECT:
+            self.words, self.nbytes = x.contiguous(), None
+        else:
+            self.words, self.nbytes = _to_words(x)
+        self.fingerprint, self.about = _agreed(x, x.shape[1:], name)
+
+    def run(self, ctx):
+        return allgather_on(ctx, self.words, fingerprint=self.fingerprint, about=self.about)
+
+    def finish(self, gathered):
+        if self.nbytes is None:
+            return gathered
+        x = self.x
+        return _from_words(gathered, self.nbytes, x.dtype, x.shape[1:] if x.dim() else ())
+
+
 def _allgather_now(tensor, where, name=None):
     try:
-        check_tensor(tensor, where)
-        x = tensor.detach()
-        if x.dtype in MOVABLE_DIRECT:
-            words, nbytes = x.contiguous(), None
-        else:
-            words, nbytes = _to_words(x)
-        fingerprint, about = _agreed(x, x.shape[1:], name)
+        plan = _AllgatherPlan(tensor, where, name)
     except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
         reject_blocking("allgather", exc)
     try:
-        gathered = allgather_on(context(comm()), words, fingerprint=fingerprint, about=about)
+        gathered = plan.run(context(comm()))
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
-    if nbytes is None:
-        return gathered
-    return _from_words(gathered, nbytes, x.dtype, x.shape[1:] if x.dim() else ())
+    return plan.finish(gathered)
 
 
-@names_in_flight("allgather", blocking=True)
+@names_in_flight
 def allgather_async(tensor, name=None, process_set=None) -> int:
     """Concatenate every rank's tensor along the first dimension, in rank order (ranks may differ in
-    the first dimension only). Runs at the call; synchronize() returns the new tensor."""
-    exc = process_set_error(process_set, "allgather_async")
+    the first dimension only), on gflow's background thread; synchronize() returns the new tensor.
+    Do not modify the tensor before then."""
     try:
-        if exc is not None:
-            reject_blocking("allgather", exc)
-        result = _allgather_now(tensor, "allgather_async", name)
-    except Exception as error:  # noqa: BLE001 - reported by synchronize(), as for the others
-        return register(Pending(error=error))
-    return register(Pending([], lambda _: result))
+        check_process_set(process_set, "allgather_async")
+        plan = _AllgatherPlan(tensor, "allgather_async", name)
+    except Exception as exc:  # noqa: BLE001 - reported by synchronize(); the peers' fails too
+        return reject_async("allgather", exc)
+    handle = background_on(context(comm()), "allgather", plan.run, plan.words)
+    return register(Pending([handle], lambda results: plan.finish(results[0])))
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -125,57 +140,70 @@ def allgather(tensor, name=None, process_set=None):
 # --- broadcast ---------------------------------------------------------------------------------------
 
 
-def _broadcast_now(tensor, root_rank, in_place: bool, where, name=None):
-    try:
+class _BroadcastPlan:
+    """One broadcast, checked (raises on bad arguments): what to send and where the result goes."""
+
+    def __init__(self, tensor, root_rank, in_place: bool, where, name=None):
         check_tensor(tensor, where, in_place=in_place)
         if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
             raise TypeError(f"{where}: root_rank must be an int, got {type(root_rank).__name__}")
         if not 0 <= root_rank < _basics.size():
             raise ValueError(f"{where}: root_rank must be in [0, {_basics.size()}), got {root_rank}")
-        x = tensor.detach()
+        self.tensor, self.root, self.in_place = tensor, int(root_rank), in_place
+        self.x = x = tensor.detach()
         if x.dtype in MOVABLE_DIRECT:
-            words = nbytes = None
+            self.words, self.nbytes = (x if in_place else x.contiguous()), None
         else:
-            words, nbytes = _to_words(x.reshape(1, x.numel()))
-        fingerprint, about = _agreed(x, x.shape, name)
+            self.words, self.nbytes = _to_words(x.reshape(1, x.numel()))
+        self.fingerprint, self.about = _agreed(x, x.shape, name)
+
+    def run(self, ctx):
+        out = self.x if self.in_place and self.nbytes is None else None
+        kw = dict(root=self.root, out=out, fingerprint=self.fingerprint, about=self.about)
+        return broadcast_on(ctx, self.words, **kw)
+
+    def finish(self, received):
+        if self.nbytes is None:
+            return self.tensor if self.in_place else received
+        x = self.x
+        result = _from_words(received, self.nbytes, x.dtype, (x.numel(),)).reshape(x.shape)
+        if self.in_place:
+            x.copy_(result)
+            return self.tensor
+        return result
+
+
+def _broadcast_now(tensor, root_rank, in_place: bool, where, name=None):
+    try:
+        plan = _BroadcastPlan(tensor, root_rank, in_place, where, name)
     except Exception as exc:  # noqa: BLE001
         reject_blocking("broadcast", exc)
-    root, ctx = int(root_rank), context(comm())
     try:
-        if words is None:
-            if in_place:
-                broadcast_on(ctx, x, root=root, out=x, fingerprint=fingerprint, about=about)
-                return tensor
-            return broadcast_on(ctx, x.contiguous(), root=root, fingerprint=fingerprint, about=about)
-        words = broadcast_on(ctx, words, root=root, fingerprint=fingerprint, about=about)
+        received = plan.run(context(comm()))
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
-    result = _from_words(words, nbytes, x.dtype, (x.numel(),)).reshape(x.shape)
-    if in_place:
-        x.copy_(result)
-        return tensor
-    return result
+    return plan.finish(received)
 
 
 def _broadcast_async(tensor, root_rank, process_set, in_place, where, name=None) -> int:
-    exc = process_set_error(process_set, where)
+    """A broadcast on gflow's background thread; synchronize() returns its result."""
     try:
-        if exc is not None:
-            reject_blocking("broadcast", exc)
-        result = _broadcast_now(tensor, root_rank, in_place, where, name)
-    except Exception as error:  # noqa: BLE001 - reported by synchronize()
-        return register(Pending(error=error))
-    return register(Pending([], lambda _: result))
+        check_process_set(process_set, where)
+        plan = _BroadcastPlan(tensor, root_rank, in_place, where, name)
+    except Exception as exc:  # noqa: BLE001 - reported by synchronize(); the peers' fails too
+        return reject_async("broadcast", exc)
+    handle = background_on(context(comm()), "broadcast", plan.run, plan.words)
+    return register(Pending([handle], lambda results: plan.finish(results[0])))
 
 
-@names_in_flight("broadcast", blocking=True)
+@names_in_flight
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
-    """root_rank's tensor on every rank (a new tensor; the input is not modified). Runs at the call;
-    synchronize() returns the result."""
+    """root_rank's tensor on every rank (a new tensor; the input is not modified), on gflow's
+    background thread; synchronize() returns the result."""
     return _broadcast_async(tensor, root_rank, process_set, False, "broadcast_async", name)
 
 
-@names_in_flight("broadcast", blocking=True)
+@names_in_flight
 def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
     """As broadcast_async, in place: synchronize() returns `tensor`, holding root_rank's values."""
     return _broadcast_async(tensor, root_rank, process_set, True, "broadcast_async_", name)
