@@ -181,7 +181,10 @@ def test_model_command_prints_the_table(tmp_path):
     assert done.returncode == 0, done.stderr
     for technique, *_ in model.TECHNIQUES:
         assert technique in done.stdout
-    assert "512 ranks, 8 per node, 56gbit" in done.stdout
+    assert "512 ranks, 8 per node, 56gbit" in done.stdout and "device buffers direct" in done.stdout
+    staged = run_cli(tmp_path, "model", "--ranks", "64", "--transport", "staged", "--calibration", str(calib),
+                     "--plot", "")  # fmt: skip
+    assert staged.returncode == 0 and "device buffers staged" in staged.stdout, staged.stderr
 
 
 @pytest.mark.parametrize(
@@ -194,6 +197,7 @@ def test_model_command_prints_the_table(tmp_path):
         (["--ranks", "8", "--calibration", "MISSING"], "missing"),
         (["--ranks", "8", "--calibration", "CROWDED"], "uncrowded must map"),
         (["--ranks", "8", "--workload", "SIZES"], "--compute-ms"),
+        (["--ranks", "8", "--transport", "tcp"], "invalid choice"),
         ([], "--ranks"),
     ],
 )
