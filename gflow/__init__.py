@@ -6,7 +6,7 @@ importing only from those below it).
 
 import os as _os
 
-from .collectives.operations import allgather, allreduce, allreduce_async, broadcast, reduce_scatter
+from .collectives.operations import allgather, allreduce, allreduce_async, alltoall, broadcast, reduce_scatter
 from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError
 from .fusion.lazy import LazyAllreduce
 from .fusion.sparse import SparseAllreduce
@@ -43,6 +43,7 @@ __all__ = [
     "allgather",
     "allreduce",
     "allreduce_async",
+    "alltoall",
     "broadcast",
     "broadcast_parameters",
     "config",

@@ -6,11 +6,12 @@ Then the agreement before a bandwidth algorithm, and each collective on flat con
 the ops for their memory. (The settings that "auto" depends on are folded into the
 signature by runtime/signature.py, so ranks configured differently fail the agreement.)"""
 
+import numpy as np
 from mpi4py import MPI
 
 from ..runtime import timeline
 from ..runtime.config import config, latency_path_limit
-from ..runtime.context import CommContext
+from ..runtime.context import TAG_ALLTOALL, CommContext
 from ..runtime.signature import CODE_MEMORY, signature
 from . import hierarchical, ring
 from .recursive_doubling import allreduce_with_agreement
@@ -118,11 +119,18 @@ def settle_auto(ctx: CommContext, nbytes: int) -> str:
     return "ring"
 
 
-def reduce_scatter_flat(ctx: CommContext, src, *, ops, dtype, name: str, memory: str):
-    """This rank's shard of the reduction of the flat contiguous src, as a new flat array."""
-    _agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, memory=memory))
+def reduce_scatter_flat(ctx: CommContext, src, *, ops, dtype, name: str, memory: str, rows=None):
+    """This rank's shard of the reduction of the flat contiguous src, as a new flat array: chunk
+    `rank` of np.array_split's layout over the elements, or, with rows=(nrows, shape fingerprint),
+    over the rows (the ranks agree on the whole shape, whose checksum is that fingerprint)."""
+    extra = 0 if rows is None else rows[1]
+    _agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, extra=extra, memory=memory))
     src, name = _predivided(ctx, src, ops, name)
-    bounds = ring.chunk_bounds(src.size, ctx.size)
+    if rows is None:
+        bounds = ring.chunk_bounds(src.size, ctx.size)
+    else:
+        row_elems = src.size // rows[0] if rows[0] else 0
+        bounds = [b * row_elems for b in ring.chunk_bounds(rows[0], ctx.size)]
     work = ops.empty(src.size, dtype)
     ring.reduce_scatter(ctx, src, work, ops, "sum" if name == "mean" else name, bounds)
     shard = ops.empty(bounds[ctx.rank + 1] - bounds[ctx.rank], dtype)
@@ -130,6 +138,44 @@ def reduce_scatter_flat(ctx: CommContext, src, *, ops, dtype, name: str, memory:
     if name == "mean":
         ops.divide(shard, ctx.size)
     return shard
+
+
+def alltoall_flat(
+    ctx: CommContext, rows, splits, *, row_elems: int, ops, dtype, memory: str, fingerprint: int = 0
+):
+    """Send rows splits[0] of the flat `rows` to rank 0, the next splits[1] to rank 1, ...; return the
+    flat concatenation of what every rank sent this one, in rank order, and how many rows came from
+    each. The ranks agree on row_elems and `fingerprint` (the caller's checksum of a row's shape);
+    the counts travel first, then each pair's rows in messages of at most ring.MAX_MESSAGE_BYTES."""
+    _agree(ctx, signature("alltoall", "mpi", row_elems, dtype, None, extra=fingerprint, memory=memory))
+    sent = np.asarray(splits, np.int64)
+    received = np.empty_like(sent)
+    if ctx.size > 1:
+        ctx.waitall([ctx.comm.Ialltoall(sent, received)])
+    else:
+        received[:] = sent
+    send_at = np.concatenate(([0], np.cumsum(sent))) * row_elems
+    recv_at = np.concatenate(([0], np.cumsum(received))) * row_elems
+    result = ops.empty(int(recv_at[-1]), dtype)
+    r, step, buffer, comm = ctx.rank, ring.piece_elems(dtype), ops.buffer, ctx.comm
+    ops.copy(result[recv_at[r] : recv_at[r + 1]], rows[send_at[r] : send_at[r + 1]])
+    ops.fence()
+    requests = []
+    for peer in range(ctx.size):  # (every pair's messages on one tag arrive in order: piece j in piece j)
+        if peer == r:
+            continue
+        recv, send = result[recv_at[peer] : recv_at[peer + 1]], rows[send_at[peer] : send_at[peer + 1]]
+        requests += [
+            comm.Irecv([buffer(recv[lo : lo + step]), MPI.BYTE], peer, TAG_ALLTOALL)
+            for lo in range(0, recv.size, step)
+        ]
+        requests += [
+            comm.Isend([buffer(send[lo : lo + step]), MPI.BYTE], peer, TAG_ALLTOALL)
+            for lo in range(0, send.size, step)
+        ]
+    if requests:
+        ctx.waitall(requests)
+    return result, received
 
 
 def allgather_flat(

@@ -18,7 +18,7 @@ from ..runtime.context import CommContext, context
 from ..runtime.signature import check_op, check_root, rejected_signature, signature
 from . import latency
 from .checks import check_allreduce, shape_fingerprint
-from .dispatch import allgather_flat, allreduce_flat, broadcast_flat, reduce_scatter_flat
+from .dispatch import allgather_flat, allreduce_flat, alltoall_flat, broadcast_flat, reduce_scatter_flat
 from .recursive_doubling import allreduce_with_agreement
 
 _USER_CALL = ("allreduce", 0)  # a user's call: the ranks agree on x's shape (allreduce_on)
@@ -228,34 +228,145 @@ def _allreduce_compressed(ctx: CommContext, x, *, kind, result, name: str, algor
     return result
 
 
-def reduce_scatter(x, op="sum", *, comm=None):
-    """Reduce x over all ranks and return only this rank's shard of the flat result.
+def reduce_scatter(x, op="sum", *, comm=None, rows=False):
+    """Reduce x over all ranks and return only this rank's shard of the result.
 
     The shard layout is np.array_split's: rank r gets np.array_split(result.ravel(), size)[r], so the
-    first (x.size % size) ranks hold one element more.
+    first (x.size % size) ranks hold one element more. With rows=True, x's first axis is split
+    instead (Horovod's reducescatter): rank r gets np.array_split(result, size)[r], of shape
+    (its rows, *x.shape[1:]), and the ranks must pass the same shape.
 
     Args:
-        x: a NumPy or device array (any shape, reduced as flat); not modified.
+        x: a NumPy or device array (any shape; at least one axis with rows=True); not modified.
         op: as for allreduce.
         comm: as for allreduce.
+        rows: split the first axis (True) or the flat elements (False, the default).
 
     Returns:
-        A new 1-D array: this rank's shard of the reduction.
+        A new array: this rank's shard of the reduction (1-D, or x's trailing axes with rows=True).
 
     Raises:
         TypeError, ValueError, MismatchError: as for allreduce.
     """
-    ctx = context(comm)
+    return reduce_scatter_on(context(comm), x, op, rows=rows)
+
+
+def reduce_scatter_on(ctx: CommContext, x, op, *, rows=False, fingerprint=None, about=None):
+    """reduce_scatter on a given context. With rows=True the ranks agree on `fingerprint`: by default
+    a checksum of x's shape (gflow.torch's: of the tensor's shape, dtype, op and factors); `about`
+    names this rank's call in a MismatchError."""
     try:
         kind, dtype = check_array(x)
         name = check_op(op, dtype)
+        shape = tuple(kind.shape(x))
+        if rows and not shape:
+            raise ValueError("reduce_scatter(rows=True): x must have at least one axis, got a 0-d array")
     except Exception:
         reject(ctx, "reduce_scatter")
         raise
+    if rows and fingerprint is None:
+        fingerprint, about = shape_fingerprint(shape), f"an array of shape {shape}"
     transport = kind.transport()
     src = transport.send(ctx, kind.read(x))
-    shard = reduce_scatter_flat(ctx, src, ops=transport.ops, dtype=dtype, name=name, memory=kind.memory)
-    return kind.done(transport.result(kind, x, shard, (shard.size,), dtype))
+    split = (shape[0], fingerprint) if rows else None
+    shard = _annotated(
+        lambda: reduce_scatter_flat(
+            ctx, src, ops=transport.ops, dtype=dtype, name=name, memory=kind.memory, rows=split
+        ),
+        about,
+    )
+    if not rows:
+        return kind.done(transport.result(kind, x, shard, (shard.size,), dtype))
+    nrows = ring_rows(shape[0], ctx.size, ctx.rank)
+    return kind.done(transport.result(kind, x, shard, (nrows, *shape[1:]), dtype))
+
+
+def ring_rows(nrows: int, size: int, rank: int) -> int:
+    """How many of nrows rows np.array_split gives `rank` of `size`."""
+    return nrows // size + (1 if rank < nrows % size else 0)
+
+
+def alltoall(x, splits=None, *, comm=None):
+    """Send a slice of x's first axis to every rank and receive one from every rank (MPI_Alltoallv).
+
+    Rank r sends its rows [sum(splits[:d]), sum(splits[:d+1])) to rank d, and receives from every rank
+    the rows that rank addressed to it, concatenated in rank order (Horovod's alltoall). The other
+    axes and the dtype must agree; the splits may differ between ranks.
+
+    Args:
+        x: a NumPy or device array with at least one axis; not modified.
+        splits: None (x.shape[0] must then divide evenly by the number of ranks), or one
+            non-negative row count per rank, summing to x.shape[0].
+        comm: as for allreduce.
+
+    Returns:
+        (received, received_splits): a new array of x's kind, of shape (rows received, *x.shape[1:]),
+        and a NumPy int64 array of the rows received from each rank.
+
+    Raises:
+        TypeError, ValueError, MismatchError: as for allreduce.
+    """
+    return alltoall_on(context(comm), x, splits)
+
+
+def alltoall_on(ctx: CommContext, x, splits, *, fingerprint=None, about=None):
+    """alltoall on a given context (`fingerprint` and `about` as for allgather_on)."""
+    try:
+        kind, dtype = check_array(x)
+        shape = tuple(kind.shape(x))
+        counts = check_splits(splits, shape, ctx.size)
+    except Exception:
+        reject(ctx, "alltoall")
+        raise
+    if fingerprint is None:
+        fingerprint, about = shape_fingerprint(shape[1:]), f"an array of shape {shape}"
+    row_elems = int(np.prod(shape[1:], dtype=np.int64))
+    transport = kind.transport()
+    rows = transport.send(ctx, kind.read(x))
+    flat, received = _annotated(
+        lambda: alltoall_flat(
+            ctx,
+            rows,
+            counts,
+            row_elems=row_elems,
+            ops=transport.ops,
+            dtype=dtype,
+            memory=kind.memory,
+            fingerprint=fingerprint,
+        ),  # fmt: skip
+        about,
+    )
+    result = transport.result(kind, x, flat, (int(received.sum()), *shape[1:]), dtype)
+    return kind.done(result), received
+
+
+def check_splits(splits, shape: tuple, size: int) -> np.ndarray:
+    """alltoall's splits as one int64 row count per rank, or TypeError/ValueError saying what is wrong."""
+    if not shape:
+        raise ValueError("alltoall: x must have at least one axis, got a 0-d array")
+    if splits is None:
+        if shape[0] % size:
+            raise ValueError(
+                f"alltoall: without splits, x's first axis ({shape[0]}) must divide evenly by the "
+                f"number of ranks ({size}); pass splits= to send unequal slices"
+            )
+        return np.full(size, shape[0] // size, np.int64)
+    try:
+        counts = np.asarray(splits)
+    except Exception as exc:
+        raise TypeError(f"alltoall: splits must be a sequence of ints, got {type(splits).__name__}") from exc
+    if counts.ndim != 1 or (counts.size and counts.dtype.kind not in "iu"):
+        raise TypeError(f"alltoall: splits must be a 1-D sequence of ints, got {splits!r}")
+    if counts.size != size:
+        raise ValueError(f"alltoall: splits must give one row count per rank ({size}), got {counts.size}")
+    if (counts < 0).any():
+        raise ValueError(f"alltoall: splits must not be negative, got {counts.tolist()}")
+    if int(counts.sum()) != shape[0]:
+        raise ValueError(
+            f"alltoall: splits must sum to x's first axis ({shape[0]}), got {counts.tolist()} "
+            f"(sum {int(counts.sum())})"
+        )
+    return counts.astype(np.int64)
 
 
 def allgather(x, *, comm=None):

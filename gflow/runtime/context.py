@@ -19,6 +19,7 @@ from .config import config
 TAG_AGREE = 11
 TAG_RING_RS = 12
 TAG_RING_AG = 13
+TAG_ALLTOALL = 14
 
 
 def rd_schedule(rank: int, size: int):

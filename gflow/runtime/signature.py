@@ -27,7 +27,9 @@ OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
 CODE_OP = {code: name for name, code in OP_CODE.items()}
 _MPI_OPS = ((MPI.SUM, "sum"), (MPI.MAX, "max"), (MPI.MIN, "min"))  # MPI.Op is not hashable
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "lazy", "sparse", "gradient_buffers")
+COLLECTIVES = (
+    "allreduce", "reduce_scatter", "allgather", "broadcast", "lazy", "sparse", "gradient_buffers", "alltoall"
+)  # fmt: skip
 COLLECTIVE_CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
 CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}
 
@@ -145,7 +147,7 @@ def describe(sig) -> str:
     dtype = CODE_DTYPE.get(int(sig[3]))
     memory = CODE_MEMORY.get(int(sig[6]), "?")
     elements = f"{int(sig[2])} {dtype.name if dtype else '?'} elements"
-    if collective == "allgather":
+    if collective in ("allgather", "alltoall"):
         elements = f"rows of {elements}"
     text = f"called {collective} with {elements} ({memory} array)"
     if int(sig[4]):
@@ -160,8 +162,10 @@ def describe(sig) -> str:
         text += f", root={int(sig[5]) & 0xFFFFFFFF}"
         if int(sig[5]) >> 32:
             text += f", shape fingerprint {int(sig[5]) >> 32}"
-    elif collective == "allgather" and int(sig[5]):
+    elif collective in ("allgather", "alltoall") and int(sig[5]):
         text += f", trailing-shape fingerprint {int(sig[5])}"
+    elif collective == "reduce_scatter" and int(sig[5]):
+        text += f", split by rows of shape fingerprint {int(sig[5])}"
     elif collective == "lazy":
         text += (
             f", push-order checksum {int(sig[5])} (of the tensors pushed so far, the fusion threshold and, "

@@ -31,19 +31,15 @@ from ._basics import (
     HorovodInternalError,
     Max,
     Min,
-    ProcessSet,
     Product,
     Sum,
-    add_process_set,
     ccl_built,
     cross_rank,
     cross_size,
     cuda_built,
     ddl_built,
-    global_process_set,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -53,7 +49,6 @@ from ._basics import (
     mpi_threads_supported,
     nccl_built,
     rank,
-    remove_process_set,
     rocm_built,
     size,
 )
@@ -69,6 +64,17 @@ from ._gather import (
     sparse_allreduce_async,
 )
 from ._handles import poll, shutdown, synchronize
+from ._init import init
+from ._scatter import (
+    alltoall,
+    alltoall_async,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
 from .compression import Compression, Compressor
 from .functions import (
     allgather_object,
@@ -79,9 +85,18 @@ from .functions import (
     stop_timeline,
 )
 from .optimizer import DistributedOptimizer
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
+    "reducescatter_async",
+    "reducescatter",
+    "grouped_reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_allgather_async",
+    "grouped_allgather",
+    "alltoall_async",
+    "alltoall",
     "Adasum",
     "Average",
     "Compression",

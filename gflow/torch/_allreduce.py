@@ -45,12 +45,12 @@ from ._common import (
     named,
     names_in_flight,
     narrowed,
-    process_set_error,
     reject_async,
     reject_blocking,
     resolve_op,
     scale_,
     scaled,
+    set_comm,
     tensors_text,
 )
 from ._handles import Pending, raise_as_horovod, register, synchronize
@@ -62,9 +62,12 @@ from .compression import wire_compression
 class _AllreducePlan:
     """One allreduce, checked: what to send, how, and what to do with the result."""
 
-    def __init__(self, tensor, output, op, prescale, postscale, compression, where, members=None, name=None):
+    def __init__(
+        self, tensor, output, op, prescale, postscale, compression, where, members=None, name=None, on=None
+    ):
         """members: the tensors `tensor` fuses (grouped_allreduce), whose shapes the ranks agree on;
-        name: the user's name= (agreed on too, when given)."""
+        name: the user's name= (agreed on too, when given); on: the process set's communicator."""
+        self.comm = comm() if on is None else on
         check_tensor(tensor, where, in_place=output is not None, reduce=True)
         prescale = check_factor(prescale, where, "prescale_factor")
         postscale = check_factor(postscale, where, "postscale_factor")
@@ -76,7 +79,7 @@ class _AllreducePlan:
         self.product = op == Product
         self.narrow = tensor.dtype if tensor.dtype in WIDENED else None  # reduced as int32 (narrowed)
         # Integer Average: the sum, then scaled by postscale/size and truncated, as Horovod does in C.
-        self.post = postscale / _basics.size() if (op == Average and not floating) else postscale
+        self.post = postscale / self.comm.Get_size() if (op == Average and not floating) else postscale
         # (the other 16-bit type as compression is passed on, for gflow's TypeError naming both)
         same = ITS_OWN_WIRE.get(tensor.dtype) == cname
         self.compression = cname if (floating and not same) else None
@@ -115,7 +118,7 @@ class _AllreducePlan:
     def run_product(self):
         """Product: every rank multiplies all ranks' values in rank order (bitwise identical)."""
         rows = self.src.reshape(1, -1)
-        everyone = allgather_on(context(comm()), rows, fingerprint=self.tag[1], about=self.about)
+        everyone = allgather_on(context(self.comm), rows, fingerprint=self.tag[1], about=self.about)
         product = torch.prod(everyone, dim=0).to(self.src.dtype)  # (torch.prod promotes integers)
         product = product.reshape(self.src.shape)
         if self.out is None:
@@ -124,29 +127,29 @@ class _AllreducePlan:
         return self.out
 
 
-def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, where, name=None):
+def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, where, name=None, on=None):
     try:
-        plan = _AllreducePlan(tensor, output, op, prescale, postscale, compression, where, name=name)
+        plan = _AllreducePlan(tensor, output, op, prescale, postscale, compression, where, name=name, on=on)
     except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
-        reject_blocking("allreduce", exc)
+        reject_blocking("allreduce", exc, on)
     try:
         if plan.product:
             result = plan.run_product()
         else:
             result = allreduce_on(
-                context(comm()), plan.src, plan.gop, out=plan.out, compression=plan.compression, tag=plan.tag,
-                about=plan.about,
+                context(plan.comm), plan.src, plan.gop, out=plan.out, compression=plan.compression,
+                tag=plan.tag, about=plan.about,
             )  # fmt: skip
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
     return plan.finish(result)
 
 
-def _allreduce_async(tensor, output, op, prescale, postscale, compression, where, name=None) -> int:
+def _allreduce_async(tensor, output, op, prescale, postscale, compression, where, name=None, on=None) -> int:
     try:
-        plan = _AllreducePlan(tensor, output, op, prescale, postscale, compression, where, name=name)
+        plan = _AllreducePlan(tensor, output, op, prescale, postscale, compression, where, name=name, on=on)
     except Exception as exc:  # noqa: BLE001
-        return reject_async("allreduce", exc)
+        return reject_async("allreduce", exc, on)
     if plan.product:  # no background form: run now, report at synchronize()
         try:
             result = plan.run_product()
@@ -160,7 +163,7 @@ def _allreduce_async(tensor, output, op, prescale, postscale, compression, where
 def _start(plan: _AllreducePlan):
     """The background allreduce of a checked plan (not Product)."""
     return allreduce_async_on(
-        context(comm()), plan.src, plan.gop, out=plan.out, compression=plan.compression, tag=plan.tag,
+        context(plan.comm), plan.src, plan.gop, out=plan.out, compression=plan.compression, tag=plan.tag,
         about=plan.about,
     )  # fmt: skip
 
@@ -179,13 +182,13 @@ def allreduce_async(
     """Start reducing `tensor` over all ranks (not modified); return a handle for poll()/synchronize(),
     which returns a new tensor. op: Average (default), Sum, Min, Max, Product. The result is
     postscale_factor * op(prescale_factor * tensor)."""
-    op, exc = _op_args(op, average, "allreduce_async")
+    on, exc = set_comm(process_set, "allreduce_async")
     if exc is None:
-        exc = process_set_error(process_set, "allreduce_async")
+        op, exc = _op_args(op, average, "allreduce_async")
     if exc is not None:
-        return reject_async("allreduce", exc)
+        return reject_async("allreduce", exc, on)
     return _allreduce_async(
-        tensor, None, op, prescale_factor, postscale_factor, None, "allreduce_async", name=name
+        tensor, None, op, prescale_factor, postscale_factor, None, "allreduce_async", name=name, on=on
     )
 
 
@@ -194,13 +197,13 @@ def allreduce_async_(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ) -> int:
     """As allreduce_async, in place: synchronize() returns `tensor`, holding the result."""
-    op, exc = _op_args(op, average, "allreduce_async_")
+    on, exc = set_comm(process_set, "allreduce_async_")
     if exc is None:
-        exc = process_set_error(process_set, "allreduce_async_")
+        op, exc = _op_args(op, average, "allreduce_async_")
     if exc is not None:
-        return reject_async("allreduce", exc)
+        return reject_async("allreduce", exc, on)
     return _allreduce_async(
-        tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_async_", name=name
+        tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_async_", name=name, on=on
     )
 
 
@@ -208,25 +211,25 @@ def allreduce_(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ):
     """Reduce `tensor` over all ranks in place and return it."""
-    op, exc = _op_args(op, average, "allreduce_")
+    on, exc = set_comm(process_set, "allreduce_")
     if exc is None:
-        exc = process_set_error(process_set, "allreduce_")
+        op, exc = _op_args(op, average, "allreduce_")
     if exc is not None:
-        reject_blocking("allreduce", exc)
+        reject_blocking("allreduce", exc, on)
     return _allreduce_blocking(
-        tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_", name=name
+        tensor, tensor, op, prescale_factor, postscale_factor, None, "allreduce_", name=name, on=on
     )
 
 
 class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale, compression, name):
-        ctx.args = (op, prescale, postscale, compression)
-        return _allreduce_blocking(tensor, None, op, prescale, postscale, compression, "allreduce", name)
+    def forward(ctx, tensor, op, prescale, postscale, compression, name, process_set, on):
+        ctx.args = (op, prescale, postscale, compression, process_set)
+        return _allreduce_blocking(tensor, None, op, prescale, postscale, compression, "allreduce", name, on)
 
     @staticmethod
     def backward(ctx, grad_output):
-        op, prescale, postscale, compression = ctx.args
+        op, prescale, postscale, compression, process_set = ctx.args
         if op not in (Average, Sum):
             raise NotImplementedError(
                 f"the gradient of allreduce with op={_basics.OP_NAMES[op]} is not implemented "
@@ -238,8 +241,9 @@ class _AllreduceFunction(torch.autograd.Function):
             compression=compression,
             prescale_factor=prescale,
             postscale_factor=postscale,
+            process_set=process_set,
         )
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def allreduce(
@@ -259,9 +263,9 @@ def allreduce(
     Compression.bf16 (bfloat16 on the wire) or a
     compressor of your own (compress, reduce, decompress, as Horovod runs it).
     """
-    op, exc = _op_args(op, average, "allreduce")
+    on, exc = set_comm(process_set, "allreduce")
     if exc is None:
-        exc = process_set_error(process_set, "allreduce")
+        op, exc = _op_args(op, average, "allreduce")
     if exc is None:
         try:
             check_tensor(tensor, "allreduce")
@@ -269,19 +273,20 @@ def allreduce(
         except Exception as error:  # noqa: BLE001
             exc = error
     if exc is not None:
-        reject_blocking("allreduce", exc)
+        reject_blocking("allreduce", exc, on)
+    pre, post = prescale_factor, postscale_factor
     if compressor is not None:
         compressed, cctx = compressor.compress(tensor)
-        reduced = _AllreduceFunction.apply(compressed, op, prescale_factor, postscale_factor, None, name)
+        reduced = _AllreduceFunction.apply(compressed, op, pre, post, None, name, process_set, on)
         return compressor.decompress(reduced, cctx)
     wire = compression if cname else None
-    return _AllreduceFunction.apply(tensor, op, prescale_factor, postscale_factor, wire, name)
+    return _AllreduceFunction.apply(tensor, op, pre, post, wire, name, process_set, on)
 
 
 # --- grouped allreduce -------------------------------------------------------------------------------
 
 
-def _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name=None) -> int:
+def _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name=None, on=None) -> int:
     """Fuse the tensors of each (device, dtype) into one flat buffer, allreduce each buffer in the
     background, and split the results back (in place, or into new tensors)."""
     try:
@@ -300,11 +305,20 @@ def _grouped_start(tensors, in_place, op, prescale, postscale, compression, wher
             # Every group's allreduce carries the fingerprint of all the tensors' shapes, in order:
             # the flat buffers alone would let [(3,), (2,)] meet [(2,), (3,)] and mix their elements.
             plan = _AllreducePlan(
-                flat, flat, op, prescale, postscale, compression, where, members=list(tensors), name=name
+                flat,
+                flat,
+                op,
+                prescale,
+                postscale,
+                compression,
+                where,
+                members=list(tensors),
+                name=name,
+                on=on,
             )
             plans.append((members, plan))
     except Exception as exc:  # noqa: BLE001
-        return reject_async("allreduce", exc)
+        return reject_async("allreduce", exc, on)
     handles = []
     for _, plan in plans:
         handles.append(None if plan.product else _start(plan))
@@ -339,12 +353,12 @@ def _grouped_start(tensors, in_place, op, prescale, postscale, compression, wher
 def _grouped(
     tensors, in_place, average, op, prescale, postscale, process_set, compression, where, name=None
 ) -> int:
-    op, exc = _op_args(op, average, where)
+    on, exc = set_comm(process_set, where)
     if exc is None:
-        exc = process_set_error(process_set, where)
+        op, exc = _op_args(op, average, where)
     if exc is not None:
-        return reject_async("allreduce", exc)
-    return _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name)
+        return reject_async("allreduce", exc, on)
+    return _grouped_start(tensors, in_place, op, prescale, postscale, compression, where, name, on)
 
 
 @names_in_flight
@@ -396,16 +410,16 @@ def grouped_allreduce_(
 
 class _GroupedAllreduceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, prescale, postscale, compression, name, *tensors):
-        ctx.args = (op, prescale, postscale, compression)
+    def forward(ctx, op, prescale, postscale, compression, name, process_set, on, *tensors):
+        ctx.args = (op, prescale, postscale, compression, process_set)
         handle = _grouped_start(
-            list(tensors), False, op, prescale, postscale, compression, "grouped_allreduce", name
+            list(tensors), False, op, prescale, postscale, compression, "grouped_allreduce", name, on
         )
         return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx, *grads):
-        op, prescale, postscale, compression = ctx.args
+        op, prescale, postscale, compression, process_set = ctx.args
         if op not in (Average, Sum):
             raise NotImplementedError(
                 f"the gradient of grouped_allreduce with op={_basics.OP_NAMES[op]} is not implemented"
@@ -416,8 +430,9 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
             compression=compression,
             prescale_factor=prescale,
             postscale_factor=postscale,
+            process_set=process_set,
         )
-        return (None, None, None, None, None, *reduced)
+        return (None, None, None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(
@@ -431,9 +446,9 @@ def grouped_allreduce(
     process_set=None,
 ):
     """Reduce a list of tensors (fused) and return a list of new tensors; differentiable."""
-    op, exc = _op_args(op, average, "grouped_allreduce")
+    on, exc = set_comm(process_set, "grouped_allreduce")
     if exc is None:
-        exc = process_set_error(process_set, "grouped_allreduce")
+        op, exc = _op_args(op, average, "grouped_allreduce")
     if exc is None:
         try:
             cname, compressor = wire_compression(compression, "grouped_allreduce")
@@ -444,12 +459,11 @@ def grouped_allreduce(
         except Exception as error:  # noqa: BLE001
             exc = error
     if exc is not None:
-        return synchronize(reject_async("allreduce", exc))
+        return synchronize(reject_async("allreduce", exc, on))
+    args = (op, prescale_factor, postscale_factor)
     if compressor is not None:
         pairs = [compressor.compress(t) for t in tensors]
-        reduced = _GroupedAllreduceFunction.apply(
-            op, prescale_factor, postscale_factor, None, name, *[c for c, _ in pairs]
-        )
+        reduced = _GroupedAllreduceFunction.apply(*args, None, name, process_set, on, *[c for c, _ in pairs])
         return [compressor.decompress(r, cctx) for r, (_, cctx) in zip(reduced, pairs, strict=True)]
     wire = compression if cname else None
-    return list(_GroupedAllreduceFunction.apply(op, prescale_factor, postscale_factor, wire, name, *tensors))
+    return list(_GroupedAllreduceFunction.apply(*args, wire, name, process_set, on, *tensors))

@@ -13,8 +13,9 @@ from ..collectives.checks import FINGERPRINT_BITS
 from ..collectives.operations import reject, rejected_in_background
 from ..runtime.context import context
 from . import _basics
-from ._basics import Adasum, Average, Max, Min, Sum, check_process_set
+from ._basics import Adasum, Average, Max, Min, Sum
 from ._handles import Pending, in_flight, name_handle, register
+from .process_sets import comm_of
 
 REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16)
 # Horovod also reduces these; gflow reduces them as int32 and casts the result back (see widened).
@@ -74,16 +75,35 @@ def comm():
     return _basics.comm()
 
 
-def reject_blocking(collective: str, exc: Exception):
-    """This rank's arguments are bad: make the peers' blocking collective fail too, then raise."""
-    reject(context(comm()), collective)
+def reject_blocking(collective: str, exc: Exception, on=None):
+    """This rank's arguments are bad: make the peers' blocking collective on `on` (default the global
+    communicator) fail too, then raise. on=False: raise only (see set_comm)."""
+    if on is not False:
+        reject(context(comm() if on is None else on), collective)
     raise exc
 
 
-def reject_async(collective: str, exc: Exception) -> int:
+def reject_async(collective: str, exc: Exception, on=None) -> int:
     """As reject_blocking, for a call whose peers queued a background collective: the rejection takes
     this rank's place in the queue, and synchronize() raises exc."""
-    return register(Pending([rejected_in_background(context(comm()), collective, exc)], None))
+    if on is False:
+        return register(Pending(error=exc))
+    return register(
+        Pending([rejected_in_background(context(comm() if on is None else on), collective, exc)], None)
+    )
+
+
+def set_comm(process_set, where: str):
+    """(the communicator of process_set, None), or (where to reject, the error) when this rank cannot
+    take part: the global communicator for something that is not a process set (the peers most
+    likely wait there), False for a set that excludes this rank or is not registered (its ranks
+    are not waiting for this one; registering is collective, so no rank has it)."""
+    try:
+        return comm_of(process_set, where), None
+    except TypeError as exc:
+        return None, exc
+    except ValueError as exc:
+        return False, exc
 
 
 def names_in_flight(fn):
@@ -164,11 +184,3 @@ def scaled(t, factor: float):
     out = t.detach().clone(memory_format=torch.contiguous_format)
     scale_(out, factor)
     return out
-
-
-def process_set_error(process_set, where):
-    try:
-        check_process_set(process_set, where)
-    except Exception as exc:  # noqa: BLE001
-        return exc
-    return None

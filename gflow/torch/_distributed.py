@@ -15,7 +15,6 @@ import torch
 import gflow
 
 from ..training.data_parallel import DataParallel
-from . import _basics
 from ._basics import Average, as_horovod_error
 from ._optimizer_state import OptimizerCheckpoint
 from .compression import wire_compression
@@ -116,7 +115,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             threshold_bytes=self._threshold_arg,
             compression=self._cname,
             sparse=self._sparse_settings,
-            comm=_basics.comm(),
+            comm=self._gflow_comm,
         )
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, probe_ctx
         self._index_of = {p: i for i, p in enumerate(params)}
@@ -282,14 +281,14 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         now, when every rank's background queue is empty: whether the kit's segments went out during
         backward or at synchronize() depends on which parameters each rank used, so a collective
         queued before them could meet a segment on another rank."""
-        n, rank = len(self._pushed), _basics.rank()
+        n, rank = len(self._pushed), self._gflow_comm.Get_rank()
         mine = np.zeros(2 * n + 5)
         mine[:n] = [entry is not None for entry in self._pushed]
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
         factor = self.gradient_predivide_factor
         mine[2 * n :] = (scale or 0.0, -(scale or 0.0), factor, -factor, float(moved))
         try:
-            agreed = gflow.allreduce_async(mine, "max", comm=_basics.comm()).wait()
+            agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
             raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
         changed_on = agreed[n : 2 * n]
@@ -374,7 +373,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             self._gflow_synchronize(scale)
             return
         try:
-            agreed = gflow.allreduce_async(np.array([scale, -scale]), "max", comm=_basics.comm()).wait()
+            agreed = gflow.allreduce_async(np.array([scale, -scale]), "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
             raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
         _check_scales(agreed, scale)

@@ -13,7 +13,7 @@ from ..collectives.operations import allgather_on, allreduce_on, background_on, 
 from ..runtime.context import context
 from . import _basics
 from ._allreduce import allreduce
-from ._basics import Average, Sum, check_process_set
+from ._basics import Average, Sum
 from ._common import (
     MOVABLE_DIRECT,
     check_tensor,
@@ -22,11 +22,12 @@ from ._common import (
     fingerprint,
     named,
     names_in_flight,
-    process_set_error,
     reject_async,
     reject_blocking,
+    set_comm,
 )
 from ._handles import Pending, raise_as_horovod, register
+from .process_sets import rank_in
 
 # --- allgather ---------------------------------------------------------------------------------------
 
@@ -84,13 +85,13 @@ class _AllgatherPlan:
         return _from_words(gathered, self.nbytes, x.dtype, x.shape[1:] if x.dim() else ())
 
 
-def _allgather_now(tensor, where, name=None):
+def _allgather_now(tensor, where, name=None, on=None):
     try:
         plan = _AllgatherPlan(tensor, where, name)
     except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
-        reject_blocking("allgather", exc)
+        reject_blocking("allgather", exc, on)
     try:
-        gathered = plan.run(context(comm()))
+        gathered = plan.run(context(comm() if on is None else on))
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
     return plan.finish(gathered)
@@ -101,40 +102,43 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
     """Concatenate every rank's tensor along the first dimension, in rank order (ranks may differ in
     the first dimension only), on gflow's background thread; synchronize() returns the new tensor.
     Do not modify the tensor before then."""
+    on, exc = set_comm(process_set, "allgather_async")
+    if exc is not None:
+        return reject_async("allgather", exc, on)
     try:
-        check_process_set(process_set, "allgather_async")
         plan = _AllgatherPlan(tensor, "allgather_async", name)
     except Exception as exc:  # noqa: BLE001 - reported by synchronize(); the peers' fails too
-        return reject_async("allgather", exc)
-    handle = background_on(context(comm()), "allgather", plan.run, plan.words)
+        return reject_async("allgather", exc, on)
+    handle = background_on(context(on), "allgather", plan.run, plan.words)
     return register(Pending([handle], lambda results: plan.finish(results[0])))
 
 
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
+    def forward(ctx, tensor, name, process_set, on):
         ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
         ctx.scalar = tensor.dim() == 0
-        return _allgather_now(tensor, "allgather", name)
+        ctx.process_set, ctx.on = process_set, on
+        return _allgather_now(tensor, "allgather", name, on)
 
     @staticmethod
     def backward(ctx, grad_output):
-        reduced = allreduce(grad_output.contiguous(), op=Average)
-        sizes = gflow.allgather(torch.tensor([ctx.dim0], dtype=torch.int64), comm=comm())
-        offset = int(sizes[: _basics.rank()].sum())
+        reduced = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
+        sizes = gflow.allgather(torch.tensor([ctx.dim0], dtype=torch.int64), comm=ctx.on)
+        offset = int(sizes[: ctx.on.Get_rank()].sum())
         grad = reduced.narrow(0, offset, ctx.dim0)
-        return grad.reshape(()) if ctx.scalar else grad, None
+        return grad.reshape(()) if ctx.scalar else grad, None, None, None
 
 
 def allgather(tensor, name=None, process_set=None):
     """Concatenate every rank's tensor along the first dimension, in rank order; differentiable
     (the gradient is this rank's slice of the ranks' average incoming gradient, as Horovod's)."""
-    exc = process_set_error(process_set, "allgather")
+    on, exc = set_comm(process_set, "allgather")
     if exc is None and not isinstance(tensor, torch.Tensor):
         exc = TypeError(f"allgather: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if exc is not None:
-        reject_blocking("allgather", exc)
-    return _AllgatherFunction.apply(tensor, name)
+        reject_blocking("allgather", exc, on)
+    return _AllgatherFunction.apply(tensor, name, process_set, on)
 
 
 # --- broadcast ---------------------------------------------------------------------------------------
@@ -143,13 +147,15 @@ def allgather(tensor, name=None, process_set=None):
 class _BroadcastPlan:
     """One broadcast, checked (raises on bad arguments): what to send and where the result goes."""
 
-    def __init__(self, tensor, root_rank, in_place: bool, where, name=None):
+    def __init__(self, tensor, root_rank, in_place: bool, where, name=None, process_set=None):
+        """root_rank: a rank of hvd.rank()'s numbering (in process_set, as in Horovod)."""
         check_tensor(tensor, where, in_place=in_place)
         if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
             raise TypeError(f"{where}: root_rank must be an int, got {type(root_rank).__name__}")
         if not 0 <= root_rank < _basics.size():
             raise ValueError(f"{where}: root_rank must be in [0, {_basics.size()}), got {root_rank}")
-        self.tensor, self.root, self.in_place = tensor, int(root_rank), in_place
+        root = rank_in(process_set, int(root_rank), where)
+        self.tensor, self.root, self.in_place = tensor, root, in_place
         self.x = x = tensor.detach()
         if x.dtype in MOVABLE_DIRECT:
             self.words, self.nbytes = (x if in_place else x.contiguous()), None
@@ -173,13 +179,13 @@ class _BroadcastPlan:
         return result
 
 
-def _broadcast_now(tensor, root_rank, in_place: bool, where, name=None):
+def _broadcast_now(tensor, root_rank, in_place: bool, where, name=None, process_set=None, on=None):
     try:
-        plan = _BroadcastPlan(tensor, root_rank, in_place, where, name)
+        plan = _BroadcastPlan(tensor, root_rank, in_place, where, name, process_set)
     except Exception as exc:  # noqa: BLE001
-        reject_blocking("broadcast", exc)
+        reject_blocking("broadcast", exc, on)
     try:
-        received = plan.run(context(comm()))
+        received = plan.run(context(comm() if on is None else on))
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
     return plan.finish(received)
@@ -187,12 +193,14 @@ def _broadcast_now(tensor, root_rank, in_place: bool, where, name=None):
 
 def _broadcast_async(tensor, root_rank, process_set, in_place, where, name=None) -> int:
     """A broadcast on gflow's background thread; synchronize() returns its result."""
+    on, exc = set_comm(process_set, where)
+    if exc is not None:
+        return reject_async("broadcast", exc, on)
     try:
-        check_process_set(process_set, where)
-        plan = _BroadcastPlan(tensor, root_rank, in_place, where, name)
+        plan = _BroadcastPlan(tensor, root_rank, in_place, where, name, process_set)
     except Exception as exc:  # noqa: BLE001 - reported by synchronize(); the peers' fails too
-        return reject_async("broadcast", exc)
-    handle = background_on(context(comm()), "broadcast", plan.run, plan.words)
+        return reject_async("broadcast", exc, on)
+    handle = background_on(context(on), "broadcast", plan.run, plan.words)
     return register(Pending([handle], lambda results: plan.finish(results[0])))
 
 
@@ -211,35 +219,35 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrite `tensor` with root_rank's values on every rank; return it."""
-    exc = process_set_error(process_set, "broadcast_")
+    on, exc = set_comm(process_set, "broadcast_")
     if exc is not None:
-        reject_blocking("broadcast", exc)
-    return _broadcast_now(tensor, root_rank, True, "broadcast_", name)
+        reject_blocking("broadcast", exc, on)
+    return _broadcast_now(tensor, root_rank, True, "broadcast_", name, process_set, on)
 
 
 class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
-        return _broadcast_now(tensor, root_rank, False, "broadcast", name)
+    def forward(ctx, tensor, root_rank, name, process_set, on):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return _broadcast_now(tensor, root_rank, False, "broadcast", name, process_set, on)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce(grad_output.contiguous(), op=Average)
+        grad = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
         if _basics.rank() != ctx.root_rank:
             grad = torch.zeros_like(grad)
-        return grad, None, None
+        return grad, None, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """root_rank's tensor on every rank, as a new tensor; differentiable (root's gradient is the ranks'
     average incoming gradient, the others' zero, as Horovod's)."""
-    exc = process_set_error(process_set, "broadcast")
+    on, exc = set_comm(process_set, "broadcast")
     if exc is None and not isinstance(tensor, torch.Tensor):
         exc = TypeError(f"broadcast: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if exc is not None:
-        reject_blocking("broadcast", exc)
-    return _BroadcastFunction.apply(tensor, root_rank, name)
+        reject_blocking("broadcast", exc, on)
+    return _BroadcastFunction.apply(tensor, root_rank, name, process_set, on)
 
 
 # --- barrier and join --------------------------------------------------------------------------------
@@ -253,10 +261,12 @@ def barrier(process_set=None) -> None:
     crossed waits. It runs on the caller's channel, as other blocking calls: on the background one it
     would queue behind the optimizer's segments, which ranks that used other parameters send at
     other times."""
-    check_process_set(process_set, "barrier")
+    on, exc = set_comm(process_set, "barrier")
+    if exc is not None:
+        reject_blocking("allreduce", exc, on)
     try:
         tag, about = ("allreduce", fingerprint("barrier")), "barrier()"  # (no tensor's call matches it)
-        allreduce_on(context(comm()), np.zeros(1, np.int32), "sum", tag=tag, about=about)
+        allreduce_on(context(on), np.zeros(1, np.int32), "sum", tag=tag, about=about)
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
 
@@ -295,6 +305,9 @@ def sparse_allreduce_async(tensor, name=None, op=None, process_set=None):
     rank with another fails every rank with MismatchError. Returns a callable (Horovod's handle for
     this one): calling it, or hvd.synchronize(it), gives the sparse result."""
     where = "sparse_allreduce_async"
+    on, exc = set_comm(process_set, where)
+    if exc is not None:
+        reject_blocking("allgather", exc, on)
     try:
         op = Average if op is None else op
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
@@ -302,15 +315,14 @@ def sparse_allreduce_async(tensor, name=None, op=None, process_set=None):
             raise TypeError(f"{where}: tensor must be a torch.sparse_coo tensor, got {got}")
         if isinstance(op, bool) or op not in (Average, Sum):
             raise ValueError(f"{where}: op must be hvd.Average or hvd.Sum, got {op!r}")
-        check_process_set(process_set, where)
     except Exception as exc:  # noqa: BLE001 - the peers' first allgather fails too
-        reject_blocking("allgather", exc)
+        reject_blocking("allgather", exc, on)
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
     label = f"{'' if name is None else name + '.'}indices of a sparse {tuple(t.size())} tensor"
     # Allgather concatenates along the first dimension: the indices go transposed (one row each).
-    indices = _allgather_now(t.indices().t().contiguous(), where, label)
-    values = _allgather_now(t.values().contiguous(), where, None if name is None else f"{name}.values")
+    indices = _allgather_now(t.indices().t().contiguous(), where, label, on)
+    values = _allgather_now(t.values().contiguous(), where, None if name is None else f"{name}.values", on)
     if op == Average:
-        values = values / _basics.size()
+        values = values / on.Get_size()
     result = torch.sparse_coo_tensor(indices.t(), values, t.size(), check_invariants=True)
     return lambda: result

@@ -16,9 +16,8 @@ import torch
 import gflow
 
 from . import _basics
-from ._common import reject_blocking
+from ._common import reject_blocking, set_comm
 from ._gather import allgather, broadcast_
-from ._handles import raise_as_horovod
 
 try:
     import cloudpickle as _pickler
@@ -26,14 +25,17 @@ except ImportError:  # pragma: no cover - cloudpickle is in the torch extra
     _pickler = pickle
 
 
-def _payload(obj, collective: str) -> torch.Tensor:
+def _payload(obj, collective: str, process_set) -> torch.Tensor:
     """obj pickled, as uint8 bytes. When it cannot be pickled, the peers' `collective` (the first one
     of broadcast_object / allgather_object) fails with MismatchError instead of waiting for this rank,
     and the pickler's error is raised here."""
+    on, exc = set_comm(process_set, f"{collective}_object")
+    if exc is not None:
+        reject_blocking(collective, exc, on)
     try:
         data = _pickler.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - any failure reaches the peers
-        reject_blocking(collective, exc)
+        reject_blocking(collective, exc, on)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
@@ -44,38 +46,30 @@ def _words(raw: torch.Tensor) -> torch.Tensor:
     return padded.view(torch.int32)
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    """Return root_rank's obj (pickled, broadcast, unpickled) on every rank.
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+    """Return root_rank's obj (pickled, broadcast, unpickled) on every rank (of process_set).
 
     Typical use: `state = hvd.broadcast_object(optimizer.state_dict(), 0)`.
     """
-    comm = _basics.comm()
     if _basics.rank() == root_rank:
-        words = _words(_payload(obj, "broadcast"))
+        words = _words(_payload(obj, "broadcast", process_set))
         length = torch.tensor([words.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    broadcast_(length, root_rank)
+    broadcast_(length, root_rank, process_set=process_set)
     if _basics.rank() != root_rank:
         words = torch.empty(int(length[0]), dtype=torch.int32)
-    try:
-        gflow.broadcast(words, root_rank, comm=comm, out=words)
-    except gflow.GflowError as exc:
-        raise_as_horovod(exc)
+    broadcast_(words, root_rank, process_set=process_set)
     if _basics.rank() == root_rank:
         return obj
     return pickle.loads(words.view(torch.uint8).numpy().tobytes())
 
 
-def allgather_object(obj, name=None) -> list:
-    """Return the list of every rank's obj, in rank order."""
-    comm = _basics.comm()
-    raw = _payload(obj, "allgather")
-    sizes = allgather(torch.tensor([raw.numel()], dtype=torch.int64))
-    try:
-        gathered = gflow.allgather(_words(raw), comm=comm).view(torch.uint8)
-    except gflow.GflowError as exc:
-        raise_as_horovod(exc)
+def allgather_object(obj, name=None, process_set=None) -> list:
+    """Return the list of every rank's obj (of process_set), in rank order."""
+    raw = _payload(obj, "allgather", process_set)
+    sizes = allgather(torch.tensor([raw.numel()], dtype=torch.int64), process_set=process_set)
+    gathered = allgather(_words(raw), process_set=process_set).view(torch.uint8)
     objects, offset = [], 0
     for n in sizes.tolist():
         objects.append(pickle.loads(gathered[offset : offset + n].numpy().tobytes()))
@@ -83,7 +77,7 @@ def allgather_object(obj, name=None) -> list:
     return objects
 
 
-def broadcast_parameters(params, root_rank=0) -> None:
+def broadcast_parameters(params, root_rank=0, process_set=None) -> None:
     """Overwrite each tensor in place with root_rank's values (every rank starts from the same weights).
 
     Args:
@@ -91,6 +85,7 @@ def broadcast_parameters(params, root_rank=0) -> None:
             (or any iterable: model.parameters(), model.named_parameters()) of tensors or of
             (name, tensor) pairs, in the same order on every rank. Any dtype.
         root_rank: the rank whose values are sent.
+        process_set: the ranks to broadcast to (default all; a gflow extension of Horovod's call).
     """
     if isinstance(params, Mapping):
         items = list(params.items())
@@ -103,7 +98,7 @@ def broadcast_parameters(params, root_rank=0) -> None:
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     for _, tensor in items:
-        broadcast_(tensor, root_rank)
+        broadcast_(tensor, root_rank, process_set=process_set)
 
 
 class _Slot:
@@ -143,7 +138,7 @@ def _join(value, tensors: list):
     return value
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=None) -> None:
     """Make every rank's optimizer state (per-parameter state and the param groups' settings, e.g.
     the learning rate) root_rank's.
 
@@ -154,6 +149,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
     root's position in tuning threshold_bytes="auto" (the threshold it settled on, or where it is in
     the schedule), so that restoring a checkpoint on root alone, Horovod's idiom, keeps the ranks
     fusing alike; gflow's per-rank state (CSC residuals) is left alone. `model` is accepted and ignored.
+    process_set: the ranks to broadcast to (default all; a gflow extension of Horovod's call).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -167,7 +163,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
     if is_root:
         state = optimizer._wrapped_state_dict() if wrapped else optimizer.state_dict()
         skeleton = _split(state, tensors)
-    skeleton = broadcast_object(skeleton, root_rank)
+    skeleton = broadcast_object(skeleton, root_rank, process_set=process_set)
     if not is_root:
         slots: list = []
         _collect_slots(skeleton, slots)
@@ -182,7 +178,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
         flat = torch.cat([tensors[i].reshape(-1) for i in members]) if is_root else None
         if not is_root:
             flat = torch.empty(sum(tensors[i].numel() for i in members), dtype=dtype)
-        broadcast_(flat, root_rank)
+        broadcast_(flat, root_rank, process_set=process_set)
         offset = 0
         for i in members:
             n = tensors[i].numel()
@@ -196,7 +192,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None) -> None:
             optimizer.load_state_dict(state)
     if wrapped:
         kit = optimizer._dp
-        kit.adopt_tuning(broadcast_object(kit.tuning_position() if is_root else None, root_rank))
+        position = kit.tuning_position() if is_root else None
+        kit.adopt_tuning(broadcast_object(position, root_rank, process_set=process_set))
 
 
 def _collect_slots(value, slots: list) -> None:

@@ -12,9 +12,10 @@ import math
 import torch
 
 from . import _settings
-from ._basics import Adasum, Average, Sum, check_process_set
+from ._basics import Adasum, Average, Sum
 from ._distributed import _DistributedOptimizer, check_passes
 from .compression import Compression, wire_compression
+from .process_sets import comm_of
 
 
 def _patch_grad_scaler() -> None:
@@ -157,7 +158,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             and f/size after it (Horovod's split of the average).
         num_groups, groups: accepted for compatibility; gflow fuses gradients by threshold_bytes.
         sparse_as_dense: accepted; sparse gradients are always reduced as dense.
-        process_set: only the global process set is supported.
+        process_set: the ranks whose gradients are reduced together (a registered hvd.ProcessSet
+            including this rank; default all).
         threshold_bytes: gflow's fusion segment size; by default HOROVOD_FUSION_THRESHOLD when set
             ("auto" under HOROVOD_AUTOTUNE=1), else 25 MiB (DDP's bucket size), 4 MiB with
             Compression.fp16 (gflow.DataParallel's defaults, measured end to end); "auto" tunes it
@@ -178,7 +180,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         The distributed optimizer (its class is a subclass of the wrapped optimizer's class).
 
     Raises:
-        TypeError, ValueError: bad arguments, named; NotImplementedError: Adasum, process sets.
+        TypeError, ValueError: bad arguments, named; NotImplementedError: Adasum.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -212,7 +214,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         )
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be a bool, got {type(sparse_as_dense).__name__}")
-    check_process_set(process_set, "DistributedOptimizer")
+    comm = comm_of(process_set, "DistributedOptimizer")
     wire_compression(compression, "DistributedOptimizer")
     if sparse is not None and not isinstance(sparse, dict):
         raise TypeError(
@@ -224,6 +226,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     cls = _distributed_class(type(optimizer))
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)
+    distributed._gflow_comm = comm
     momentum_moved = None
     if sparse is not None:
         before = [g.get("momentum") for g in optimizer.param_groups]

@@ -41,8 +41,8 @@ import gflow
 
 from ..collectives.operations import reject
 from ..runtime.context import context
-from . import _basics
-from ._basics import as_horovod_error, check_process_set
+from ._basics import as_horovod_error
+from .process_sets import ProcessSet, comm_of
 
 __all__ = ["SyncBatchNorm"]
 
@@ -176,7 +176,8 @@ class SyncBatchNorm(_BatchNorm):
             average. Default: 0.1.
         affine: learnable per-channel weight and bias. Default: True.
         track_running_stats: keep running_mean/running_var (and use them in eval mode). Default: True.
-        process_set: None or hvd.global_process_set (gflow.torch supports only the global one).
+        process_set: the ranks whose batches are normalized together (a registered hvd.ProcessSet,
+            default all; a gflow extension of Horovod's SyncBatchNorm).
         device, dtype: of the parameters and buffers, as torch's BatchNorm.
 
     The module needs hvd.init() before a forward that communicates. See the module docstring for the
@@ -194,8 +195,12 @@ class SyncBatchNorm(_BatchNorm):
         device=None,
         dtype=None,
     ):
-        check_process_set(process_set, "SyncBatchNorm")
+        if process_set is not None and not isinstance(process_set, ProcessSet):
+            raise TypeError(
+                f"SyncBatchNorm: process_set must be an hvd.ProcessSet, got {type(process_set).__name__}"
+            )
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_set = process_set
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
@@ -231,7 +236,7 @@ class SyncBatchNorm(_BatchNorm):
                 input, running_mean, running_var, self.weight, self.bias, False, 0.0, self.eps
             )
 
-        comm = _basics.comm()
+        comm = comm_of(self.process_set, "SyncBatchNorm")
         try:
             self._check_input(input)
         except Exception:

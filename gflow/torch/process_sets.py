@@ -1,0 +1,188 @@
+"""Horovod's process sets on MPI sub-communicators: `hvd.add_process_set([0, 2])`, then
+`process_set=` on any collective, DistributedOptimizer, broadcast_* and *_object, SyncBatchNorm.
+
+A registered set holds the sub-communicator of its ranks (made collectively over gflow.torch's
+communicator, so every rank must register the same sets in the same order, as Horovod requires);
+gflow's collectives take any communicator, so a set's collective is gflow's on that one. As in
+Horovod: a set's ranks are ranks of hvd.rank()'s numbering, root_rank= of a broadcast too (not the
+rank within the set), a rank outside a set that calls its collective gets a ValueError, and sets are
+added and removed at any time (Horovod's HOROVOD_DYNAMIC_PROCESS_SETS is implied).
+"""
+
+from mpi4py import MPI
+
+from . import _basics
+
+
+class ProcessSet:
+    """A set of ranks that run collectives together: ProcessSet([0, 2]) (ranks of hvd.rank()), or
+    ProcessSet(an mpi4py communicator) in hvd.init(process_sets=[...]). Usable once registered by
+    hvd.init(process_sets=...) or hvd.add_process_set(); process_set_id is then set."""
+
+    process_set_id = None
+    ranks = None
+    mpi_comm = None
+
+    def __init__(self, ranks_or_comm):
+        if isinstance(ranks_or_comm, MPI.Comm):
+            self.mpi_comm = ranks_or_comm
+            return
+        try:
+            ranks = sorted(ranks_or_comm)
+        except TypeError:
+            ranks = None
+        if ranks is None or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+            raise ValueError(
+                f"ProcessSet takes a list of ranks (ints) or an mpi4py communicator, got {ranks_or_comm!r}"
+            )
+        self.ranks = ranks
+        self._comm = None  # this set's communicator once registered (COMM_NULL on ranks outside it)
+
+    def size(self):
+        """The number of ranks in the set, or None while it is not registered."""
+        return None if self.process_set_id is None else len(self.ranks)
+
+    def rank(self):
+        """This process's rank within the set (None while not registered; ValueError outside it)."""
+        if self.process_set_id is None:
+            return None
+        if _basics.rank() not in self.ranks:
+            raise ValueError(f"rank {_basics.rank()} is not part of {self}")
+        return self.ranks.index(_basics.rank())
+
+    def included(self):
+        """Whether this process is in the set (None when the ranks are not known yet)."""
+        return None if self.ranks is None else _basics.rank() in self.ranks
+
+    def __str__(self) -> str:
+        return (
+            f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
+        )
+
+    __repr__ = __str__
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+_registered: dict = {}  # id -> ProcessSet, the global one included (id 0)
+_next_id = [1]
+
+
+def setup_global(comm) -> None:
+    """init()'s part: the global set is every rank of the communicator; other sets are forgotten."""
+    for ps in list(_registered.values()):
+        if ps is not global_process_set:
+            _forget(ps)
+    global_process_set.ranks = list(range(comm.Get_size()))
+    global_process_set._comm = comm
+    _registered.clear()
+    _registered[0] = global_process_set
+    _next_id[0] = 1
+
+
+def init_sets(process_sets) -> None:
+    """Register init(process_sets=...): a list of ProcessSets, or "dynamic" (none now)."""
+    if process_sets is None or (isinstance(process_sets, str) and process_sets.lower() == "dynamic"):
+        return
+    if isinstance(process_sets, (str, bytes, ProcessSet)):
+        raise TypeError(
+            f"init: process_sets must be a list of hvd.ProcessSet or 'dynamic', got {process_sets!r}"
+        )
+    for ps in process_sets:
+        if not isinstance(ps, ProcessSet):
+            raise TypeError(f"init: process_sets must hold hvd.ProcessSet objects, got {type(ps).__name__}")
+        if ps.ranks is None:
+            _register_comm(ps)
+        else:
+            add_process_set(ps)
+
+
+def add_process_set(process_set):
+    """Register a set (a ProcessSet or a list of ranks) and return it: collective over every rank of
+    gflow.torch's communicator, each passing the same ranks. ValueError (on every rank) for ranks
+    that differ between ranks, are not ranks of the communicator, or form a set already registered."""
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if process_set.ranks is None:
+        raise NotImplementedError(
+            "add_process_set: a process set of an MPI communicator is registered by "
+            "hvd.init(process_sets=[...]); build this one from a list of ranks"
+        )
+    comm = _basics.comm()
+    ranks = _basics.same_ranks_everywhere(process_set.ranks, comm, "add_process_set")
+    for ps in _registered.values():
+        if ps.ranks == ranks and ps.process_set_id is not None:
+            raise ValueError(f"add_process_set: a process set of these ranks is registered already: {ps}")
+    group = comm.Get_group().Incl(ranks)
+    sub = comm.Create(group)  # collective over comm: every rank calls it
+    group.Free()
+    process_set.ranks = ranks
+    _adopt(process_set, sub)
+    return process_set
+
+
+def _register_comm(process_set) -> None:
+    """A set given by an mpi4py communicator (init only): its ranks are its members' ranks in
+    gflow.torch's communicator; the communicator itself is used (gflow talks on its duplicate)."""
+    comm = process_set.mpi_comm
+    if comm == MPI.COMM_NULL:
+        raise ValueError("init: a ProcessSet's communicator is COMM_NULL")
+    members = list(range(comm.Get_size()))
+    ranks = MPI.Group.Translate_ranks(comm.Get_group(), members, _basics.comm().Get_group())
+    if MPI.UNDEFINED in ranks:
+        raise ValueError("init: a ProcessSet's communicator has ranks outside gflow.torch's communicator")
+    process_set.ranks = sorted(ranks)
+    _adopt(process_set, comm)
+
+
+def _adopt(process_set, comm) -> None:
+    process_set._comm = comm
+    process_set.process_set_id = _next_id[0]
+    _registered[_next_id[0]] = process_set
+    _next_id[0] += 1
+
+
+def remove_process_set(process_set) -> bool:
+    """Unregister a set (every rank calls it); False for the global set or one not registered."""
+    if not isinstance(process_set, ProcessSet) or process_set.process_set_id in (None, 0):
+        return False
+    if _registered.get(process_set.process_set_id) is not process_set:
+        return False
+    _forget(process_set)
+    return True
+
+
+def _forget(process_set) -> None:
+    _registered.pop(process_set.process_set_id, None)
+    comm = process_set._comm
+    if comm is not None and comm != MPI.COMM_NULL and process_set.mpi_comm is None:
+        comm.Free()
+    process_set._comm = None
+    process_set.process_set_id = None
+
+
+def comm_of(process_set, where: str):
+    """The communicator of `process_set` (None: the global one) for a collective called `where`;
+    TypeError/ValueError, raised on this rank only and before any communication, for anything but
+    a registered set that includes this rank (the set's other ranks are not waiting for this one)."""
+    if process_set is None or process_set is global_process_set:
+        return _basics.comm()
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"{where}: process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
+    if _registered.get(process_set.process_set_id) is not process_set:
+        raise ValueError(
+            f"{where}: {process_set} is not registered; register it with hvd.add_process_set() or "
+            "hvd.init(process_sets=[...])"
+        )
+    if _basics.rank() not in process_set.ranks:
+        raise ValueError(f"{where}: rank {_basics.rank()} is not part of {process_set}")
+    return process_set._comm
+
+
+def rank_in(process_set, global_rank: int, where: str) -> int:
+    """A root_rank= (a rank of hvd.rank()'s numbering, as Horovod takes it) as a rank of the set."""
+    ranks = global_process_set.ranks if process_set is None else process_set.ranks
+    if global_rank not in ranks:
+        raise ValueError(f"{where}: root_rank {global_rank} is not a rank of the process set ({ranks})")
+    return ranks.index(global_rank)
