@@ -224,8 +224,8 @@ def test_arguments():
     sync = SyncBatchNorm(3, process_set=hvd.global_process_set)
     assert isinstance(sync, torch.nn.modules.batchnorm._BatchNorm)
     assert set(sync.state_dict()) == set(torch.nn.BatchNorm2d(3).state_dict())
-    with pytest.raises(NotImplementedError, match="global process set"):
-        SyncBatchNorm(3, process_set=hvd.ProcessSet([0]))
+    with pytest.raises(TypeError, match="ProcessSet"):
+        SyncBatchNorm(3, process_set=[0])
     sync.eval()
     with pytest.raises(ValueError, match="at least 2D"):
         sync(torch.randn(3))

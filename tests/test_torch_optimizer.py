@@ -456,7 +456,8 @@ def test_bad_arguments_are_named():
             (ValueError, "density", lambda: wrap(sparse=dict(density=2.0))),
             (ValueError, "nesterov", lambda: wrap(sgd(momentum=0.9, nesterov=True), sparse={})),
             (ValueError, "once", lambda: wrap(sgd(momentum=0.9), sparse=dict(momentum=0.5))),
-            (NotImplementedError, "global", lambda: wrap(process_set=hvd.ProcessSet([0]))),
+            (ValueError, "not registered", lambda: wrap(process_set=hvd.ProcessSet([0]))),
+            (TypeError, "ProcessSet", lambda: wrap(process_set=[0])),
             (ValueError, "threshold_bytes", lambda: wrap(threshold_bytes=0)),
         ]
         for error, match, call in cases:

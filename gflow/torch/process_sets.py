@@ -62,6 +62,10 @@ class ProcessSet:
     __repr__ = __str__
 
 
+class NotInSet(ValueError):
+    """A rank called a collective of a process set it is not part of."""
+
+
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
@@ -176,7 +180,7 @@ def comm_of(process_set, where: str):
             "hvd.init(process_sets=[...])"
         )
     if _basics.rank() not in process_set.ranks:
-        raise ValueError(f"{where}: rank {_basics.rank()} is not part of {process_set}")
+        raise NotInSet(f"{where}: rank {_basics.rank()} is not part of {process_set}")
     return process_set._comm
 
 
