@@ -143,7 +143,8 @@ def run_one(folder: str, test_file: str, node: str, procs: int, timeout: float, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     parser.add_argument("test_file", help="Horovod's test/parallel/test_torch.py")
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per test launch")

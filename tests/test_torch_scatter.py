@@ -62,9 +62,7 @@ def test_alltoall_against_mpis_alltoall_for_every_dtype():
                 continue
             out = hvd.alltoall(equal)  # no splits: the output alone, as Horovod returns it
             assert isinstance(out, torch.Tensor)
-            np.testing.assert_array_equal(
-                out.numpy(), np.stack(WORLD.alltoall(list(equal.numpy())))
-            )
+            np.testing.assert_array_equal(out.numpy(), np.stack(WORLD.alltoall(list(equal.numpy()))))
             out, received = hvd.synchronize(hvd.alltoall_async(equal, name="eq"))
             assert received.tolist() == [1] * WORLD.size
 
