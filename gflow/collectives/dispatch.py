@@ -24,7 +24,7 @@ def latency_path_bytes(ranks: int) -> int:
     return latency_path_limit(ranks, config.small_message_bytes)
 
 
-def _agree(ctx: CommContext, sig: tuple) -> None:
+def agree(ctx: CommContext, sig: tuple) -> None:
     """Header-only agreement before a bandwidth algorithm (skipped when validation is off)."""
     if config.validate and ctx.size > 1:
         with timeline.span("agreement"):
@@ -67,7 +67,7 @@ def allreduce_flat(
         if name == "mean":
             ops.divide(dst, ctx.size)
     else:
-        _agree(ctx, sig)
+        agree(ctx, sig)
         if chosen == "auto":
             chosen = settle_auto(ctx, dst.nbytes)
         if chosen == "hierarchical":  # (the timeline shows which by the phases inside)
@@ -124,7 +124,7 @@ def reduce_scatter_flat(ctx: CommContext, src, *, ops, dtype, name: str, memory:
     `rank` of np.array_split's layout over the elements, or, with rows=(nrows, shape fingerprint),
     over the rows (the ranks agree on the whole shape, whose checksum is that fingerprint)."""
     extra = 0 if rows is None else rows[1]
-    _agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, extra=extra, memory=memory))
+    agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, extra=extra, memory=memory))
     src, name = _predivided(ctx, src, ops, name)
     if rows is None:
         bounds = ring.chunk_bounds(src.size, ctx.size)
@@ -147,7 +147,7 @@ def alltoall_flat(
     flat concatenation of what every rank sent this one, in rank order, and how many rows came from
     each. The ranks agree on row_elems and `fingerprint` (the caller's checksum of a row's shape);
     the counts travel first, then each pair's rows in messages of at most ring.MAX_MESSAGE_BYTES."""
-    _agree(ctx, signature("alltoall", "mpi", row_elems, dtype, None, extra=fingerprint, memory=memory))
+    agree(ctx, signature("alltoall", "mpi", row_elems, dtype, None, extra=fingerprint, memory=memory))
     sent = np.asarray(splits, np.int64)
     received = np.empty_like(sent)
     if ctx.size > 1:
@@ -184,7 +184,7 @@ def allgather_flat(
     """Concatenate the ranks' flat `rows` (nrows rows of row_elems elements each, nrows may differ
     between ranks); returns the flat result and the total number of rows. The ranks agree on
     row_elems and on `fingerprint` (the caller's checksum of the row's shape)."""
-    _agree(ctx, signature("allgather", "ring", row_elems, dtype, None, extra=fingerprint, memory=memory))
+    agree(ctx, signature("allgather", "ring", row_elems, dtype, None, extra=fingerprint, memory=memory))
     lengths = ctx.comm.allgather(nrows) if ctx.size > 1 else [nrows]
     bounds = [0]
     for length in lengths:
@@ -204,7 +204,7 @@ def broadcast_flat(
     also agree on the root and on `fingerprint` (the caller's checksum of the shape, < 2**31): both
     travel in the signature's extra field, the root in its low 32 bits (see runtime/signature.describe)."""
     extra = root | (fingerprint << 32)
-    _agree(ctx, signature("broadcast", "mpi", buf.size, dtype, None, extra=extra, memory=memory))
+    agree(ctx, signature("broadcast", "mpi", buf.size, dtype, None, extra=extra, memory=memory))
     if ctx.size > 1:
         ops.fence()
         step = ring.piece_elems(dtype)

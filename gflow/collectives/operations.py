@@ -17,8 +17,16 @@ from ..runtime.config import config
 from ..runtime.context import CommContext, context
 from ..runtime.signature import check_op, check_root, rejected_signature, signature
 from . import latency
+from .adasum import adasum, check_adasum
 from .checks import check_allreduce, shape_fingerprint
-from .dispatch import allgather_flat, allreduce_flat, alltoall_flat, broadcast_flat, reduce_scatter_flat
+from .dispatch import (
+    agree,
+    allgather_flat,
+    allreduce_flat,
+    alltoall_flat,
+    broadcast_flat,
+    reduce_scatter_flat,
+)
 from .recursive_doubling import allreduce_with_agreement
 
 _USER_CALL = ("allreduce", 0)  # a user's call: the ranks agree on x's shape (allreduce_on)
@@ -44,7 +52,8 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
             C-contiguous), or a torch tensor, any shape (reduced as flat), of float16/32/64,
             bfloat16 (ml_dtypes.bfloat16 in NumPy, torch.bfloat16) or int32/64. Not modified unless
             `out` is x.
-        op: "sum", "mean" (floating dtypes only), "max", "min", or MPI.SUM/MAX/MIN.
+        op: "sum", "mean" (floating dtypes only), "max", "min", or MPI.SUM/MAX/MIN; or "adasum"
+            (floating dtypes, a power-of-two number of ranks; see collectives/adasum.py).
         comm: an mpi4py intracommunicator; gflow talks on its own cached duplicate. Default COMM_WORLD.
         out: where to write the result (same kind, dtype and size as x, C-contiguous); may be x.
         algorithm: "auto" (recursive doubling up to config.small_message_bytes, 16x that on two
@@ -67,6 +76,8 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
             (on every rank; the result holds the non-finite values).
     """
     ctx = context(comm)
+    if op.__class__ is str and op == ADASUM:
+        return adasum_on(ctx, x, out=out, algorithm=algorithm, compression=compression)
     if x.__class__ is np.ndarray and op.__class__ is str and compression is None:
         result = latency.allreduce(ctx, x, op, out, algorithm)  # (None: not one for the fast lane)
         if result is not None:
@@ -113,7 +124,10 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
     """allreduce_async on a given context; `tag` and `about` as for allreduce_on (gflow.torch's: what
     the ranks agree on in place of x's shape, and how this rank's call reads in a MismatchError)."""
     try:
-        kind = check_allreduce(x, op, out, algorithm, compression, ranks=parent.size, need_out=False)[0]
+        if op.__class__ is str and op == ADASUM:
+            kind = check_array(x)[0]
+        else:
+            kind = check_allreduce(x, op, out, algorithm, compression, ranks=parent.size, need_out=False)[0]
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
     ctx = parent.background()
@@ -162,6 +176,10 @@ def allreduce_on(
     fingerprint of x's shape. `about`, when given, names this rank's call in a MismatchError.
     `holds`: see check_allreduce (gflow's own buffers only)."""
     ctx.check_usable()
+    if op.__class__ is str and op == ADASUM:
+        fingerprint = None if tag is _USER_CALL else tag[1]
+        kw = dict(out=out, algorithm=algorithm, compression=compression, fingerprint=fingerprint, about=about)
+        return adasum_on(ctx, x, **kw)
     try:
         kind, dtype, name, chosen, codec, result = check_allreduce(
             x, op, out, algorithm, compression, ranks=ctx.size, holds=holds
@@ -226,6 +244,48 @@ def _allreduce_compressed(ctx: CommContext, x, *, kind, result, name: str, algor
     if overflow:
         raise CompressionOverflowError(overflow_message("allreduce", codec))
     return result
+
+
+ADASUM = "adasum"
+
+
+def adasum_on(ctx: CommContext, x, *, out=None, algorithm="auto", compression=None, sizes=None,
+              fingerprint=None, about=None):  # fmt: skip
+    """allreduce(op="adasum") on a given context: the ranks agree on the size, dtype and `fingerprint`
+    (by default a checksum of x's shape); `sizes` splits the flat array into tensors combined each on
+    its own (default: one). The arithmetic runs on the host in float64 (collectives/adasum.py)."""
+    try:
+        kind, dtype = check_array(x)
+        check_adasum(ctx.size, dtype)
+        if compression is not None or algorithm != "auto":
+            raise ValueError(
+                f"op='adasum' takes neither compression nor an algorithm, got compression={compression!r}, "
+                f"algorithm={algorithm!r}"
+            )
+        count = kind.size(x)
+        sizes = [count] if sizes is None else [int(n) for n in sizes]
+        if sum(sizes) != count or min(sizes, default=0) < 0:
+            raise ValueError(
+                f"adasum: sizes must be counts summing to the array's {count} elements, got {sizes}"
+            )
+        result = kind.prepare_out(x, out, dtype, count)
+    except Exception:
+        reject(ctx, "allreduce")
+        raise
+    if fingerprint is None:
+        shape = tuple(kind.shape(x))
+        fingerprint, about = shape_fingerprint(shape), f"an array of shape {shape}"
+    sig = signature("allreduce", "adasum", count, dtype, None, extra=fingerprint, memory=kind.memory)
+    transport = kind.transport().latency_path  # (the host: device arrays are staged)
+    work = np.array(transport.send(ctx, kind.read(x)), dtype=np.float64)
+    _annotated(lambda: agree(ctx, sig), about)
+    with timeline.span("adasum", bytes=count * dtype.itemsize) if timeline.active() else timeline.OFF:
+        adasum(ctx, work, sizes)
+    dst_view = kind.write_view(result, "out")
+    buffer = transport.buffer_for(ctx, "stage_out", dst_view)
+    buffer[...] = work.astype(buffer.dtype)
+    transport.store(dst_view, buffer)
+    return kind.done(result)
 
 
 def reduce_scatter(x, op="sum", *, comm=None, rows=False):

@@ -20,6 +20,7 @@ TAG_AGREE = 11
 TAG_RING_RS = 12
 TAG_RING_AG = 13
 TAG_ALLTOALL = 14
+TAG_ADASUM = 15
 
 
 def rd_schedule(rank: int, size: int):

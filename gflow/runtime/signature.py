@@ -35,7 +35,7 @@ CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}
 
 # "auto": a bandwidth-sized call under algorithm="auto", whose algorithm (ring or hierarchical) is
 # settled after the agreement, from the topology (collectives/dispatch.py).
-ALGORITHMS = ("recursive_doubling", "ring", "mpi", "auto", "hierarchical")
+ALGORITHMS = ("recursive_doubling", "ring", "mpi", "auto", "hierarchical", "adasum")
 ALGORITHM_CODE = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
 CODE_ALGORITHM = {code: name for name, code in ALGORITHM_CODE.items()}
 # Above the algorithm's code, "auto" and "hierarchical" carry a checksum of the settings that shape

@@ -17,10 +17,13 @@ Where this differs from Horovod, and why:
 - dtypes: allreduce takes float16/32/64, bfloat16 and int32/64 (gflow's), and uint8, int8, int16 and
   bool (reduced as int32, cast back: see _common.narrowed); allgather and broadcast move any dtype
   (others travel as bytes). Integer Average is the sum times 1/size truncated toward zero, as
-  Horovod's scaling in C. Product is computed from an allgather (p times the memory of the tensor);
-  Adasum raises NotImplementedError.
-- Gradients: allreduce's backward is an allreduce with the same op and factors (Average and Sum only;
-  the gradient of Min/Max/Product raises NotImplementedError, where Horovod returns a meaningless one).
+  Horovod's scaling in C. Product is computed from an allgather (p times the memory of the tensor).
+  Adasum (floating dtypes, a power-of-two number of ranks, the global set: Horovod's restrictions on
+  MPI) runs gflow's Adasum on the host (collectives/adasum.py); CUDA tensors are staged through it,
+  as Horovod's MPI Adasum copies them to the CPU; grouped_allreduce combines each tensor on its own.
+- Gradients: allreduce's backward is an allreduce with the same op and factors (Average, Sum and, as
+  Horovod's, Adasum; the gradient of Min/Max/Product raises NotImplementedError, where Horovod
+  returns a meaningless one).
   allgather's and broadcast's backward average the incoming gradients over the ranks, as Horovod's
   does since 0.22 (each rank's loss is taken to be one of p equal shares of the objective).
 """
@@ -29,10 +32,10 @@ import torch
 
 import gflow
 
-from ..collectives.operations import allgather_on, allreduce_async_on, allreduce_on
+from ..collectives.operations import adasum_on, allgather_on, allreduce_async_on, allreduce_on, background_on
 from ..runtime.context import context
 from . import _basics
-from ._basics import Average, Product, Sum
+from ._basics import Adasum, Average, Product, Sum
 from ._common import (
     GFLOW_OP,
     ITS_OWN_WIRE,
@@ -63,8 +66,9 @@ class _AllreducePlan:
     """One allreduce, checked: what to send, how, and what to do with the result."""
 
     def __init__(
-        self, tensor, output, op, prescale, postscale, compression, where, members=None, name=None, on=None
-    ):
+        self, tensor, output, op, prescale, postscale, compression, where, members=None, name=None, on=None,
+        members_here=None,
+    ):  # fmt: skip
         """members: the tensors `tensor` fuses (grouped_allreduce), whose shapes the ranks agree on;
         name: the user's name= (agreed on too, when given); on: the process set's communicator."""
         self.comm = comm() if on is None else on
@@ -77,6 +81,15 @@ class _AllreducePlan:
         floating = tensor.dtype.is_floating_point
         self.gop = "mean" if (op == Average and floating) else GFLOW_OP.get(op, "sum")
         self.product = op == Product
+        if op == Adasum:
+            if not floating:
+                raise TypeError(f"{where}: op=hvd.Adasum combines floating-point tensors, got {tensor.dtype}")
+            if self.comm is not comm():
+                raise NotImplementedError(
+                    f"{where}: Adasum does not support non-global process sets (as Horovod)"
+                )
+        # Adasum combines each tensor on its own: the sizes of the tensors fused in `tensor`
+        self.sizes = [t.numel() for t in (members_here or [tensor])]
         self.narrow = tensor.dtype if tensor.dtype in WIDENED else None  # reduced as int32 (narrowed)
         # Integer Average: the sum, then scaled by postscale/size and truncated, as Horovod does in C.
         self.post = postscale / self.comm.Get_size() if (op == Average and not floating) else postscale
@@ -98,6 +111,8 @@ class _AllreducePlan:
         # so gflow's own signature would not tell them apart.
         members = [tensor] if members is None else members
         shapes = [(dtype_name(t.dtype), tuple(t.shape)) for t in members]
+        if self.gop == "adasum" and self.compression is not None:
+            raise ValueError(f"{where}: op=hvd.Adasum takes no wire compression (Compression.none)")
         self.tag = ("allreduce", fingerprint(shapes, int(op), prescale, postscale, name))
         self.about = (
             f"{named(name)}{tensors_text(members)}, op={_basics.OP_NAMES[op]}, "
@@ -114,6 +129,10 @@ class _AllreducePlan:
             return self.result_of
         scale_(result, self.post)
         return result if self.result_of is None else self.result_of
+
+    def run_adasum(self, ctx):
+        kw = dict(out=self.out, sizes=self.sizes, fingerprint=self.tag[1], about=self.about)
+        return adasum_on(ctx, self.src, **kw)
 
     def run_product(self):
         """Product: every rank multiplies all ranks' values in rank order (bitwise identical)."""
@@ -135,6 +154,8 @@ def _allreduce_blocking(tensor, output, op, prescale, postscale, compression, wh
     try:
         if plan.product:
             result = plan.run_product()
+        elif plan.gop == "adasum":
+            result = plan.run_adasum(context(plan.comm))
         else:
             result = allreduce_on(
                 context(plan.comm), plan.src, plan.gop, out=plan.out, compression=plan.compression,
@@ -162,6 +183,8 @@ def _allreduce_async(tensor, output, op, prescale, postscale, compression, where
 
 def _start(plan: _AllreducePlan):
     """The background allreduce of a checked plan (not Product)."""
+    if plan.gop == "adasum":
+        return background_on(context(plan.comm), "allreduce", plan.run_adasum, plan.src)
     return allreduce_async_on(
         context(plan.comm), plan.src, plan.gop, out=plan.out, compression=plan.compression, tag=plan.tag,
         about=plan.about,
@@ -230,7 +253,7 @@ class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         op, prescale, postscale, compression, process_set = ctx.args
-        if op not in (Average, Sum):
+        if op not in (Average, Sum, Adasum):
             raise NotImplementedError(
                 f"the gradient of allreduce with op={_basics.OP_NAMES[op]} is not implemented "
                 "(Average and Sum are)"
@@ -315,6 +338,7 @@ def _grouped_start(tensors, in_place, op, prescale, postscale, compression, wher
                 members=list(tensors),
                 name=name,
                 on=on,
+                members_here=[tensors[i] for i in members],
             )
             plans.append((members, plan))
     except Exception as exc:  # noqa: BLE001
@@ -420,7 +444,7 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, prescale, postscale, compression, process_set = ctx.args
-        if op not in (Average, Sum):
+        if op not in (Average, Sum, Adasum):
             raise NotImplementedError(
                 f"the gradient of grouped_allreduce with op={_basics.OP_NAMES[op]} is not implemented"
             )

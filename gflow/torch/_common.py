@@ -22,7 +22,7 @@ REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int
 WIDENED = (torch.uint8, torch.int8, torch.int16, torch.bool)
 ITS_OWN_WIRE = {torch.float16: "fp16", torch.bfloat16: "bf16"}  # compression that changes nothing
 MOVABLE_DIRECT = REDUCIBLE  # moved by gflow as they are; other dtypes travel as int32 words
-GFLOW_OP = {Sum: "sum", Min: "min", Max: "max"}
+GFLOW_OP = {Sum: "sum", Min: "min", Max: "max", Adasum: "adasum"}
 
 
 # --- argument checks -------------------------------------------------------------------------------
@@ -39,8 +39,6 @@ def resolve_op(op, average, where: str):
         op = Average
     if isinstance(op, bool) or op not in _basics.OP_NAMES:
         raise ValueError(f"{where}: op must be hvd.Average, Sum, Min, Max or Product, got {op!r}")
-    if op == Adasum:
-        raise NotImplementedError(f"{where}: op=hvd.Adasum is not implemented by gflow; use Average or Sum")
     return op
 
 

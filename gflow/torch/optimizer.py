@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from . import _settings
+from . import _basics, _settings
+from ._adasum_optimizer import adasum_optimizer
 from ._basics import Adasum, Average, Sum
 from ._distributed import _DistributedOptimizer, check_passes
 from .compression import Compression, wire_compression
@@ -51,6 +52,26 @@ def _distributed_class(cls):
         distributed.__qualname__ = cls.__qualname__
         _classes[cls] = distributed
     return distributed
+
+
+def _adasum(optimizer, named_parameters, compression, comm, sparse, predivide):
+    """DistributedOptimizer(op=hvd.Adasum), after the common checks, with Horovod's restrictions."""
+    size = comm.Get_size()
+    if comm is not _basics.comm():
+        raise NotImplementedError("DistributedOptimizer: Adasum does not support non-global process sets yet")
+    if size & (size - 1):
+        raise NotImplementedError(
+            f"DistributedOptimizer: Adasum needs a power-of-two number of ranks, got {size}"
+        )
+    if sparse is not None or predivide != 1.0:
+        raise ValueError(
+            "DistributedOptimizer: op=hvd.Adasum takes neither sparse= nor gradient_predivide_factor"
+        )
+    names = _named_parameters(optimizer, named_parameters)
+    cname, compressor = wire_compression(compression, "DistributedOptimizer")
+    if cname is not None:  # (Horovod's compressors cast: so do gflow's here)
+        compressor = Compression.fp16 if cname == "fp16" else Compression.bf16
+    return adasum_optimizer(optimizer, compressor or Compression.none, names)
 
 
 def _named_parameters(optimizer, named_parameters):
@@ -153,7 +174,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             with compress/decompress.
         backward_passes_per_step: backward passes per step(); gradients accumulate locally and are
             reduced once, on the last pass (scale the loss yourself, as with Horovod).
-        op: hvd.Average (default) or hvd.Sum. Adasum raises NotImplementedError.
+        op: hvd.Average (default), hvd.Sum, or hvd.Adasum (Horovod's delta optimizer: each rank steps
+            alone, the updates are combined by Adasum; see _adasum_optimizer.py; a power-of-two number
+            of ranks, the global process set).
         gradient_predivide_factor: with Average, gradients are scaled by 1/f before the reduction
             and f/size after it (Horovod's split of the average).
         num_groups, groups: accepted for compatibility; gflow fuses gradients by threshold_bytes.
@@ -180,7 +203,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         The distributed optimizer (its class is a subclass of the wrapped optimizer's class).
 
     Raises:
-        TypeError, ValueError: bad arguments, named; NotImplementedError: Adasum.
+        TypeError, ValueError: bad arguments, named; NotImplementedError: Adasum on a number of ranks
+            that is not a power of two, or on a process set.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -189,12 +213,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("DistributedOptimizer: the optimizer is already a DistributedOptimizer")
     bpps = check_passes(backward_passes_per_step)
-    if op == Adasum:
-        raise NotImplementedError(
-            "DistributedOptimizer: op=hvd.Adasum is not implemented by gflow; use Average or Sum"
-        )
-    if isinstance(op, bool) or op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer: op must be hvd.Average or hvd.Sum, got {op!r}")
+    if isinstance(op, bool) or op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer: op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
     if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)):
         raise TypeError(
             f"gradient_predivide_factor must be a number, got {type(gradient_predivide_factor).__name__}"
@@ -215,6 +235,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be a bool, got {type(sparse_as_dense).__name__}")
     comm = comm_of(process_set, "DistributedOptimizer")
+    if op == Adasum:
+        return _adasum(optimizer, named_parameters, compression, comm, sparse, predivide)
     wire_compression(compression, "DistributedOptimizer")
     if sparse is not None and not isinstance(sparse, dict):
         raise TypeError(

@@ -1,0 +1,80 @@
+"""DistributedOptimizer(op=hvd.Adasum): Horovod's Adasum optimizer, a delta optimizer.
+
+Each rank runs the wrapped optimizer's step on its own gradients, so the update it would apply alone
+is delta = p_after - p_before; the ranks then combine their deltas with Adasum (collectives/adasum.py:
+each parameter on its own, all of them fused in one collective) and every rank applies the combined
+delta to the parameters it started the step from. The wrapped optimizer's state (momentum, Adam's
+moments) stays each rank's own, as in Horovod.
+
+Where it differs from Horovod's: the local steps and the combination run in step(), not as each
+gradient becomes ready (no overlap with backward), and the wrapped optimizer steps all its
+parameters at once rather than one at a time (the same for optimizers whose update is per
+parameter: SGD, Adam, ...). backward_passes_per_step is accepted: gradients accumulate in p.grad
+until the program calls step(), as Horovod's. synchronize() does nothing (as Horovod's);
+skip_synchronize() raises, as Horovod's does for Adasum.
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+from ._allreduce import grouped_allreduce_
+from ._basics import Adasum
+
+_classes: dict = {}
+
+
+class _AdasumStep:
+    """The methods that make an optimizer class step as Horovod's Adasum optimizer."""
+
+    def _gflow_adasum_init(self, compression, names) -> None:
+        self._gflow_wrapped = False  # (not gflow's kit: broadcast_optimizer_state takes the plain path)
+        self._adasum_compression = compression
+        self._adasum_names = names
+
+    def _adasum_params(self) -> list:
+        """The parameters every rank combines: all that require grad, in the param groups' order (the
+        same on every rank, whatever gradients this rank has)."""
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = self._adasum_params()
+        with torch.no_grad():
+            starts = [p.detach().clone() for p in params]
+            super().step()
+            deltas = []
+            for p, start in zip(params, starts, strict=True):
+                delta = p.detach() - start
+                compressed, ctx = self._adasum_compression.compress(delta)
+                deltas.append((compressed.contiguous(), ctx))
+            if deltas:
+                combined = grouped_allreduce_([d for d, _ in deltas], op=Adasum, name="adasum deltas")
+                for p, start, c, (_, ctx) in zip(params, starts, combined, deltas, strict=True):
+                    p.copy_(start + self._adasum_compression.decompress(c, ctx).to(p.dtype))
+        return loss
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the Adasum optimizer combines in step() (as Horovod's)."""
+
+    @contextmanager
+    def skip_synchronize(self):
+        raise AssertionError("Skipping synchronization is not supported when using Adasum optimizer.")
+        yield  # pragma: no cover
+
+
+def adasum_optimizer(optimizer, compression, names):
+    """The optimizer's Adasum form: an instance of a subclass of its class, sharing its state."""
+    cls = type(optimizer)
+    adasum_class = _classes.get(cls)
+    if adasum_class is None:
+        adasum_class = type(cls.__name__, (_AdasumStep, cls), {"__module__": cls.__module__})
+        adasum_class.__qualname__ = cls.__qualname__
+        _classes[cls] = adasum_class
+    wrapped = adasum_class.__new__(adasum_class)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._gflow_adasum_init(compression, names)
+    return wrapped
