@@ -1,0 +1,161 @@
+"""Adasum (gflow.allreduce(op="adasum"), hvd op=Adasum, DistributedOptimizer(op=Adasum)) against a float64
+reference of the Adasum formula applied as a binary tree over the ranks, at 1, 2 and 4 ranks; its
+restrictions (a power-of-two number of ranks, floating dtypes) refused on every rank."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from helpers import WORLD, on_all_ranks, rank_rng
+
+import gflow
+import gflow.torch as hvd
+
+torch.set_num_threads(1)
+POWERS_OF_TWO = [1, 2, 4]
+TINY = np.sqrt(np.finfo(np.float64).tiny)
+
+
+def adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dot, aa, bb = a @ b, a @ a, b @ b
+    ca = 1 - dot / (2 * aa) if aa >= TINY else 1.0
+    cb = 1 - dot / (2 * bb) if bb >= TINY else 1.0
+    return ca * a + cb * b
+
+
+def reference(x: np.ndarray, sizes=None) -> np.ndarray:
+    """Every rank's x (MPI's own allgather) combined pairwise, level by level, in float64; each tensor of
+    `sizes` on its own."""
+    everyone = [v.astype(np.float64).ravel() for v in WORLD.allgather(np.asarray(x))]
+    sizes = [everyone[0].size] if sizes is None else sizes
+    out, at = [], 0
+    for n in sizes:
+        level = [v[at : at + n] for v in everyone]
+        while len(level) > 1:
+            level = [adasum_pair(level[2 * i], level[2 * i + 1]) for i in range(len(level) // 2)]
+        out.append(level[0])
+        at += n
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+@pytest.mark.parallel(POWERS_OF_TWO)
+def test_adasum_against_the_formula_in_float64():
+    rng = rank_rng(31)
+    cases = [rng.standard_normal(n) for n in (1, 2, 3, 17, 1000)]
+    cases.append(np.zeros(5))  # zero norms: the coefficients are 1, as Horovod's
+    cases.append(rng.standard_normal((3, 4)).astype(np.float32))
+    cases.append(rng.standard_normal(64).astype(np.float16))
+    cases.append(rng.standard_normal(9).astype(ml_dtypes.bfloat16))
+
+    def check():
+        for x in cases:
+            before = x.copy()
+            y = gflow.allreduce(x, op="adasum")
+            assert y.dtype == x.dtype and y.shape == x.shape
+            assert np.array_equal(x, before, equal_nan=True)
+            expected = reference(x)
+            tol = {2: 1e-2, 4: 1e-6, 8: 1e-12}[np.dtype(x.dtype).itemsize]
+            np.testing.assert_allclose(y.astype(np.float64).ravel(), expected, rtol=tol, atol=tol)
+            blobs = WORLD.allgather(y.tobytes())
+            assert all(b == blobs[0] for b in blobs), "ranks differ"
+        h = gflow.allreduce_async(cases[3], op="adasum")
+        np.testing.assert_allclose(h.wait(), reference(cases[3]), rtol=1e-12)
+        out = cases[4].copy()
+        assert gflow.allreduce(out, op="adasum", out=out) is out
+        np.testing.assert_allclose(out, reference(cases[4]), rtol=1e-12)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([3])
+def test_adasum_refuses_a_number_of_ranks_that_is_not_a_power_of_two_on_every_rank():
+    def check():
+        with pytest.raises(NotImplementedError, match="power-of-two"):
+            gflow.allreduce(np.ones(4), op="adasum")
+        hvd.init()
+        with pytest.raises(NotImplementedError, match="power-of-two"):
+            hvd.allreduce(torch.ones(4), op=hvd.Adasum)
+        model = torch.nn.Linear(2, 1)
+        with pytest.raises(NotImplementedError, match="power-of-two"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+        assert gflow.allreduce(np.ones(2), "sum").tolist() == [3.0, 3.0]  # and the ranks go on
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([2])
+def test_adasum_refuses_integers_and_a_peer_with_another_shape_fails_too():
+    def check():
+        with pytest.raises(TypeError, match="floating"):
+            gflow.allreduce(np.ones(4, np.int32), op="adasum")
+        with pytest.raises(gflow.MismatchError):
+            gflow.allreduce(np.ones(4 + WORLD.rank), op="adasum")
+        if WORLD.rank == 0:
+            with pytest.raises(ValueError, match="compression"):
+                gflow.allreduce(np.ones(4), op="adasum", compression="fp16")
+        else:
+            with pytest.raises(gflow.MismatchError):
+                gflow.allreduce(np.ones(4), op="adasum")
+        hvd.init()
+        with pytest.raises(TypeError, match="floating"):
+            hvd.allreduce(torch.ones(4, dtype=torch.int32), op=hvd.Adasum)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(POWERS_OF_TWO)
+def test_horovod_adasum_op_and_grouped_each_tensor_on_its_own():
+    rng = rank_rng(32)
+    a = torch.from_numpy(rng.standard_normal(10))
+    b = torch.from_numpy(rng.standard_normal((3, 4)))
+
+    def check():
+        hvd.init()
+        np.testing.assert_allclose(hvd.allreduce(a, op=hvd.Adasum).numpy(), reference(a.numpy()), rtol=1e-12)
+        got = hvd.grouped_allreduce([a, b], op=hvd.Adasum)
+        np.testing.assert_allclose(got[0].numpy(), reference(a.numpy()), rtol=1e-12)
+        np.testing.assert_allclose(got[1].numpy().ravel(), reference(b.numpy()), rtol=1e-12)
+        c = a.clone()
+        hvd.synchronize(hvd.allreduce_async_(c, op=hvd.Adasum, postscale_factor=2.0))
+        np.testing.assert_allclose(c.numpy(), 2.0 * reference(a.numpy()), rtol=1e-12)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(POWERS_OF_TWO)
+def test_adasum_optimizer_is_horovods_delta_optimizer():
+    """Each rank's SGD update (its delta), combined by Adasum per parameter, added to the start."""
+    rng = rank_rng(33)
+    inputs, targets = (
+        torch.from_numpy(rng.standard_normal((8, 4))),
+        torch.from_numpy(rng.standard_normal((8, 2))),
+    )
+
+    def check():
+        hvd.init()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), model.named_parameters(), op=hvd.Adasum
+        )
+        assert isinstance(opt, torch.optim.SGD)
+        for _ in range(2):
+            start = [p.detach().clone() for p in model.parameters()]
+            momenta = [opt.state[p].get("momentum_buffer") for p in model.parameters()]
+            momenta = [None if m is None else m.clone() for m in momenta]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            for p, s, g, m in zip(model.parameters(), start, grads, momenta, strict=True):
+                velocity = g if m is None else 0.5 * m + g  # (torch's SGD: the first step's buffer is g)
+                expected = s.numpy().ravel() + reference((-0.1 * velocity).numpy())
+                np.testing.assert_allclose(p.detach().numpy().ravel(), expected, rtol=1e-10, atol=1e-12)
+            weights = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+            blobs = WORLD.allgather(weights.tobytes())
+            assert all(b == blobs[0] for b in blobs), "replicas differ"
+        with pytest.raises(AssertionError, match="Adasum"):
+            with opt.skip_synchronize():
+                pass
+
+    on_all_ranks(check)
