@@ -547,3 +547,48 @@ def test_threshold_auto_tunes_while_training_stays_exact():
         assert_identical(model)
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_no_sync_accumulates_locally_and_the_next_backward_reduces_the_sum():
+    """DDP's pattern: micro-batches inside no_sync(), the last one outside; the step applies the ranks'
+    average of each rank's summed gradient (float64 replay), and nothing communicates inside."""
+    rng = np.random.default_rng([51, WORLD.rank])
+    batches = [torch.from_numpy(rng.standard_normal((4, 3))) for _ in range(3)]
+
+    def check():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2).double()
+        start = [p.detach().clone() for p in model.parameters()]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        calls = []
+        original = opt._dp.push
+        opt._dp.push = lambda *a, **k: calls.append(a[0]) or original(*a, **k)
+        with opt.no_sync():
+            for x in batches[:2]:
+                model(x).square().sum().backward()
+            assert calls == [], "no_sync() pushed a gradient"
+            with pytest.raises(RuntimeError, match="no_sync"):
+                opt.step()
+            with pytest.raises(RuntimeError, match="no_sync"):
+                opt.synchronize()
+        model(batches[2]).square().sum().backward()
+        opt.step()
+        replay = torch.nn.Linear(3, 2).double()
+        with torch.no_grad():
+            for p, s in zip(replay.parameters(), start, strict=True):
+                p.copy_(s)
+        for x in batches:
+            replay(x).square().sum().backward()
+        for p, q, s in zip(model.parameters(), replay.parameters(), start, strict=True):
+            average = np.mean(WORLD.allgather(q.grad.numpy()), axis=0)
+            np.testing.assert_allclose(p.detach().numpy(), s.numpy() - 0.1 * average, rtol=1e-12)
+            assert_same_on_all_ranks(p.detach().numpy())
+        opt.zero_grad()
+        model(batches[0]).sum().backward()
+        with pytest.raises(RuntimeError, match="first backward"):
+            with opt.no_sync():
+                pass
+        opt.step()
+
+    on_all_ranks(check)

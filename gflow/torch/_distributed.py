@@ -62,6 +62,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._user_synchronized = False  # ... and the program called it (Horovod's warning in step)
         self._overflow = None
         self._touched = False
+        self._no_sync = False  # inside no_sync(): gradients accumulate locally
         self._gflow_build(self._gflow_reduced_params())
         self._gflow_reset_step()
 
@@ -165,6 +166,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
     # --- the hook -------------------------------------------------------------------------------
 
     def _on_grad(self, p) -> None:
+        if self._no_sync:
+            return  # accumulated in p.grad; the first backward after no_sync() pushes the sum
         if not self._touched:
             self._gflow_begin_step()
         index = self._index_of.get(p)
@@ -218,6 +221,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         gradients then hold inf/NaN on every rank alike, so torch.amp.GradScaler skips the step on
         every rank; step() raises CompressionOverflowError / NonFiniteError instead of applying them.
         """
+        self._check_synced("synchronize()")
         self._gflow_synchronize()
         self._user_synchronized = True
 
@@ -379,6 +383,30 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         _check_scales(agreed, scale)
 
     @contextmanager
+    def no_sync(self):
+        """DDP's no_sync(): backward passes inside accumulate their gradients in p.grad with no
+        communication; the first backward after it reduces the accumulated gradients, and step()
+        applies them, as with DDP. step() and synchronize() inside it raise RuntimeError (they would
+        apply or reduce a partial sum); enter it before the step's first reduced backward pass."""
+        if self._touched:
+            raise RuntimeError(
+                "no_sync(): this step's gradients are being reduced already (a backward pass outside "
+                "no_sync() came first); enter no_sync() for the first backward passes of a step"
+            )
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def _check_synced(self, who: str) -> None:
+        if self._no_sync:
+            raise RuntimeError(
+                f"{who} inside no_sync(): the gradients are this rank's partial sums; leave no_sync() "
+                "and run the last backward pass of the step outside it"
+            )
+
+    @contextmanager
     def skip_synchronize(self):
         """step() inside this context does not synchronize: for the pattern
 
@@ -403,6 +431,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             CompressionOverflowError, NonFiniteError (HorovodInternalErrors): the last synchronize()
                 overflowed (see synchronize); the step is not applied.
         """
+        self._check_synced("step()")
         if closure is not None:
             return super().step(self._synchronized_closure(closure))
         if self._should_synchronize:

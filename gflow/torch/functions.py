@@ -145,10 +145,13 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=No
     The structure travels pickled; the state tensors travel through gflow's broadcast, fused by
     dtype. Unlike Horovod, an optimizer whose state is still empty is not stepped with zero
     gradients first (that step changes the parameters under weight decay, and Adam's step count):
-    every rank just gets root's (empty) state. For a DistributedOptimizer, every rank also takes
-    root's position in tuning threshold_bytes="auto" (the threshold it settled on, or where it is in
-    the schedule), so that restoring a checkpoint on root alone, Horovod's idiom, keeps the ranks
-    fusing alike; gflow's per-rank state (CSC residuals) is left alone. `model` is accepted and ignored.
+    every rank just gets root's (empty) state. As Horovod's, it leaves a zero gradient on each
+    parameter that requires one and has none yet, when this rank's state is empty (programs
+    written for Horovod read or broadcast p.grad right after). For a DistributedOptimizer, every
+    rank also takes root's position in tuning threshold_bytes="auto" (the threshold it settled on,
+    or where it is in the schedule), so that restoring a checkpoint on root alone, Horovod's idiom,
+    keeps the ranks fusing alike; gflow's per-rank state (CSC residuals) is left alone. `model` is
+    accepted and ignored.
     process_set: the ranks to broadcast to (default all; a gflow extension of Horovod's call).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -158,11 +161,13 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=No
         )
     wrapped = getattr(optimizer, "_gflow_wrapped", False)
     is_root = _basics.rank() == root_rank
+    own = optimizer._wrapped_state_dict() if wrapped else optimizer.state_dict()
+    if not own["state"]:
+        _zero_gradients(optimizer)
     tensors: list = []
     skeleton = None
     if is_root:
-        state = optimizer._wrapped_state_dict() if wrapped else optimizer.state_dict()
-        skeleton = _split(state, tensors)
+        skeleton = _split(own, tensors)
     skeleton = broadcast_object(skeleton, root_rank, process_set=process_set)
     if not is_root:
         slots: list = []
@@ -194,6 +199,16 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=No
         kit = optimizer._dp
         position = kit.tuning_position() if is_root else None
         kit.adopt_tuning(broadcast_object(position, root_rank, process_set=process_set))
+
+
+def _zero_gradients(optimizer) -> None:
+    """A zero p.grad where a parameter requires a gradient and has none (Horovod's side effect)."""
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                zero = torch.zeros_like(p, memory_format=torch.preserve_format)
+                p.grad = zero.to_sparse() if sparse else zero
 
 
 def _collect_slots(value, slots: list) -> None:
