@@ -396,14 +396,14 @@ def test_object_parameter_and_optimizer_state_broadcasts():
             for name, value in state.items():
                 assert torch.equal(value, ref["state"][key][name]), (key, name)
         fresh = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.5)
-        before = [p.detach().clone() for p in model.parameters()]
-        for p in model.parameters():
-            p.grad = None
+        before = [q.detach().clone() for q in model.parameters()]
+        for q in model.parameters():
+            q.grad = None
         hvd.broadcast_optimizer_state(fresh, root_rank=0)  # an empty state: the settings come over
         assert fresh.param_groups[0]["lr"] == 0.1 and not fresh.state
         # As Horovod's: a zero gradient where there was none (not a step: the parameters are unchanged)
-        for p, b in zip(model.parameters(), before, strict=True):
-            assert torch.equal(p.grad, torch.zeros_like(p)) and torch.equal(p.detach(), b)
+        for q, b in zip(model.parameters(), before, strict=True):
+            assert torch.equal(q.grad, torch.zeros_like(q)) and torch.equal(q.detach(), b)
 
     on_all_ranks(check)
 
