@@ -36,12 +36,14 @@ from ..errors import GflowError, MismatchError
 from ..runtime import stall
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
 from ..runtime.context import TAG_AGREE, CommContext
-from ..runtime.signature import SIG_LEN, describe
+from ..runtime.signature import CODE_COLLECTIVE, SIG_LEN, describe
 
 _MAGIC = 0x67666C6F77  # "gflow"
-_OK, _MISMATCH = 0, 1
+_OK, _MISMATCH, JOINED = 0, 1, 2
 # Header words: magic, state, sig_a[SIG_LEN], sig_b[SIG_LEN], rank_a, rank_b, follows. In the OK state
-# sig_a is the signature every rank seen so far agrees on and rank_a the lowest of them; sig_b is zero.
+# sig_a is the signature every rank seen so far agrees on and rank_a the lowest of them; sig_b is zero,
+# and rank_b counts the ranks among them that are in hvd.join() (collectives/join.py): a JOINED header
+# comes from such a rank before it knows the call, with no payload, and counts as zeros.
 # follows: the bytes of payload the sender sends as a message of their own after this one (0: none).
 _SIG_A = slice(2, 2 + SIG_LEN)
 _SIG_B = slice(2 + SIG_LEN, 2 + 2 * SIG_LEN)
@@ -50,6 +52,7 @@ HEADER_WORDS = 5 + 2 * SIG_LEN
 HEADER_BYTES = HEADER_WORDS * 8
 _SAME = slice(0, _RANK_A * 8)  # equal bytes here: same state and same signature or record
 _RANK_A_BYTES = slice(_RANK_A * 8, _RANK_B * 8)
+_RANK_B_BYTES = slice(_RANK_B * 8, _RANK_B * 8 + 8)
 _OK_BYTES = np.array([_OK], dtype=np.int64).tobytes()
 _MAGIC_BYTES = np.array([_MAGIC], dtype=np.int64).tobytes()
 _NONE_BYTES = bytes(8)
@@ -201,6 +204,8 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op) -> None:
             send_mv[:HEADER_BYTES] = plan.recv_mv[:HEADER_BYTES]
     if send_mv[_STATE_BYTES] != _OK_BYTES:
         raise MismatchError(_mismatch_message(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64)))
+    if send_mv[_RANK_B_BYTES] != _NONE_BYTES:  # some ranks are in join(): they took part with zeros
+        _check_joined(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64))
     if acc is not None and not plan.last_into_dst:
         np.copyto(dst, plan.incoming if plan.steps[0].action == "take" else acc)
 
@@ -270,6 +275,8 @@ def _combine(plan: _Plan, own, out, peer_is_lower: bool, op) -> None:
         # The common case: the same state and signature on both sides.
         if peer_is_lower:
             send_mv[_RANK_A_BYTES] = recv_mv[_RANK_A_BYTES]
+        if recv_mv[_RANK_B_BYTES] != _NONE_BYTES:  # (ranks in join() behind the peer)
+            _add_joined(send_mv, recv_mv)
         if own is not None:
             if peer_is_lower:
                 host.reduce(out, plan.incoming, own, op)
@@ -278,8 +285,39 @@ def _combine(plan: _Plan, own, out, peer_is_lower: bool, op) -> None:
         return
     mine = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64).copy()
     theirs = np.frombuffer(recv_mv[:HEADER_BYTES], dtype=np.int64)
+    if theirs[0] == _MAGIC and theirs[1] == JOINED and mine[1] == _OK:
+        # A rank in join() that did not know the call yet: its payload counts as zeros (Horovod's)
+        if own is not None:
+            plan.incoming[...] = 0
+            host.reduce(out, plan.incoming, own, op) if peer_is_lower else host.reduce(
+                out, own, plan.incoming, op
+            )
+        _add_joined(send_mv, recv_mv)
+        return
     _merge(mine, theirs, peer_is_lower)
     send_mv[:HEADER_BYTES] = mine.tobytes()
+
+
+def _add_joined(send_mv, recv_mv) -> None:
+    """Add the peer's count of ranks in join() to this rank's header."""
+    count = int.from_bytes(send_mv[_RANK_B_BYTES], sys.byteorder) + int.from_bytes(
+        recv_mv[_RANK_B_BYTES], sys.byteorder
+    )
+    send_mv[_RANK_B_BYTES] = count.to_bytes(8, sys.byteorder)
+
+
+# What ranks in join() serve: Horovod's rule (an allreduce, whatever the layer that made it).
+SERVED_WHILE_JOINED = ("allreduce", "lazy", "gradient_buffers")
+
+
+def _check_joined(header) -> None:
+    """The call completed with ranks in join() taking part: only an allreduce can (as in Horovod)."""
+    collective = CODE_COLLECTIVE.get(int(header[_SIG_A][0]), "?")
+    if collective not in SERVED_WHILE_JOINED:
+        raise GflowError(
+            f"{collective} is not supported while ranks are in join() ({int(header[_RANK_B])} of them): "
+            "as in Horovod, ranks that joined take part only in allreduces (with zeros)"
+        )
 
 
 def _record(header) -> tuple:

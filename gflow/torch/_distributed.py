@@ -281,16 +281,16 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         """One small exchange after the kit's, before its step is committed: which parameters some
         rank had a gradient for, which some rank changed after pushing (as the highest such rank +
         1), whether the reduced set changed during the step somewhere, and the ranges of what every
-        rank must hold alike (the loss scale, gradient_predivide_factor: max(v), max(-v)). Asked only
+        rank must hold alike (the loss scale, gradient_predivide_factor: see _bounds). Asked only
         now, when every rank's background queue is empty: whether the kit's segments went out during
         backward or at synchronize() depends on which parameters each rank used, so a collective
         queued before them could meet a segment on another rank."""
         n, rank = len(self._pushed), self._gflow_comm.Get_rank()
-        mine = np.zeros(2 * n + 5)
+        mine = np.zeros(2 * n + 5, np.int64)
         mine[:n] = [entry is not None for entry in self._pushed]
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
         factor = self.gradient_predivide_factor
-        mine[2 * n :] = (scale or 0.0, -(scale or 0.0), factor, -factor, float(moved))
+        mine[2 * n :] = (*_bounds(scale or 0.0), *_bounds(factor), int(moved))
         try:
             agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
@@ -306,11 +306,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 "any rank. Change them between steps; zero_grad() and run the step again"
             )
         _check_scales(agreed[2 * n : 2 * n + 2], scale)
-        if agreed[2 * n + 2] != -agreed[2 * n + 3]:
+        largest, smallest = _range(agreed[2 * n + 2 : 2 * n + 4])
+        if largest != smallest:
             raise as_horovod_error(
                 gflow.MismatchError(
                     f"DistributedOptimizer: the ranks' gradient_predivide_factor differ (from "
-                    f"{-agreed[2 * n + 3]:g} to {agreed[2 * n + 2]:g}; this rank's is {factor:g})"
+                    f"{smallest:g} to {largest:g}; this rank's is {factor:g})"
                 )
             )
         return agreed[:n] > 0
@@ -377,7 +378,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             self._gflow_synchronize(scale)
             return
         try:
-            agreed = gflow.allreduce_async(np.array([scale, -scale]), "max", comm=self._gflow_comm).wait()
+            agreed = gflow.allreduce_async(np.array(_bounds(scale)), "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
             raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
         _check_scales(agreed, scale)
@@ -521,10 +522,28 @@ def _changed_set(params: list, before: list) -> bool:
     return len(params) != len(before) or any(a is not b for a, b in zip(params, before, strict=True))
 
 
+_TOP = np.iinfo(np.int64).max
+
+
+def _bounds(value: float) -> tuple:
+    """A value >= 0 as two int64 whose max over the ranks gives the largest and the smallest value,
+    exactly: its IEEE bits (ordered as the values are) and _TOP minus them. A rank in join() sends
+    zeros (collectives/join.py), which neither maximum sees."""
+    bits = int(np.array(value, np.float64).view(np.int64))
+    return bits, _TOP - bits
+
+
+def _range(agreed) -> tuple:
+    """(largest, smallest) of the values whose _bounds were maximized over the ranks."""
+    largest = float(np.array(agreed[0], np.int64).view(np.float64))
+    smallest = float(np.array(_TOP - agreed[1], np.int64).view(np.float64))
+    return largest, smallest
+
+
 def _check_scales(agreed, scale) -> None:
-    """agreed: the ranks' max(scale) and max(-scale) (a rank without a GradScaler gives 0): they must
-    match."""
-    largest, smallest = agreed[0], -agreed[1] + 0.0  # (+ 0.0: no "-0" in the message)
+    """agreed: the ranks' _bounds of their loss scale (a rank without a GradScaler gives 0), maximized:
+    they must match."""
+    largest, smallest = _range(agreed)
     if smallest == 0 and largest > 0:
         raise as_horovod_error(
             gflow.MismatchError(

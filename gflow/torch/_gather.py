@@ -9,7 +9,9 @@ import torch
 
 import gflow
 
+from ..collectives.join import serve
 from ..collectives.operations import allgather_on, allreduce_on, background_on, broadcast_on
+from ..runtime import engine
 from ..runtime.context import context
 from . import _basics
 from ._allreduce import allreduce
@@ -272,23 +274,29 @@ def barrier(process_set=None) -> None:
 
 
 def join(device=-1) -> int:
-    """Wait until every rank has called join(); return the rank that called it last.
+    """This rank has no more data: until every rank has called join(), take part in the other
+    ranks' allreduces with zeros (theirs, DistributedOptimizer's, grouped and async ones; averages
+    divide by the whole size, as Horovod's); return the rank that called join() last.
 
-    Horovod lets ranks that joined serve the others' allreduces with zeros, so ranks may run
-    different numbers of steps. gflow cannot: every rank must make the same collective calls. Here
-    join() works when every rank calls it (a barrier that reports the last rank to arrive, by each
-    rank's wall clock at the call: exact on one node, as good as the clocks' agreement across nodes;
-    not MPI.Wtime, whose zero Open MPI sets per process). It runs on gflow's background channel,
-    after the async operations already started: a rank still running DistributedOptimizer steps or
-    async allreduces while the others wait in join() makes every rank raise MismatchError (a
-    HorovodInternalError) rather than hang. (A blocking allreduce/allgather/broadcast facing peers
-    in join() still waits, as in MPI.)
-    `device` is accepted and ignored.
+    Horovod's semantics (collectives/join.py): ranks may run different numbers of steps. Other
+    collectives (allgather, broadcast, alltoall, reducescatter, Adasum) called while some rank is in
+    join() raise on the ranks that called them, as in Horovod; the joined ranks wait on. A rank that
+    joins first waits for the async operations it started (they run before). `device` is accepted
+    and ignored (zeros are on the host; CUDA tensors of the others are staged or direct as usual).
+    The last rank is found by each rank's wall clock at the call (exact on one node).
     """
-    arrival = torch.full((_basics.size(),), -np.inf, dtype=torch.float64)
-    arrival[_basics.rank()] = time.time()
+    arrival = time.time()
+    parent = context(comm())
+    background = parent.background()
     try:
-        latest = gflow.allreduce_async(arrival, "max", comm=comm()).wait()
+        handle = engine.submit(
+            "join", lambda: serve(background), ctx=background, on_failure=parent.reset_background
+        )
+        serve(parent)  # the caller's channel here, the background one on gflow's thread
+        handle.wait()
+        times = torch.full((_basics.size(),), -np.inf, dtype=torch.float64)
+        times[_basics.rank()] = arrival
+        latest = gflow.allreduce(times, "max", comm=comm())
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
     return int(torch.argmax(latest).item())  # ties: the lowest rank

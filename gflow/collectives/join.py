@@ -1,0 +1,159 @@
+"""Ranks in join() (Horovod's uneven data): a rank that ran out of data takes part in the other ranks'
+allreduces with zeros until every rank has joined.
+
+Every collective of gflow starts with the agreement of collectives/recursive_doubling.py (its header
+carries the call's signature, and on the latency path the payload too). A joined rank cannot know
+which call comes next, so it takes part in each agreement without knowing it: it runs the same
+recursive-doubling schedule with a JOINED header and no payload (which the others count as zeros),
+and learns the call from the first real header that reaches it; from then on it sends what it has
+combined, as any rank. When the agreement ends with a call (every rank holds the same merged header),
+a bandwidth allreduce goes on with its ring or hierarchical allreduce, this rank sending zeros; a
+latency-path allreduce is already complete. Then it waits for the next agreement. An agreement in
+which every rank is joined ends join(). Other collectives fail on the ranks that called them
+(recursive_doubling._check_joined: Horovod's rule), and the joined ranks wait on.
+
+A rank in join() serves one channel per call of serve(): gflow.torch's join runs it on the caller's
+channel and on the background one at once (the others may use either).
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from ..arrays import host_ops as host
+from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
+from ..runtime.context import TAG_AGREE, CommContext
+from ..runtime.signature import CODE_ALGORITHM, CODE_COLLECTIVE, CODE_DTYPE, CODE_OP, SIG_REJECTED
+from . import hierarchical, ring
+from .dispatch import settle_auto
+from .recursive_doubling import (
+    _FOLLOWS,
+    _MAGIC,
+    _OK,
+    _RANK_A,
+    _RANK_B,
+    _SIG_A,
+    HEADER_BYTES,
+    HEADER_WORDS,
+    JOINED,
+    SEPARATE_PAYLOAD_BYTES,
+    SERVED_WHILE_JOINED,
+    _merge,
+)
+
+
+def serve(ctx: CommContext) -> None:
+    """Take part, with zeros, in every allreduce of ctx's other ranks until all of them are in
+    join() too (their agreement then holds only JOINED headers)."""
+    while True:
+        header = _exchange(ctx)
+        if header[1] == JOINED:
+            return
+        ctx.entered += 1  # (the others counted this call: the stall inspector compares counts)
+        sig = header[_SIG_A]
+        if header[1] != _OK or int(sig[7]) == SIG_REJECTED:
+            continue  # a mismatch or a rejection: the callers raise
+        collective, algorithm = CODE_COLLECTIVE.get(int(sig[0])), CODE_ALGORITHM.get(int(sig[1]) & 0xFF)
+        if collective not in SERVED_WHILE_JOINED or algorithm in ("recursive_doubling", "adasum"):
+            continue  # (refused by the callers, or complete: its payload travelled in the exchange)
+        dtype, count = CODE_DTYPE[int(sig[3])], int(sig[2])
+        zeros = np.zeros(count, dtype)
+        if algorithm == "auto":
+            algorithm = settle_auto(ctx, count * dtype.itemsize)
+        if algorithm == "hierarchical":
+            memory = "device" if int(sig[6]) == 2 else "host"
+            hierarchical.allreduce(ctx, zeros, zeros, host, "sum", memory, None)
+        else:
+            ring.allreduce(ctx, zeros, zeros, host, "sum")
+
+
+def _steps(ctx: CommContext) -> list:
+    """(peer, peer_is_lower, action, receives, sends) for each step, as recursive_doubling._Plan's."""
+    fold, rounds = ctx.rd_fold, ctx.rd_rounds
+    if fold is not None and fold[0] == "send":
+        return [(fold[1], False, "take", True, True)]
+    steps = [(fold[1], True, "combine", True, False)] if fold is not None else []
+    steps += [(peer, lower, "combine", True, True) for peer, lower in rounds]
+    if fold is not None:
+        steps.append((fold[1], False, "none", False, True))
+    return steps
+
+
+def _payload_spec(header):
+    """(dtype, op) of the call a header names."""
+    sig = header[_SIG_A]
+    op = CODE_OP.get(int(sig[4]), "sum")
+    return CODE_DTYPE[int(sig[3])], "sum" if op == "mean" else op
+
+
+def _exchange(ctx: CommContext):
+    """One agreement as a joined rank; returns the merged header every rank ends with."""
+    comm = ctx.comm
+    mine = np.zeros(HEADER_WORDS, np.int64)
+    mine[0], mine[1], mine[_RANK_A], mine[_RANK_B] = _MAGIC, JOINED, ctx.rank, 1
+    acc = None  # the payload combined so far, once a peer's header said there is one
+    room = np.empty(HEADER_BYTES + MAX_SMALL_MESSAGE_BYTES, np.uint8)
+    for peer, lower, action, receives, sends in _steps(ctx):
+        separate = acc is not None and acc.nbytes >= SEPARATE_PAYLOAD_BYTES
+        mine[_FOLLOWS] = acc.nbytes if separate else 0
+        requests = []
+        if receives:
+            header_in = comm.Irecv([room, MPI.BYTE], peer, TAG_AGREE)
+        if sends:
+            message = mine.tobytes() + (b"" if acc is None or separate else acc.tobytes())
+            requests.append(comm.Isend([message, MPI.BYTE], peer, TAG_AGREE))
+            if separate:
+                requests.append(comm.Isend([acc, MPI.BYTE], peer, TAG_AGREE))
+        theirs = payload = None
+        if receives:
+            status = MPI.Status()
+            header_in.Wait(status)
+            theirs = np.frombuffer(room[:HEADER_BYTES].tobytes(), np.int64).copy()
+            nbytes = (
+                int(theirs[_FOLLOWS]) if theirs[_FOLLOWS] > 0 else status.Get_count(MPI.BYTE) - HEADER_BYTES
+            )
+            if theirs[_FOLLOWS] > 0:
+                comm.Irecv([room[HEADER_BYTES:], MPI.BYTE], peer, TAG_AGREE).Wait()
+            if nbytes > 0 and theirs[1] == _OK:
+                dtype, _ = _payload_spec(theirs)
+                payload = room[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype).copy()
+        MPI.Request.Waitall(requests)
+        if action == "take":  # (the fold's sender: its partner's verdict and result, as they are)
+            mine = theirs
+        elif action == "combine":
+            mine, acc = _combine(mine, acc, theirs, payload, lower)
+    return mine
+
+
+def _combine(mine, acc, theirs, payload, peer_is_lower: bool):
+    """Fold a peer's header and payload into this joined rank's (JOINED headers count as zeros)."""
+    if theirs[0] != _MAGIC or mine[1] not in (_OK, JOINED) or theirs[1] not in (_OK, JOINED):
+        _merge(mine, theirs, peer_is_lower)  # (a mismatch, recorded as the others record it)
+        return mine, acc
+    joined = int(mine[_RANK_B]) + int(theirs[_RANK_B])
+    if theirs[1] == JOINED:
+        if acc is not None:  # zeros from the peer
+            acc = _reduce(acc, np.zeros_like(acc), peer_is_lower, mine)
+    elif mine[1] == JOINED:  # the first real header: adopt the call, this rank's share is zeros
+        mine[1], mine[_SIG_A], mine[_RANK_A] = _OK, theirs[_SIG_A], theirs[_RANK_A]
+        if payload is not None:
+            acc = _reduce(np.zeros_like(payload), payload, peer_is_lower, mine)
+    elif tuple(mine[_SIG_A]) == tuple(theirs[_SIG_A]):
+        mine[_RANK_A] = min(mine[_RANK_A], theirs[_RANK_A])
+        if acc is not None and payload is not None:
+            acc = _reduce(acc, payload, peer_is_lower, mine)
+    else:
+        _merge(mine, theirs, peer_is_lower)
+        return mine, acc
+    mine[_RANK_B] = joined
+    return mine, acc
+
+
+def _reduce(own, incoming, peer_is_lower: bool, header):
+    """own op incoming, the lower rank's operand first (as every rank combines)."""
+    _, op = _payload_spec(header)
+    out = np.empty_like(own)
+    if peer_is_lower:
+        host.reduce(out, incoming, own, op)
+    else:
+        host.reduce(out, own, incoming, op)
+    return out
