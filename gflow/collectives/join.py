@@ -57,13 +57,18 @@ def serve(ctx: CommContext) -> None:
             continue  # (refused by the callers, or complete: its payload travelled in the exchange)
         dtype, count = CODE_DTYPE[int(sig[3])], int(sig[2])
         zeros = np.zeros(count, dtype)
+        # The op as the others run it: the owner of a chunk divides a mean (this rank owns some),
+        # but 2-byte floats were divided first and are summed (dispatch._predivided).
+        op = CODE_OP.get(int(sig[4]), "sum")
+        if op == "mean" and dtype.itemsize == 2:
+            op = "sum"
         if algorithm == "auto":
             algorithm = settle_auto(ctx, count * dtype.itemsize)
         if algorithm == "hierarchical":
             memory = "device" if int(sig[6]) == 2 else "host"
-            hierarchical.allreduce(ctx, zeros, zeros, host, "sum", memory, None)
+            hierarchical.allreduce(ctx, zeros, zeros, host, op, memory, None)
         else:
-            ring.allreduce(ctx, zeros, zeros, host, "sum")
+            ring.allreduce(ctx, zeros, zeros, host, op)
 
 
 def _steps(ctx: CommContext) -> list:

@@ -1,0 +1,138 @@
+"""hvd.join() with uneven data (Horovod's): ranks that ran out of data take part in the others' allreduces
+with zeros (blocking, async, grouped, small and large, DistributedOptimizer's) until every rank has
+joined; the result against float64 references built from every rank's inputs (MPI's own allgather);
+other collectives raise on the ranks that call them while some rank is joined, and nothing hangs."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import WORLD, on_all_ranks
+
+import gflow
+import gflow.torch as hvd
+
+torch.set_num_threads(1)
+SIZES = [2, 3, 4]
+
+
+@pytest.fixture(autouse=True)
+def _init():
+    hvd.init()
+
+
+@pytest.mark.parallel(SIZES)
+def test_joined_ranks_contribute_zeros_to_every_kind_of_allreduce():
+    p, r = WORLD.size, WORLD.rank
+    steps = r + 1  # rank r has r + 1 batches: uneven
+    rng = np.random.default_rng([61, r])
+    small = [torch.from_numpy(rng.standard_normal(5)) for _ in range(steps)]
+    large = [torch.from_numpy(rng.standard_normal(300_001)).float() for _ in range(steps)]
+    ints = [torch.from_numpy(rng.integers(-50, 50, 7)).to(torch.int32) for _ in range(steps)]
+    everyone = WORLD.allgather((small, large, ints))
+
+    def summed(which, step, dtype=np.float64):
+        return sum(
+            (e[which][step].numpy().astype(dtype) for e in everyone if step < len(e[which])),
+            np.zeros(everyone[-1][which][step].shape, dtype),
+        )
+
+    def check():
+        for step in range(p):
+            if step == steps:
+                assert hvd.join() == p - 1  # the last rank has the most batches: it joins last
+                break
+            np.testing.assert_allclose(
+                hvd.allreduce(small[step], op=hvd.Sum).numpy(), summed(0, step), rtol=1e-12
+            )
+            average = hvd.synchronize(hvd.allreduce_async(large[step], name="large"))
+            np.testing.assert_allclose(average.numpy(), summed(1, step) / p, rtol=1e-5, atol=1e-5)  # / all p
+            got = hvd.grouped_allreduce([ints[step], small[step]], op=hvd.Sum)
+            np.testing.assert_array_equal(got[0].numpy(), summed(2, step, np.int64))
+            maximum = hvd.allreduce(small[step], op=hvd.Max).numpy()
+            expected = np.max([e[0][step].numpy() for e in everyone if step < len(e[0])], axis=0)
+            if any(step >= len(e[0]) for e in everyone):
+                expected = np.maximum(expected, 0.0)  # a joined rank's zeros, as Horovod's
+            np.testing.assert_array_equal(maximum, expected)
+        else:
+            assert hvd.join() == p - 1
+        # everyone joined: the collectives work as before
+        assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(p)] * 2
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_distributed_optimizer_with_uneven_batches_equals_a_float64_replay():
+    """Each step averages the gradients of the ranks still training over all p ranks (zeros from those
+    that joined, as Horovod's); the ranks end with bitwise equal weights."""
+    p, r = WORLD.size, WORLD.rank
+    rng = np.random.default_rng([62, r])
+    batches = [torch.from_numpy(rng.standard_normal((4, 3))) for _ in range(r + 1)]
+    everyone = WORLD.allgather([b.numpy() for b in batches])
+
+    def model():
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(3, 600), torch.nn.Tanh(), torch.nn.Linear(600, 600), torch.nn.Tanh()]
+        # (2.9 MB of float64 weights: the kit's segment goes by the ring, not recursive doubling)
+        return torch.nn.Sequential(*layers, torch.nn.Linear(600, 1)).double()
+
+    def check():
+        net, replay = model(), model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters())
+        for step in range(p):
+            total = [torch.zeros_like(q) for q in replay.parameters()]
+            for theirs in everyone:
+                if step < len(theirs):
+                    replay.zero_grad()
+                    replay(torch.from_numpy(theirs[step])).sum().backward()
+                    total = [t + q.grad for t, q in zip(total, replay.parameters(), strict=True)]
+            with torch.no_grad():
+                for q, t in zip(replay.parameters(), total, strict=True):
+                    q -= 0.1 * t / p
+            if step < len(batches):
+                opt.zero_grad()
+                net(batches[step]).sum().backward()
+                opt.step()
+            elif step == len(batches):
+                hvd.join()
+        if len(batches) == p:
+            hvd.join()
+        # every rank took each step's average (the joined ones too, through the kit's zeros), so the
+        # ranks that trained longest hold the replay's weights
+        if r == p - 1:
+            for q, e in zip(net.parameters(), replay.parameters(), strict=True):
+                np.testing.assert_allclose(q.detach().numpy(), e.detach().numpy(), rtol=1e-10, atol=1e-13)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_other_collectives_raise_while_a_rank_is_joined_and_the_job_goes_on():
+    p, r = WORLD.size, WORLD.rank
+
+    def check():
+        if r == 0:
+            assert hvd.join() == p - 1
+        else:
+            t = torch.ones(3)
+            for call in (
+                lambda: hvd.allgather(t),
+                lambda: hvd.broadcast(t, root_rank=1),
+                lambda: hvd.alltoall(torch.ones(p)),
+                lambda: hvd.reducescatter(torch.ones(p)),
+            ):
+                with pytest.raises(gflow.GflowError, match="join"):
+                    call()
+            assert hvd.allreduce(t, op=hvd.Sum).tolist() == [float(p - 1)] * 3  # rank 0 gives zeros
+            if r == p - 1:
+                import time
+
+                time.sleep(0.3)  # (the last to join, by the clock too)
+            assert hvd.join() == p - 1
+        assert hvd.allgather(torch.tensor([float(r)])).tolist() == [float(k) for k in range(p)]
+
+    on_all_ranks(check)
+
+
+def test_join_alone_returns_this_rank():
+    assert hvd.join() == WORLD.rank
