@@ -136,3 +136,32 @@ def test_other_collectives_raise_while_a_rank_is_joined_and_the_job_goes_on():
 
 def test_join_alone_returns_this_rank():
     assert hvd.join() == WORLD.rank
+
+
+@pytest.mark.parallel([2, 4])
+@pytest.mark.timeout(240)
+def test_the_horovod_features_example_runs_as_written(tmp_path_factory):
+    """examples/horovod_features.py (join with uneven batches, a process set, alltoall, reducescatter,
+    Adasum, the timeline), as a Horovod user would run it."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import horovod_features
+
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("trace")) if WORLD.rank == 0 else None)
+    trace = os.path.join(folder, "trace.json")
+    found = horovod_features.main(["--timeline", trace])
+    p, r = WORLD.size, WORLD.rank
+    assert found["last"] == p - 1  # the rank with the most batches
+    assert bool((found["received"] % p == r).all())
+    rows = len(np.array_split(np.zeros(2 * p + 1), p)[r])
+    assert found["shard"].shape == (rows, 3) and torch.allclose(
+        found["shard"], torch.full((rows, 3), (p - 1) / 2)
+    )
+    assert found["adasum"] is not None and torch.isfinite(found["adasum"]).all()
+    assert np.isfinite(found["final_loss"]) and found["final_loss"] < 1.0
+    WORLD.Barrier()
+    with open(os.path.join(folder, f"trace.{r}.json")) as f:
+        assert json.load(f), "an empty timeline"
