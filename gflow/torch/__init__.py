@@ -8,9 +8,9 @@
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
 Where gflow differs from Horovod (each is documented where it applies): every rank must start its
-collectives in the same order (a name= is checked, not used to reorder); only the global process set;
-Adasum is not implemented; join() works when every rank joins; broadcast_optimizer_state does not step
-an empty optimizer; no elastic mode (gflow.torch.elastic raises ImportError saying what to do instead).
+collectives in the same order (a name= is checked, not used to reorder); Adasum runs on the host;
+broadcast_optimizer_state does not step an empty optimizer; no elastic mode (gflow.torch.elastic raises
+ImportError saying what to do instead). The full list: README.md, "gflow.torch".
 Horovod's environment variables: see _settings.py. gflow's errors (MismatchError, ...) raised here are
 also HorovodInternalErrors. `import gflow` never imports torch; this module does.
 """

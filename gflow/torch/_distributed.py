@@ -373,6 +373,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         stay alike). PyTorch's AMP lines (scaler.scale(loss).backward(); scaler.step(opt);
         scaler.update()) are then right without optimizer.synchronize(); after a synchronize() of the
         program's own (Horovod's recipe) the ranks only agree on the scale."""
+        self._check_synced("GradScaler.unscale_() or step()")
         scale = float(scaler.get_scale())
         if not self._still_reduced(unchanged=True):
             self._gflow_synchronize(scale)
