@@ -447,7 +447,6 @@ def test_bad_arguments_are_named():
             (ValueError, "tuples", lambda: wrap(named=list(model.parameters()))),
             (ValueError, "backward_passes_per_step", lambda: wrap(backward_passes_per_step=0)),
             (TypeError, "backward_passes_per_step", lambda: wrap(backward_passes_per_step=1.5)),
-            (NotImplementedError, "Adasum", lambda: wrap(op=hvd.Adasum)),
             (ValueError, "op", lambda: wrap(op=hvd.Max)),
             (ValueError, "predivide", lambda: wrap(op=hvd.Sum, gradient_predivide_factor=2.0)),
             (ValueError, "predivide", lambda: wrap(gradient_predivide_factor=0)),
