@@ -275,7 +275,7 @@ def _combine(plan: _Plan, own, out, peer_is_lower: bool, op) -> None:
         # The common case: the same state and signature on both sides.
         if peer_is_lower:
             send_mv[_RANK_A_BYTES] = recv_mv[_RANK_A_BYTES]
-        if recv_mv[_RANK_B_BYTES] != _NONE_BYTES:  # (ranks in join() behind the peer)
+        if recv_mv[_RANK_B_BYTES] != _NONE_BYTES and send_mv[_STATE_BYTES] == _OK_BYTES:  # (joined ranks)
             _add_joined(send_mv, recv_mv)
         if own is not None:
             if peer_is_lower:
