@@ -23,7 +23,6 @@ from ..runtime.context import context
 from . import _basics
 from ._basics import Average, Sum
 from ._common import (
-    MOVABLE_DIRECT,
     WIDENED,
     check_factor,
     check_tensor,
@@ -39,7 +38,7 @@ from ._common import (
     set_comm,
     tensors_text,
 )
-from ._gather import _agreed, _AllgatherPlan, _from_words, _to_words, allgather
+from ._gather import _AllgatherPlan, allgather
 from ._handles import Pending, raise_as_horovod, register
 from .compression import Compression, wire_compression
 
@@ -63,29 +62,23 @@ def _splits(splits, where: str, size: int, rows: int):
     return [int(c) for c in counts]
 
 
-class _AlltoallPlan:
-    """One alltoall, checked (raises on bad arguments): the rows to send and how to read the result."""
+class _AlltoallPlan(_AllgatherPlan):
+    """One alltoall, checked (raises on bad arguments): an allgather's rows (dtypes gflow does not move
+    travel as int32 words), sent by `splits`; the result reads back as the allgather's does."""
 
     def __init__(self, tensor, splits, where, name, on):
         check_tensor(tensor, where)
         if tensor.dim() == 0:
             raise ValueError(f"{where}: tensor must have at least one dimension, got a 0-d tensor")
-        self.x = x = tensor.detach()
-        self.splits = _splits(splits, where, on.Get_size(), x.shape[0])
-        if x.dtype in MOVABLE_DIRECT:
-            self.words, self.nbytes = x.contiguous(), None
-        else:
-            self.words, self.nbytes = _to_words(x)
-        self.fingerprint, self.about = _agreed(x, x.shape[1:], name)
+        super().__init__(tensor, where, name)
+        self.splits = _splits(splits, where, on.Get_size(), tensor.shape[0])
 
     def run(self, ctx):
         return alltoall_on(ctx, self.words, self.splits, fingerprint=self.fingerprint, about=self.about)
 
     def finish(self, result):
         received, counts = result
-        if self.nbytes is not None:
-            received = _from_words(received, self.nbytes, self.x.dtype, self.x.shape[1:])
-        return received, torch.from_numpy(counts.astype(np.int32))
+        return super().finish(received), torch.from_numpy(counts.astype(np.int32))
 
 
 def _alltoall_now(tensor, splits, where, name, on):
