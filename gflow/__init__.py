@@ -6,7 +6,8 @@ importing only from those below it).
 
 import os as _os
 
-from .collectives.operations import allgather, allreduce, allreduce_async, alltoall, broadcast, reduce_scatter
+from .collectives.exchange import allgather, alltoall, broadcast, reduce_scatter
+from .collectives.operations import allreduce, allreduce_async
 from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError
 from .fusion.lazy import LazyAllreduce
 from .fusion.sparse import SparseAllreduce

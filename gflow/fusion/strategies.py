@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..arrays.codecs import decode, encode, wire_dtype
-from ..collectives.operations import allgather_on, allreduce_on, reject
+from ..collectives.exchange import allgather_on
+from ..collectives.operations import allreduce_on, reject
 from ..errors import GflowError, NonFiniteError
 from ..runtime import engine
 from ..runtime.signature import holds, is_floating

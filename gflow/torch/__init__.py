@@ -20,10 +20,6 @@ from ._allreduce import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
 )
 from ._basics import (
     Adasum,
@@ -62,6 +58,12 @@ from ._gather import (
     broadcast_async_,
     join,
     sparse_allreduce_async,
+)
+from ._grouped import (
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
 )
 from ._handles import poll, shutdown, synchronize
 from ._init import init

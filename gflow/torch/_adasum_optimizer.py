@@ -18,8 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ._allreduce import grouped_allreduce_
 from ._basics import Adasum
+from ._grouped import grouped_allreduce_
 
 _classes: dict = {}
 

@@ -9,8 +9,9 @@ import torch
 
 import gflow
 
+from ..collectives.exchange import allgather_on, broadcast_on
 from ..collectives.join import serve
-from ..collectives.operations import allgather_on, allreduce_on, background_on, broadcast_on
+from ..collectives.operations import allreduce_on, background_on
 from ..runtime import engine
 from ..runtime.context import context
 from . import _basics

@@ -18,7 +18,8 @@ import torch
 
 import gflow
 
-from ..collectives.operations import alltoall_on, background_on, check_splits, reduce_scatter_on
+from ..collectives.exchange import alltoall_on, check_splits, reduce_scatter_on
+from ..collectives.operations import background_on
 from ..runtime.context import context
 from . import _basics
 from ._basics import Average, Sum

@@ -27,7 +27,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..arrays.kinds import check_array, check_writable
-from ..collectives.operations import broadcast, reject
+from ..collectives.exchange import broadcast
+from ..collectives.operations import reject
 from ..errors import NonFiniteError
 from ..fusion.lazy import LazyAllreduce
 from ..runtime import checkpoint as st
