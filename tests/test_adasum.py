@@ -159,3 +159,74 @@ def test_adasum_optimizer_is_horovods_delta_optimizer():
                 pass
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel(POWERS_OF_TWO)
+def test_adasum_optimizer_with_grad_scaler_skips_a_step_on_every_rank_when_one_rank_overflows():
+    """An inf in one rank's gradients skips the step on every rank and halves every rank's scale alike
+    (without the agreement, that rank skipped and the others combined their deltas with its next
+    step's); the steps around it are Adasum's."""
+    rng = rank_rng(34)
+    inputs, targets = (
+        torch.from_numpy(rng.standard_normal((8, 4))).float(),
+        torch.from_numpy(rng.standard_normal((8, 2))).float(),
+    )
+
+    def check():
+        hvd.init()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), op=hvd.Adasum
+        )
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        overflowing = hvd.size() - 1
+        for step in range(3):
+            start = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            if step == 1 and hvd.rank() == overflowing:
+                loss = loss * float("inf")
+            grads = None
+            scaler.scale(loss).backward()
+            if step != 1:
+                grads = [p.grad.clone() / scaler.get_scale() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            for p, s, g in zip(model.parameters(), start, grads or [None] * 2, strict=True):
+                expected = (
+                    s.double()
+                    if g is None
+                    else s.double()
+                    + torch.from_numpy(reference((-0.1 * g.double()).numpy()).reshape(s.shape))
+                )
+                np.testing.assert_allclose(
+                    p.detach().double().numpy(), expected.numpy(), rtol=1e-5, atol=1e-6
+                )
+            weights = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+            blobs = WORLD.allgather(weights.tobytes() + np.float64(scaler.get_scale()).tobytes())
+            assert all(b == blobs[0] for b in blobs), f"replicas or loss scales differ after step {step}"
+        assert scaler.get_scale() == 512.0
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([1, 2])
+def test_adasum_optimizer_no_sync_accumulates_and_refuses_a_step_inside():
+    def check():
+        hvd.init()
+        model = torch.nn.Linear(3, 1)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), op=hvd.Adasum
+        )
+        x = torch.ones(2, 3)
+        with opt.no_sync():
+            model(x).sum().backward()
+            once = model.weight.grad.clone()
+            with pytest.raises(RuntimeError, match="no_sync"):
+                opt.step()
+        model(x).sum().backward()
+        torch.testing.assert_close(model.weight.grad, 2 * once)
+        opt.step()
+
+    on_all_ranks(check)

@@ -12,13 +12,19 @@ parameters at once rather than one at a time (the same for optimizers whose upda
 parameter: SGD, Adam, ...). backward_passes_per_step is accepted: gradients accumulate in p.grad
 until the program calls step(), as Horovod's. synchronize() does nothing (as Horovod's);
 skip_synchronize() raises, as Horovod's does for Adasum.
+
+torch.amp.GradScaler unscales each rank's own gradients; the ranks then agree on its inf check (an
+inf on any rank is an inf on all), so they skip a step together and keep one loss scale. Without
+that, the rank that found an inf would skip its step() and the others would combine their deltas
+with its next step's (gflow's hook in optimizer.py calls _after_unscale).
 """
 
 from contextlib import contextmanager
 
 import torch
 
-from ._basics import Adasum
+from ._allreduce import allreduce
+from ._basics import Adasum, Max
 from ._grouped import grouped_allreduce_
 
 _classes: dict = {}
@@ -31,6 +37,15 @@ class _AdasumStep:
         self._gflow_wrapped = False  # (not gflow's kit: broadcast_optimizer_state takes the plain path)
         self._adasum_compression = compression
         self._adasum_names = names
+        self._adasum_no_sync = False
+
+    def _after_unscale(self, found_inf_per_device: dict) -> None:
+        """GradScaler found infs on this rank's devices (or not): make it an inf on every rank's
+        devices if any rank found one, so every rank skips the step, or none does."""
+        mine = sum(float(v.item()) for v in found_inf_per_device.values())
+        anywhere = allreduce(torch.tensor([mine], dtype=torch.float64), op=Max, name="GradScaler found_inf")
+        for v in found_inf_per_device.values():
+            v.fill_(1.0 if anywhere.item() > 0 else 0.0)
 
     def _adasum_params(self) -> list:
         """The parameters every rank combines: all that require grad, in the param groups' order (the
@@ -38,6 +53,11 @@ class _AdasumStep:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def step(self, closure=None):
+        if self._adasum_no_sync:
+            raise RuntimeError(
+                "optimizer.step() inside optimizer.no_sync(): step() combines the ranks' updates; "
+                "leave no_sync() for the last backward pass before the step (as DDP's no_sync)"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -59,6 +79,16 @@ class _AdasumStep:
 
     def synchronize(self) -> None:
         """Nothing to wait for: the Adasum optimizer combines in step() (as Horovod's)."""
+
+    @contextmanager
+    def no_sync(self):
+        """DDP's no_sync(): gradients accumulate in p.grad (as they always do here, where nothing is
+        reduced before step()); step() inside raises."""
+        self._adasum_no_sync = True
+        try:
+            yield
+        finally:
+            self._adasum_no_sync = False
 
     @contextmanager
     def skip_synchronize(self):

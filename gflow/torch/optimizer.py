@@ -20,7 +20,8 @@ from .process_sets import comm_of
 
 
 def _patch_grad_scaler() -> None:
-    """Have torch.amp.GradScaler reduce a DistributedOptimizer's gradients before it reads them. Its
+    """Have torch.amp.GradScaler reduce a DistributedOptimizer's gradients before it reads them (and
+    the Adasum optimizer's ranks agree on what it found after: _adasum_optimizer.py). Its
     _unscale_grads_ is where unscale_() and the inf check of its step() read the gradients (torch
     2.4 to 2.14); without it, the optimizer's step() refuses a gradient unscaled before the
     reduction (synchronize's changed-gradient check) instead of applying it silently."""
@@ -33,7 +34,11 @@ def _patch_grad_scaler() -> None:
         before = getattr(optimizer, "_before_unscale", None)
         if before is not None and getattr(optimizer, "_gflow_wrapped", False):
             before(self)
-        return original(self, optimizer, *args, **kwargs)
+        found_inf_per_device = original(self, optimizer, *args, **kwargs)
+        after = getattr(optimizer, "_after_unscale", None)
+        if after is not None:
+            after(found_inf_per_device)
+        return found_inf_per_device
 
     _unscale_grads_._gflow = True
     scaler_class._unscale_grads_ = _unscale_grads_
