@@ -2,6 +2,8 @@
 root_rank in hvd.rank()'s numbering, DistributedOptimizer and SyncBatchNorm on a set, and the errors
 (ranks outside a set, sets that differ between ranks, a set registered twice), at world sizes 1 to 4."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -208,3 +210,45 @@ def test_process_set_queries_before_registration():
     assert ps.size() is None and ps.rank() is None
     with pytest.raises(TypeError, match="ProcessSet"):
         hvd.allreduce(torch.ones(1), process_set="all")
+
+
+@pytest.mark.parallel([3, 4])  # (at 2 ranks, [0, 1] is the global set)
+def test_removing_a_set_waits_for_its_async_collective_and_numpy_ranks_are_ranks():
+    """remove_process_set with an allreduce of the set still in flight (a peer late) waits for it, where
+    freeing the set's communicator under it aborted MPICH; NumPy ints are ranks, in any order."""
+
+    def check():
+        pair = hvd.add_process_set(np.array([1, 0]) if WORLD.rank == 0 else [np.int64(0), 1])
+        assert pair.ranks == [0, 1]
+        if WORLD.rank < 2:
+            hvd.allreduce(torch.ones(1), process_set=pair)  # (the set's context exists before)
+            t = torch.full((1 << 20,), float(WORLD.rank + 1))
+            if WORLD.rank == 1:
+                time.sleep(0.3)
+            handle = hvd.allreduce_async(t, op=hvd.Sum, process_set=pair)
+        assert hvd.remove_process_set(pair)
+        if WORLD.rank < 2:
+            assert torch.equal(hvd.synchronize(handle), torch.full((1 << 20,), 3.0))
+        again = hvd.add_process_set([0, 1])
+        if WORLD.rank < 2:
+            assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=again).tolist() == [2.0, 2.0]
+        hvd.remove_process_set(again)
+        assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(WORLD.size)] * 2
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_set_one_rank_alone_refuses_fails_on_every_rank():
+    """One rank's list is not ranks (a float, a bool, a string): every rank raises, none waits."""
+
+    def check():
+        for bad in ([0, 1.5], [True, 1], "01"):
+            mine = bad if WORLD.rank == WORLD.size - 1 else [0, 1]
+            with pytest.raises(ValueError, match="same list of ranks"):
+                hvd.add_process_set(mine)
+        with pytest.raises(ValueError, match="list of ranks"):
+            hvd.ProcessSet([0, 1.0])
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == WORLD.size
+
+    on_all_ranks(check)

@@ -141,6 +141,13 @@ def idle() -> bool:
     return _engine.idle()
 
 
+def drain() -> None:
+    """Wait until the work submitted before has ended (whether it succeeded or failed: its own
+    handles report that); at once when nothing is queued or running."""
+    if not _engine.idle():
+        _engine.submit("drain", lambda: None).wait()
+
+
 def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
     """Run fn() on the background thread after everything submitted before it; return its Handle.
     A GflowError from fn marks `ctx` (a background CommContext) failed: see CommContext.check_usable;

@@ -10,6 +10,7 @@ peers there: a rank late for the first training step (an async one) is named, an
 raises GflowError.
 """
 
+import operator
 import zlib
 from collections import Counter
 
@@ -70,6 +71,13 @@ _state = _State()
 _SHOWN = 16  # ranks of a list shown in init's error
 
 
+def as_rank(r) -> int:
+    """An int (Python's or NumPy's: anything with __index__, never a bool or a float) as a rank."""
+    if isinstance(r, (bool, np.bool_)):
+        raise TypeError(f"a rank must be an int, got {r!r}")
+    return operator.index(r)
+
+
 def same_ranks_everywhere(given, comm, where: str) -> list:
     """The ranks of `comm` that every rank of it passed (init's comm=[...] over COMM_WORLD,
     add_process_set's over gflow.torch's communicator), once seen to be the same valid list
@@ -81,7 +89,7 @@ def same_ranks_everywhere(given, comm, where: str) -> list:
     try:
         if isinstance(given, (str, bytes, set, frozenset, dict)):  # (no order, or not ranks)
             raise TypeError
-        ranks = [int(r) for r in given]
+        ranks = [as_rank(r) for r in given]
     except (TypeError, ValueError):
         ranks, problem = [], 1
     if not problem:

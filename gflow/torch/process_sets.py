@@ -11,6 +11,7 @@ added and removed at any time (Horovod's HOROVOD_DYNAMIC_PROCESS_SETS is implied
 
 from mpi4py import MPI
 
+from ..runtime import engine
 from . import _basics
 
 
@@ -28,13 +29,13 @@ class ProcessSet:
             self.mpi_comm = ranks_or_comm
             return
         try:
-            ranks = sorted(ranks_or_comm)
+            if isinstance(ranks_or_comm, (str, bytes, dict)):
+                raise TypeError
+            ranks = sorted(_basics.as_rank(r) for r in ranks_or_comm)
         except TypeError:
-            ranks = None
-        if ranks is None or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
             raise ValueError(
                 f"ProcessSet takes a list of ranks (ints) or an mpi4py communicator, got {ranks_or_comm!r}"
-            )
+            ) from None
         self.ranks = ranks
         self._comm = None  # this set's communicator once registered (COMM_NULL on ranks outside it)
 
@@ -106,15 +107,26 @@ def add_process_set(process_set):
     """Register a set (a ProcessSet or a list of ranks) and return it: collective over every rank of
     gflow.torch's communicator, each passing the same ranks. ValueError (on every rank) for ranks
     that differ between ranks, are not ranks of the communicator, or form a set already registered."""
-    if not isinstance(process_set, ProcessSet):
-        process_set = ProcessSet(process_set)
-    if process_set.ranks is None:
-        raise NotImplementedError(
-            "add_process_set: a process set of an MPI communicator is registered by "
-            "hvd.init(process_sets=[...]); build this one from a list of ranks"
-        )
+    of_comm = isinstance(process_set, ProcessSet) and process_set.ranks is None
     comm = _basics.comm()
-    ranks = _basics.same_ranks_everywhere(process_set.ranks, comm, "add_process_set")
+    given = process_set.ranks if isinstance(process_set, ProcessSet) else process_set
+    try:  # (a set: its order is not the ranks' to agree on; what does not sort is refused below)
+        given = given if isinstance(given, (str, bytes, dict)) else sorted(given)
+    except (TypeError, ValueError):
+        pass
+    # The ranks are checked everywhere before a ProcessSet is made of them: a list one rank alone
+    # refuses must fail on every rank, not leave the others waiting in the check.
+    try:
+        ranks = _basics.same_ranks_everywhere(given, comm, "add_process_set")
+    except ValueError as exc:
+        if of_comm:
+            raise NotImplementedError(
+                "add_process_set: a process set of an MPI communicator is registered by "
+                "hvd.init(process_sets=[...]); build this one from a list of ranks"
+            ) from exc
+        raise
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(ranks)
     for ps in _registered.values():
         if ps.ranks == ranks and ps.process_set_id is not None:
             raise ValueError(f"add_process_set: a process set of these ranks is registered already: {ps}")
@@ -148,11 +160,14 @@ def _adopt(process_set, comm) -> None:
 
 
 def remove_process_set(process_set) -> bool:
-    """Unregister a set (every rank calls it); False for the global set or one not registered."""
+    """Unregister a set (every rank calls it), once the async collectives this rank started before
+    have ended (as Horovod's background loop removes it in turn); False for the global set or one
+    not registered."""
     if not isinstance(process_set, ProcessSet) or process_set.process_set_id in (None, 0):
         return False
     if _registered.get(process_set.process_set_id) is not process_set:
         return False
+    engine.drain()  # async collectives started before, on this set too, end before its communicator
     _forget(process_set)
     return True
 
