@@ -1,5 +1,7 @@
 """Bad input gets a clear error before any data moves; ranks that disagree all raise, none hangs."""
 
+import re
+
 import numpy as np
 import pytest
 from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
@@ -119,13 +121,57 @@ def test_ranks_that_disagree_all_raise():
         on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))
 
 
+FIRST_LINES = {
+    "count": (lambda: gflow.allreduce(np.ones(10)), lambda: gflow.allreduce(np.ones(11)),
+              "the number of elements: rank {a} passed 10, rank {last} passed 11"),
+    "dtype": (lambda: gflow.allreduce(np.ones(4)), lambda: gflow.allreduce(np.ones(4, np.float32)),
+              "the dtype: rank {a} passed float64, rank {last} passed float32"),
+    "op": (lambda: gflow.allreduce(np.ones(4)), lambda: gflow.allreduce(np.ones(4), op="max"),
+           "the op: rank {a} op=sum, rank {last} op=max"),
+    "collective": (lambda: gflow.allreduce(np.ones(4)), lambda: gflow.allgather(np.ones(4)),
+                   "the collective: rank {a} called allreduce, rank {last} called allgather"),
+    "root": (lambda: gflow.broadcast(np.ones(4)), lambda: gflow.broadcast(np.ones(4), root=1),
+             "the root: rank {a} root=0, rank {last} root=1"),
+    "shape": (lambda: gflow.allreduce(np.ones((2, 2))), lambda: gflow.allreduce(np.ones(4)),
+              "the shape (with the same number of elements)"),
+}  # fmt: skip
+
+
+@pytest.mark.parallel(MULTI)
+def test_the_first_line_says_what_the_ranks_disagree_on():
+    """One line first (what differs, with both ranks' values), the details after it."""
+    last = WORLD.size - 1
+    for case, (mine, theirs, expected) in FIRST_LINES.items():
+        with pytest.raises(gflow.MismatchError) as info:
+            (theirs if WORLD.rank == last else mine)()
+        first, *details = str(info.value).split("\n")
+        pattern = re.escape("ranks disagree on " + expected).replace(re.escape("{a}"), r"\d+")
+        pattern = pattern.replace(re.escape("{last}"), str(last))
+        assert re.match(pattern + ("" if case == "shape" else "$"), first), f"{case}: {info.value}"
+        assert any(f"rank {last} called" in line for line in details), f"{case}: {info.value}"
+
+
+@pytest.mark.parallel([3, 4])
+def test_on_a_sub_communicator_the_first_line_gives_world_ranks_too():
+    sub = WORLD.Split(0 if WORLD.rank >= 1 else MPI.UNDEFINED, WORLD.rank)
+    if sub != MPI.COMM_NULL:
+        with pytest.raises(gflow.MismatchError) as info:
+            gflow.allreduce(np.ones(5 if sub.rank == 0 else 6), comm=sub)
+        first = str(info.value).split("\n")[0]
+        found = re.search(
+            r"rank 0 \(world rank 1\) passed 5, rank (\d+) \(world rank (\d+)\) passed 6", first
+        )
+        assert found and int(found[2]) == int(found[1]) + 1, first
+        sub.Free()
+
+
 @pytest.mark.parallel(MULTI)
 def test_messages_agree_on_every_rank():
     n = 10 + (WORLD.rank == WORLD.size - 1)
     with pytest.raises(gflow.MismatchError) as info:
         gflow.allreduce(np.ones(n))
     # What the ranks agree on reads alike everywhere; each rank then adds what it passed itself.
-    shared, _, own = str(info.value).partition(". This rank passed ")
+    shared, _, own = str(info.value).partition(".\nThis rank passed ")
     assert own == f"an array of shape ({n},)", str(info.value)
     messages = WORLD.allgather(shared)
     assert len(set(messages)) == 1, messages

@@ -82,7 +82,7 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
     try:
         recursive_doubling.run(ctx, small.plan, small.sig, x.reshape(-1), dst, small.op)
     except MismatchError as exc:
-        raise MismatchError(f"{exc}. This rank passed {small.about}") from exc
+        raise MismatchError(f"{exc}.\nThis rank passed {small.about}") from exc
     if small.mean:
         host.divide(dst, ctx.size)
     return result

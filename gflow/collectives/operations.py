@@ -152,7 +152,7 @@ def annotated(call, about):
     try:
         return call()
     except MismatchError as exc:
-        raise MismatchError(f"{exc}. This rank passed {about}") from exc
+        raise MismatchError(f"{exc}.\nThis rank passed {about}") from exc
 
 
 def allreduce_on(

@@ -36,7 +36,7 @@ from ..errors import GflowError, MismatchError
 from ..runtime import stall
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
 from ..runtime.context import TAG_AGREE, CommContext
-from ..runtime.signature import CODE_COLLECTIVE, SIG_LEN, describe
+from ..runtime.signature import CODE_COLLECTIVE, SIG_LEN, describe, difference
 
 _MAGIC = 0x67666C6F77  # "gflow"
 _OK, _MISMATCH, JOINED = 0, 1, 2
@@ -203,7 +203,8 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op) -> None:
         elif step.action == "take":  # the partner's verdict and result, as they are
             send_mv[:HEADER_BYTES] = plan.recv_mv[:HEADER_BYTES]
     if send_mv[_STATE_BYTES] != _OK_BYTES:
-        raise MismatchError(_mismatch_message(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64)))
+        header = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64)
+        raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx)))
     if send_mv[_RANK_B_BYTES] != _NONE_BYTES:  # some ranks are in join(): they took part with zeros
         _check_joined(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64))
     if acc is not None and not plan.last_into_dst:
@@ -343,12 +344,18 @@ def _merge(mine, theirs, peer_is_lower: bool) -> None:
     mine[_RANK_A], mine[_SIG_A], mine[_RANK_B], mine[_SIG_B] = record
 
 
-def _mismatch_message(header) -> str:
+def _mismatch_message(header, world=lambda ranks: "") -> str:
+    """One line saying what the two ranks recorded disagree on (their world ranks too, on another
+    communicator), then each one's call in full."""
     rank_a, sig_a, rank_b, sig_b = _record(header)
     first = f"rank {rank_a} {describe(sig_a)}"
     if rank_b < 0 or not any(sig_b):
         who = "a peer" if rank_b < 0 else f"rank {rank_b}"
         second = f"{who} sent a message this protocol does not accept (other gflow settings or version?)"
-    else:
-        second = f"rank {rank_b} {describe(sig_b)}"
-    return f"ranks disagree: {first}; {second}"
+        return f"ranks disagree: {first}; {second}"
+    what, said_a, said_b = difference(sig_a, sig_b)
+    headline = (
+        f"ranks disagree on {what}: rank {rank_a}{world([rank_a])} {said_a}, "
+        f"rank {rank_b}{world([rank_b])} {said_b}"
+    )
+    return f"{headline}\n  rank {rank_a} {describe(sig_a)};\n  rank {rank_b} {describe(sig_b)}"

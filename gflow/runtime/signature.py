@@ -178,3 +178,42 @@ def describe(sig) -> str:
     elif int(sig[5]):
         text += f", extra={int(sig[5])}"
     return text
+
+
+_EXTRA_MEANS = {
+    "allreduce": "the shape (with the same number of elements), or in gflow.torch the op or scale factors",
+    "allgather": "the trailing axes (or, in gflow.torch, the dtype)",
+    "alltoall": "the trailing axes (or, in gflow.torch, the dtype)",
+    "reduce_scatter": "the shape",
+    "broadcast": "the shape (with the same number of elements)",
+    "lazy": "the tensors pushed so far (their order or sizes), the fusion threshold, or its tuning",
+    "sparse": "the gradient size or the CSC settings",
+}
+
+
+def difference(sig_a, sig_b) -> tuple:
+    """What two ranks' signatures first disagree on, as (what, rank A's value, rank B's value) in
+    words: the line a person reads first in a MismatchError (describe() gives the details)."""
+    a, b = [int(v) for v in sig_a], [int(v) for v in sig_b]
+    collective = CODE_COLLECTIVE.get(a[0], f"<collective {a[0]}>")
+    if a[7] == SIG_REJECTED or b[7] == SIG_REJECTED:
+        return "the arguments", *("rejected its own (see its error)" if s[7] else "did not" for s in (a, b))
+    if a[0] != b[0]:
+        return "the collective", *(f"called {CODE_COLLECTIVE.get(s[0], s[0])}" for s in (a, b))
+    if a[6] != b[6]:
+        return "where the array lives", *(f"passed a {CODE_MEMORY.get(s[6], '?')} array" for s in (a, b))
+    if a[3] != b[3]:
+        return "the dtype", *(f"passed {getattr(CODE_DTYPE.get(s[3]), 'name', '?')}" for s in (a, b))
+    if a[2] != b[2]:
+        unit = "elements per row" if collective in ("allgather", "alltoall") else "elements"
+        return f"the number of {unit}", *(f"passed {s[2]}" for s in (a, b))
+    if a[4] != b[4]:
+        return "the op", *(f"op={CODE_OP.get(s[4], '?')}" for s in (a, b))
+    if a[1] & 0xFF != b[1] & 0xFF:
+        return "the algorithm", *(f"algorithm={CODE_ALGORITHM.get(s[1] & 0xFF, '?')}" for s in (a, b))
+    if a[1] != b[1]:
+        return "gflow.config's settings for the algorithm", "has one checksum of them", "another"
+    if collective == "broadcast" and a[5] & 0xFFFFFFFF != b[5] & 0xFFFFFFFF:
+        return "the root", *(f"root={s[5] & 0xFFFFFFFF}" for s in (a, b))
+    means = _EXTRA_MEANS.get(collective, "the call's extra field")
+    return means, "passed one", "another"

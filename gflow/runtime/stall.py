@@ -270,7 +270,7 @@ def _raise_departed(ctx, number: int, sig) -> None:
     gone = sorted(r for r, completed in ctx.departed.items() if completed < number)
     if not gone:  # it finished this collective before it left: its messages are on their way
         return
-    world = _world_ranks(ctx)
+    world = world_ranks(ctx)
     verb, whose = ("has", "its process") if len(gone) == 1 else ("have", "their processes")
     after = _completed_before_leaving(ctx, gone)
     what = _brief(sig) if sig is not None else "a collective"
@@ -391,7 +391,7 @@ def _report(ctx, m: _Mark, waited: float) -> tuple:
         ), None
     asked, about = _channel(ctx)
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
-    world = _world_ranks(ctx)
+    world = world_ranks(ctx)
     me_named = f"gflow rank {ctx.rank}{world(None)}"
     parts = [f"{me_named}: waited {waited:.0f} s on thread {m.thread}{job} in collective #{ctx.entered}"]
     parts.append(f"on a communicator of {ctx.size} ranks: {what}")
@@ -522,7 +522,7 @@ def _check_crossed(ctx, making: bool) -> None:
     told = np.array([position, number], np.int64)
     peers = [r for r in range(ctx.size) if r != ctx.rank]
     MPI.Request.Waitall([asked.monitor_comm.Isend(told, r, TAG_CROSSED) for r in peers])
-    world = _world_ranks(ctx)
+    world = world_ranks(ctx)
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
     verb = "waits" if len(crossed) == 1 else "wait"
     peers = f"{ranks_text(crossed)}{world(crossed)}"
@@ -536,7 +536,7 @@ def _check_crossed(ctx, making: bool) -> None:
     departures.append((ctx, None))
 
 
-def _world_ranks(ctx):
+def world_ranks(ctx):
     """A function giving ' (world ranks ...)' for ranks of ctx's communicator, or '' where those are
     the world's own; with None, the same for this rank."""
     # (the user's communicator while gflow's duplicate is being made: ctx.comm would wait for it)
