@@ -591,3 +591,63 @@ def test_no_sync_accumulates_locally_and_the_next_backward_reduces_the_sum():
         opt.step()
 
     on_all_ranks(check)
+
+
+class _Tagger(torch.nn.Module):
+    """A sparse embedding and a dense head; `use_embedding=False` leaves the embedding without a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(12, 3, sparse=True)
+        self.head = torch.nn.Linear(3, 2)
+
+    def forward(self, idx, use_embedding=True):
+        x = self.embedding(idx) if use_embedding else torch.ones(len(idx), 3, dtype=self.head.weight.dtype)
+        return self.head(x).sum()
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_sparse_gradients_are_gathered_as_horovods_and_sparse_adam_steps(op):
+    """nn.Embedding(sparse=True): p.grad stays sparse and holds every rank's entries (divided by the size
+    for Average), so SparseAdam works; its dense form is MPI's float64 sum of the ranks' gradients. The
+    last rank (of several) leaves the embedding unused on the second step and still gets the others'."""
+    rng = np.random.default_rng([44, WORLD.rank])
+
+    def check():
+        torch.manual_seed(0)
+        model = _Tagger().double()
+        hvd_op = hvd.Average if op == "average" else hvd.Sum
+        sparse_opt = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(model.embedding.parameters()), lr=0.01),
+            named_parameters=list(model.embedding.named_parameters(prefix="embedding")),
+            op=hvd_op,
+        )
+        for step in range(2):
+            sparse_opt.zero_grad()
+            idx = torch.from_numpy(rng.integers(0, 12, 5))
+            unused = step == 1 and WORLD.rank == WORLD.size - 1 and WORLD.size > 1
+            model(idx, use_embedding=not unused).backward()
+            local = np.zeros((12, 3)) if unused else model.embedding.weight.grad.to_dense().numpy()
+            expected = WORLD.allreduce(local) / (WORLD.size if op == "average" else 1)
+            sparse_opt.synchronize()
+            grad = model.embedding.weight.grad
+            assert grad.layout == torch.sparse_coo
+            np.testing.assert_allclose(grad.to_dense().numpy(), expected, rtol=1e-12, atol=1e-15)
+            with sparse_opt.skip_synchronize():
+                sparse_opt.step()
+            assert_same_on_all_ranks(model.embedding.weight.detach().numpy())
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_gradient_sparse_on_one_rank_and_dense_on_another_fails_every_rank():
+    def check():
+        emb = torch.nn.Embedding(6, 2, sparse=WORLD.rank == 0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters())
+        emb(torch.tensor([1, 2])).sum().backward()
+        with pytest.raises(RuntimeError, match="sparse on some ranks and dense on others"):
+            opt.step()
+
+    on_all_ranks(check)

@@ -16,6 +16,7 @@ import gflow
 
 from ..training.data_parallel import DataParallel
 from ._basics import Average, as_horovod_error
+from ._gather import sparse_allreduce_on
 from ._optimizer_state import OptimizerCheckpoint
 from .compression import wire_compression
 
@@ -40,10 +41,22 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
     # --- set-up ---------------------------------------------------------------------------------
 
-    def _gflow_init(self, names, compression, bpps, op, predivide, threshold_bytes, sparse, momentum_in_csc):
+    def _gflow_init(
+        self,
+        names,
+        compression,
+        bpps,
+        op,
+        predivide,
+        threshold_bytes,
+        sparse,
+        momentum_in_csc,
+        sparse_as_dense,
+    ):
         """names: {parameter: its name} from named_parameters (None without); the parameters reduced
         are taken at each step's start (_gflow_begin_step)."""
         self._gflow_names = names
+        self._sparse_as_dense = sparse_as_dense
         self._compression_arg = compression
         cname, compressor = wire_compression(compression, "DistributedOptimizer")
         self._cname, self._compressor = cname, compressor
@@ -134,6 +147,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._delay = [self.backward_passes_per_step] * n
         # per parameter: (tensor pushed into the kit, decompress ctx, p.grad then, its version then)
         self._pushed = [None] * n
+        # per parameter with a sparse gradient (sparse_as_dense=False): (p.grad then, its version then)
+        self._sparse_pushed: dict = {}
         self._touched = False  # a step began (a hook fired, or synchronize() began it)
 
     def _gflow_begin_step(self) -> None:
@@ -184,7 +199,10 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
     def _push(self, index: int, p) -> None:
         grad = p.grad
-        if grad.layout != torch.strided:  # sparse gradients (nn.Embedding(sparse=True)) go dense
+        if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True))
+            if not self._sparse_as_dense:
+                self._sparse_pushed[index] = (grad, grad._version)  # gathered at synchronize()
+                return
             grad = grad.to_dense()
             p.grad = grad
         work = grad
@@ -233,13 +251,17 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         params = self._gflow_params
         try:
             for index, p in enumerate(params):
-                if self._pushed[index] is None and p.grad is not None:
+                if self._pushed[index] is None and index not in self._sparse_pushed and p.grad is not None:
                     self._push(index, p)
             # Gradients changed since backward pushed them, and parameters that joined or left the
             # reduced set since the step began: found here, agreed on below.
-            changed = [
-                entry is not None and (params[i].grad is not entry[2] or entry[2]._version != entry[3])
+            pushed = [
+                (entry[2], entry[3]) if entry is not None else self._sparse_pushed.get(i)
                 for i, entry in enumerate(self._pushed)
+            ]
+            changed = [
+                was is not None and (params[i].grad is not was[0] or was[0]._version != was[1])
+                for i, was in enumerate(pushed)
             ]
             moved = _changed_set(self._gflow_reduced_params(), params)
             overflow = None
@@ -254,9 +276,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             except BaseException:
                 self._dp.discard_step()  # refused: CSC's residuals stay as before the step
                 raise
+            used, sparse = used
             if overflow is None:
                 self._dp.commit_step()
             self._gflow_write_back(used, overflow)
+            self._gather_sparse(sparse)
         finally:
             self._gflow_reset_step()
         self._reduced = True
@@ -286,11 +310,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         backward or at synchronize() depends on which parameters each rank used, so a collective
         queued before them could meet a segment on another rank."""
         n, rank = len(self._pushed), self._gflow_comm.Get_rank()
-        mine = np.zeros(2 * n + 5, np.int64)
+        mine = np.zeros(3 * n + 5, np.int64)
         mine[:n] = [entry is not None for entry in self._pushed]
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
         factor = self.gradient_predivide_factor
-        mine[2 * n :] = (*_bounds(scale or 0.0), *_bounds(factor), int(moved))
+        mine[2 * n : 2 * n + 5] = (*_bounds(scale or 0.0), *_bounds(factor), int(moved))
+        mine[2 * n + 5 :] = [i in self._sparse_pushed for i in range(n)]
         try:
             agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
@@ -314,7 +339,33 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     f"{smallest:g} to {largest:g}; this rank's is {factor:g})"
                 )
             )
-        return agreed[:n] > 0
+        used, sparse = agreed[:n] > 0, agreed[2 * n + 5 :] > 0
+        if (used & sparse).any():
+            names = [repr(self._gflow_keys[i]) for i in np.flatnonzero(used & sparse)[:5]]
+            raise RuntimeError(
+                f"DistributedOptimizer: the gradient of {', '.join(names)} is sparse on some ranks and "
+                f"dense on others (this rank's is {'sparse' if self._sparse_pushed else 'dense'}): the "
+                "step is not applied, on any rank. Give every rank the same layout (or "
+                "sparse_as_dense=True)"
+            )
+        return used, sparse
+
+    def _gather_sparse(self, sparse) -> None:
+        """Horovod's sparse allreduce of each sparse gradient, in parameter order on every rank: a rank
+        without one takes part with no entries (and gets the others' in p.grad)."""
+        for index in np.flatnonzero(sparse):
+            p = self._gflow_params[index]
+            grad = p.grad
+            if grad is None or grad.layout == torch.strided:
+                grad = torch.sparse_coo_tensor(
+                    torch.zeros((1, 0), dtype=torch.int64, device=p.device),
+                    torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
+                    p.shape,
+                    check_invariants=True,
+                )
+            p.grad = sparse_allreduce_on(
+                grad, self._gflow_comm, self.op, "DistributedOptimizer", self._gflow_keys[index]
+            )
 
     def _changed_message(self, changed: list, changed_on) -> str:
         which = [i for i in range(len(changed_on)) if changed_on[i]]
@@ -326,9 +377,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         for i in which:
             if changed[i]:
                 grad = self._gflow_params[i].grad
-                entry = self._pushed[i]
+                sent = self._pushed[i][2] if self._pushed[i] is not None else self._sparse_pushed[i][0]
                 how = "cleared (p.grad is None: model.zero_grad()?)" if grad is None else (
-                    "replaced (p.grad = ...)" if grad is not entry[2] else "modified in place"
+                    "replaced (p.grad = ...)" if grad is not sent else "modified in place"
                 )  # fmt: skip
                 here = f"; here, {self._gflow_keys[i]!r} was {how}"
                 break

@@ -326,6 +326,12 @@ def sparse_allreduce_async(tensor, name=None, op=None, process_set=None):
             raise ValueError(f"{where}: op must be hvd.Average or hvd.Sum, got {op!r}")
     except Exception as exc:  # noqa: BLE001 - the peers' first allgather fails too
         reject_blocking("allgather", exc, on)
+    result = sparse_allreduce_on(tensor, on, op, where, name)
+    return lambda: result
+
+
+def sparse_allreduce_on(tensor, on, op, where, name=None):
+    """The sparse allreduce of a checked torch.sparse_coo tensor over communicator `on`, now."""
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
     label = f"{'' if name is None else name + '.'}indices of a sparse {tuple(t.size())} tensor"
     # Allgather concatenates along the first dimension: the indices go transposed (one row each).
@@ -333,5 +339,4 @@ def sparse_allreduce_async(tensor, name=None, op=None, process_set=None):
     values = _allgather_now(t.values().contiguous(), where, None if name is None else f"{name}.values", on)
     if op == Average:
         values = values / on.Get_size()
-    result = torch.sparse_coo_tensor(indices.t(), values, t.size(), check_invariants=True)
-    return lambda: result
+    return torch.sparse_coo_tensor(indices.t(), values, t.size(), check_invariants=True)

@@ -185,7 +185,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         gradient_predivide_factor: with Average, gradients are scaled by 1/f before the reduction
             and f/size after it (Horovod's split of the average).
         num_groups, groups: accepted for compatibility; gflow fuses gradients by threshold_bytes.
-        sparse_as_dense: accepted; sparse gradients are always reduced as dense.
+        sparse_as_dense: reduce sparse gradients (nn.Embedding(sparse=True)) as dense ones, in the
+            fused buffers (True), or as Horovod's sparse allreduce (False, the default): every
+            rank's indices and values gathered, so p.grad stays sparse (as torch.optim.SparseAdam
+            needs) and holds every rank's entries, divided by the size for Average.
         process_set: the ranks whose gradients are reduced together (a registered hvd.ProcessSet
             including this rank; default all).
         threshold_bytes: gflow's fusion segment size; by default HOROVOD_FUSION_THRESHOLD when set
@@ -262,7 +265,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     momentum_in_csc = sparse is not None and isinstance(optimizer, torch.optim.SGD)
     try:
         distributed._gflow_init(
-            names, compression, bpps, op, predivide, threshold_bytes, sparse, momentum_in_csc
+            names, compression, bpps, op, predivide, threshold_bytes, sparse, momentum_in_csc, sparse_as_dense
         )
     except Exception:
         if momentum_moved is not None:  # leave the user's optimizer as it was
