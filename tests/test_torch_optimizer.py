@@ -651,3 +651,62 @@ def test_a_gradient_sparse_on_one_rank_and_dense_on_another_fails_every_rank():
             opt.step()
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradient_as_bucket_view_reduces_in_the_pool_and_matches_mpi(set_to_none):
+    """Each p.grad is a view of the fusion pool (the same memory every step with set_to_none=False) and
+    holds MPI's float64 average of the ranks' gradients; the last rank of several leaves a layer unused on
+    one step; freezing a layer rebuilds the pool and the views follow."""
+    rng = np.random.default_rng([45, WORLD.rank])
+
+    def check():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+        extra = torch.nn.Linear(6, 3).double()
+        params = list(model.named_parameters()) + [("extra." + n, p) for n, p in extra.named_parameters()]
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD([p for _, p in params], lr=0.05, momentum=0.9),
+            named_parameters=params,
+            gradient_as_bucket_view=True,
+        )
+        addresses = None
+        for step in range(4):
+            if step == 3:
+                model[0].weight.requires_grad_(False)
+            opt.zero_grad(set_to_none=set_to_none)
+            x = torch.from_numpy(rng.standard_normal((4, 6)))
+            loss = model(x).pow(2).sum()
+            if not (step == 1 and WORLD.rank == WORLD.size - 1 and WORLD.size > 1):
+                loss = loss + extra(x).sum()
+            loss.backward()
+            live = [(n, p) for n, p in params if p.requires_grad]
+            local = [np.zeros(p.shape) if p.grad is None else p.grad.numpy().copy() for _, p in live]
+            expected = [WORLD.allreduce(g) / WORLD.size for g in local]
+            opt.synchronize()
+            for (name, p), e in zip(live, expected, strict=True):
+                np.testing.assert_allclose(p.grad.numpy(), e, rtol=1e-12, atol=1e-14, err_msg=name)
+            if not set_to_none and step in (1, 2):
+                now = [p.grad.data_ptr() for _, p in live]
+                assert addresses is None or now == addresses, "the views moved"
+                addresses = now
+            with opt.skip_synchronize():
+                opt.step()
+            assert_same_on_all_ranks(np.concatenate([p.detach().numpy().ravel() for _, p in params]))
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([1])
+def test_gradient_as_bucket_view_refuses_what_its_pool_cannot_hold():
+    model = torch.nn.Linear(3, 2)
+    for kwargs in ({"compression": hvd.Compression.fp16}, {"gradient_predivide_factor": 2.0}):
+        with pytest.raises(ValueError, match="gradient_as_bucket_view"):
+            hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), gradient_as_bucket_view=True, **kwargs
+            )
+    with pytest.raises(ValueError, match="float32 or float64"):
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(model.half().parameters(), lr=0.1), gradient_as_bucket_view=True
+        )

@@ -20,6 +20,8 @@ from ._gather import sparse_allreduce_on
 from ._optimizer_state import OptimizerCheckpoint
 from .compression import wire_compression
 
+_VIEW_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # gradient_as_bucket_view
+
 
 class _DistributedOptimizer(OptimizerCheckpoint):
     """The methods a DistributedOptimizer adds to (or overrides on) the optimizer it wraps.
@@ -41,22 +43,14 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
     # --- set-up ---------------------------------------------------------------------------------
 
-    def _gflow_init(
-        self,
-        names,
-        compression,
-        bpps,
-        op,
-        predivide,
-        threshold_bytes,
-        sparse,
-        momentum_in_csc,
-        sparse_as_dense,
-    ):
+    def _gflow_init(self, names, compression, bpps, op, predivide, threshold_bytes, sparse, momentum_in_csc,
+                    *, sparse_as_dense=False, bucket_view=False):  # fmt: skip
         """names: {parameter: its name} from named_parameters (None without); the parameters reduced
         are taken at each step's start (_gflow_begin_step)."""
         self._gflow_names = names
         self._sparse_as_dense = sparse_as_dense
+        self._bucket_view = bucket_view
+        self._views: list = []  # with bucket_view: each parameter's gradient as a view of the pool
         self._compression_arg = compression
         cname, compressor = wire_compression(compression, "DistributedOptimizer")
         self._cname, self._compressor = cname, compressor
@@ -109,6 +103,10 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         keys = [self._gflow_key(p, i) for i, p in enumerate(params)]
         # What the kit reduces per parameter: the gradient itself, or (predivided, compressed) a new
         # tensor; a probe gives its shape and dtype, and the ctx to decompress a zero gradient with.
+        if self._bucket_view:
+            self._gflow_build_views(params, keys)
+            self._gflow_hook(params)
+            return
         probes, probe_ctx = [], []
         for p in params:
             probe = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
@@ -134,6 +132,36 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, probe_ctx
         self._index_of = {p: i for i, p in enumerate(params)}
         self._gflow_hook(params)
+
+    def _gflow_build_views(self, params: list, keys: list) -> None:
+        """gradient_as_bucket_view: the kit's gradients are views of its fusion pool (DataParallel's
+        gradient_buffers), and each p.grad becomes its view: backward accumulates into the pool, the
+        kit reduces it in place of a copy in, and the reduced gradient is in p.grad with no copy
+        back. A p.grad that autograd made anew (zero_grad() sets None) is copied in once, at push."""
+        dtypes = {p.dtype for p in params}
+        if (
+            any(p.device.type != "cpu" for p in params)
+            or len(dtypes) != 1
+            or dtypes.pop() not in _VIEW_DTYPES
+        ):
+            raise ValueError(
+                "DistributedOptimizer(gradient_as_bucket_view=True): the parameters must be CPU tensors of "
+                "one dtype, float32 or float64 (the pool is host memory), got "
+                f"{sorted({(p.device.type, str(p.dtype)) for p in params})}"
+            )
+        probes = [np.zeros(tuple(p.shape), _VIEW_DTYPES[p.dtype]) for p in params]
+        kit_params = dict(zip(keys, probes, strict=True)) if isinstance(keys[0], str) else probes
+        self._dp = DataParallel(
+            kit_params,
+            op="mean" if self.op == Average else "sum",
+            threshold_bytes=self._threshold_arg,
+            sparse=self._sparse_settings,
+            comm=self._gflow_comm,
+        )
+        buffers = self._dp.gradient_buffers()  # (collective: every rank builds its kit alike)
+        self._views = [torch.from_numpy(buffers[k]) for k in keys]
+        self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, [None] * len(params)
+        self._index_of = {p: i for i, p in enumerate(params)}
 
     def _gflow_hook(self, params) -> None:
         """A gradient hook on each parameter that requires grad and has none yet (torch refuses one
@@ -205,6 +233,14 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 return
             grad = grad.to_dense()
             p.grad = grad
+        if self._views:
+            view = self._views[index]
+            if grad is not view:  # (autograd's own tensor, after zero_grad() set None): copied once
+                view.copy_(grad)
+                p.grad = view
+            self._pushed[index] = (view, None, view, view._version)
+            self._dp.push(self._gflow_keys[index])
+            return
         work = grad
         if self.gradient_predivide_factor != 1.0:
             work = grad * (1.0 / self.gradient_predivide_factor)
@@ -400,6 +436,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             if entry is None:
                 if not used[index]:
                     continue  # no rank used it: .grad stays None
+                if self._views:  # the kit reduced zeros in the pool, where its view is
+                    p.grad = self._views[index]
+                    continue
                 if reduced is None:
                     reduced = self._dp.gradients()  # the zeros the kit pushed for it, reduced
                 entry = (reduced[self._gflow_keys[index]], self._probe_ctx[index])

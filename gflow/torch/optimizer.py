@@ -162,6 +162,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     *,
     threshold_bytes=None,
     sparse=None,
+    gradient_as_bucket_view=False,
 ):
     """Wrap a torch optimizer so that step() applies the gradients averaged (or summed) over all ranks.
 
@@ -207,6 +208,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             Keep the loss scale constant (torch.amp.GradScaler's changing scale mixes units in the
             residual).
 
+        gradient_as_bucket_view: DDP's option: each p.grad becomes a view of gflow's fusion pool, so
+            backward accumulates into the buffer that is reduced and the reduced gradient needs no
+            copy back (with zero_grad(set_to_none=False), no copy at all). CPU parameters of one
+            dtype (float32 or float64), no compression, gradient_predivide_factor 1. Do not keep
+            p.grad across steps expecting the local gradient: it holds the reduced one.
+
     Returns:
         The distributed optimizer (its class is a subclass of the wrapped optimizer's class).
 
@@ -242,6 +249,15 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         )
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be a bool, got {type(sparse_as_dense).__name__}")
+    if not isinstance(gradient_as_bucket_view, bool):
+        raise TypeError(
+            f"gradient_as_bucket_view must be a bool, got {type(gradient_as_bucket_view).__name__}"
+        )
+    if gradient_as_bucket_view and (compression is not Compression.none or predivide != 1.0 or op == Adasum):
+        raise ValueError(
+            "DistributedOptimizer: gradient_as_bucket_view=True takes neither compression, nor a "
+            "gradient_predivide_factor, nor op=Adasum (the pool holds the gradients as they are reduced)"
+        )
     comm = comm_of(process_set, "DistributedOptimizer")
     if op == Adasum:
         return _adasum(optimizer, named_parameters, compression, comm, sparse, predivide)
@@ -265,8 +281,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     momentum_in_csc = sparse is not None and isinstance(optimizer, torch.optim.SGD)
     try:
         distributed._gflow_init(
-            names, compression, bpps, op, predivide, threshold_bytes, sparse, momentum_in_csc, sparse_as_dense
-        )
+            names, compression, bpps, op, predivide, threshold_bytes, sparse, momentum_in_csc,
+            sparse_as_dense=sparse_as_dense, bucket_view=gradient_as_bucket_view,
+        )  # fmt: skip
     except Exception:
         if momentum_moved is not None:  # leave the user's optimizer as it was
             for group, m in zip(optimizer.param_groups, momentum_moved, strict=True):
