@@ -89,7 +89,8 @@ HVD_WRAPPER = os.path.join(HERE, "horovod_wrapper.py")
 # model -> (input side, batch per rank)
 INPUTS = {"resnet18": (128, 8), "alexnet": (224, 4)}
 CONTENDERS = [
-    "plain", "DDP gloo", "DDP gloo + fp16 hook", "gflow dense", "gflow dense views", "gflow fp16", "gflow CSC 1%"
+    "plain", "DDP gloo", "DDP gloo + fp16 hook", "gflow dense", "gflow dense views", "gflow fp16",
+    "gflow CSC 1%",
 ]  # fmt: skip
 GFLOW = [c for c in CONTENDERS if c.startswith("gflow")]
 PEER = {
