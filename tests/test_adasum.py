@@ -230,3 +230,32 @@ def test_adasum_optimizer_no_sync_accumulates_and_refuses_a_step_inside():
         opt.step()
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel([2])
+def test_adasum_optimizer_with_grad_scaler_and_a_rank_without_gradients_steps_everywhere():
+    """A rank whose loss does not reach the model has no gradient for GradScaler to check: it still takes
+    part in the step (its update is zero), where it used to fail alone and leave the other waiting."""
+
+    def check():
+        hvd.init()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), op=hvd.Adasum
+        )
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step in range(2):
+            opt.zero_grad()
+            if step == 1 and WORLD.rank == 1:
+                loss = torch.ones((), requires_grad=True) * 2.0
+            else:
+                loss = model(torch.ones(3, 4)).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            weights = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+            blobs = WORLD.allgather(weights.tobytes())
+            assert all(b == blobs[0] for b in blobs), f"replicas differ after step {step}"
+
+    on_all_ranks(check)

@@ -162,6 +162,10 @@ def test_on_a_sub_communicator_the_first_line_gives_world_ranks_too():
             r"rank 0 \(world rank 1\) passed 5, rank (\d+) \(world rank (\d+)\) passed 6", first
         )
         assert found and int(found[2]) == int(found[1]) + 1, first
+        with pytest.raises(gflow.MismatchError) as info:  # a root is shown with its world rank too
+            gflow.broadcast(np.ones(3), root=0 if sub.rank == 0 else 1, comm=sub)
+        assert "root=0 (world rank 1)" in str(info.value).split("\n")[0], str(info.value)
+        assert "root=1 (world rank 2)" in str(info.value).split("\n")[0], str(info.value)
         sub.Free()
 
 

@@ -710,3 +710,20 @@ def test_gradient_as_bucket_view_refuses_what_its_pool_cannot_hold():
         hvd.DistributedOptimizer(
             torch.optim.SGD(model.half().parameters(), lr=0.1), gradient_as_bucket_view=True
         )
+
+
+@pytest.mark.parallel([2])
+def test_sparse_gradients_without_named_parameters():
+    def check():
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(8, 2, sparse=True)
+        opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.01))
+        opt.zero_grad()
+        emb(torch.tensor([WORLD.rank, 5])).sum().backward()
+        expected = WORLD.allreduce(emb.weight.grad.to_dense().numpy()) / WORLD.size
+        opt.step()
+        assert emb.weight.grad.layout == torch.sparse_coo
+        np.testing.assert_allclose(emb.weight.grad.to_dense().numpy(), expected, rtol=1e-6)
+        assert_same_on_all_ranks(emb.weight.detach().numpy())
+
+    on_all_ranks(check)

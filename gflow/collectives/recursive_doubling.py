@@ -353,7 +353,7 @@ def _mismatch_message(header, world=lambda ranks: "") -> str:
         who = "a peer" if rank_b < 0 else f"rank {rank_b}"
         second = f"{who} sent a message this protocol does not accept (other gflow settings or version?)"
         return f"ranks disagree: {first}; {second}"
-    what, said_a, said_b = difference(sig_a, sig_b)
+    what, said_a, said_b = difference(sig_a, sig_b, world)
     headline = (
         f"ranks disagree on {what}: rank {rank_a}{world([rank_a])} {said_a}, "
         f"rank {rank_b}{world([rank_b])} {said_b}"

@@ -319,7 +319,10 @@ def context(comm=None) -> CommContext:
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm: expected an mpi4py MPI.Intracomm, got {type(comm).__name__}")
     if comm == MPI.COMM_NULL:
-        raise ValueError("comm: got MPI.COMM_NULL")
+        raise ValueError(
+            "comm: got MPI.COMM_NULL (a freed communicator: in gflow.torch, that of a process set "
+            "removed by hvd.remove_process_set, which an optimizer or a call still uses?)"
+        )
     if _keyval is None:
         _keyval = MPI.Comm.Create_keyval(delete_fn=_delete_context)
     ctx = comm.Get_attr(_keyval)

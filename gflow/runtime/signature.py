@@ -181,19 +181,24 @@ def describe(sig) -> str:
 
 
 _EXTRA_MEANS = {
-    "allreduce": "the shape (with the same number of elements), or in gflow.torch the op or scale factors",
-    "allgather": "the trailing axes (or, in gflow.torch, the dtype)",
-    "alltoall": "the trailing axes (or, in gflow.torch, the dtype)",
-    "reduce_scatter": "the shape",
-    "broadcast": "the shape (with the same number of elements)",
+    "allreduce": "the shape (with the same number of elements), or in gflow.torch the op, scale factors "
+    "or name=",
+    "allgather": "the trailing axes (or, in gflow.torch, the dtype or name=)",
+    "alltoall": "the trailing axes (or, in gflow.torch, the dtype or name=)",
+    "reduce_scatter": "the shape (or, in gflow.torch, the op, scale factors or name=)",
+    "broadcast": "the shape (with the same number of elements), or in gflow.torch the dtype or name=",
     "lazy": "the tensors pushed so far (their order or sizes), the fusion threshold, or its tuning",
     "sparse": "the gradient size or the CSC settings",
 }
 
 
-def difference(sig_a, sig_b) -> tuple:
+_AS_WORDS = ("allgather", "broadcast", "alltoall")  # (gflow.torch moves other dtypes as int32 words)
+
+
+def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
     """What two ranks' signatures first disagree on, as (what, rank A's value, rank B's value) in
-    words: the line a person reads first in a MismatchError (describe() gives the details)."""
+    words: the line a person reads first in a MismatchError (describe() gives the details); `world`
+    adds the world rank of a root on another communicator."""
     a, b = [int(v) for v in sig_a], [int(v) for v in sig_b]
     collective = CODE_COLLECTIVE.get(a[0], f"<collective {a[0]}>")
     if a[7] == SIG_REJECTED or b[7] == SIG_REJECTED:
@@ -203,9 +208,13 @@ def difference(sig_a, sig_b) -> tuple:
     if a[6] != b[6]:
         return "where the array lives", *(f"passed a {CODE_MEMORY.get(s[6], '?')} array" for s in (a, b))
     if a[3] != b[3]:
-        return "the dtype", *(f"passed {getattr(CODE_DTYPE.get(s[3]), 'name', '?')}" for s in (a, b))
+        words = " (or a dtype gflow.torch moves as int32 words)" if collective in _AS_WORDS else ""
+        names = [getattr(CODE_DTYPE.get(s[3]), "name", "?") for s in (a, b)]
+        return "the dtype", *(f"passed {n}{words if n == 'int32' else ''}" for n in names)
     if a[2] != b[2]:
-        unit = "elements per row" if collective in ("allgather", "alltoall") else "elements"
+        unit = {"allgather": "elements per row", "alltoall": "elements per row"}.get(collective, "elements")
+        if collective == "lazy":
+            unit = "elements in a fused segment (a different model, or fusion threshold)"
         return f"the number of {unit}", *(f"passed {s[2]}" for s in (a, b))
     if a[4] != b[4]:
         return "the op", *(f"op={CODE_OP.get(s[4], '?')}" for s in (a, b))
@@ -214,6 +223,6 @@ def difference(sig_a, sig_b) -> tuple:
     if a[1] != b[1]:
         return "gflow.config's settings for the algorithm", "has one checksum of them", "another"
     if collective == "broadcast" and a[5] & 0xFFFFFFFF != b[5] & 0xFFFFFFFF:
-        return "the root", *(f"root={s[5] & 0xFFFFFFFF}" for s in (a, b))
+        return "the root", *(f"root={s[5] & 0xFFFFFFFF}{world([s[5] & 0xFFFFFFFF])}" for s in (a, b))
     means = _EXTRA_MEANS.get(collective, "the call's extra field")
     return means, "passed one", "another"

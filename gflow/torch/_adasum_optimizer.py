@@ -44,6 +44,8 @@ class _AdasumStep:
         devices if any rank found one, so every rank skips the step, or none does."""
         mine = sum(float(v.item()) for v in found_inf_per_device.values())
         anywhere = allreduce(torch.tensor([mine], dtype=torch.float64), op=Max, name="GradScaler found_inf")
+        if not found_inf_per_device:  # no gradient on this rank: its step() still takes part
+            found_inf_per_device[torch.device("cpu")] = torch.zeros((), dtype=torch.float32)
         for v in found_inf_per_device.values():
             v.fill_(1.0 if anywhere.item() > 0 else 0.0)
 

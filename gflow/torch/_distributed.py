@@ -399,9 +399,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     p.shape,
                     check_invariants=True,
                 )
-            p.grad = sparse_allreduce_on(
-                grad, self._gflow_comm, self.op, "DistributedOptimizer", self._gflow_keys[index]
-            )
+            name = str(self._gflow_keys[index])  # (a position when no names were given)
+            p.grad = sparse_allreduce_on(grad, self._gflow_comm, self.op, "DistributedOptimizer", name)
 
     def _changed_message(self, changed: list, changed_on) -> str:
         which = [i for i in range(len(changed_on)) if changed_on[i]]
