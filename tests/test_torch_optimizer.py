@@ -727,3 +727,13 @@ def test_sparse_gradients_without_named_parameters():
         assert_same_on_all_ranks(emb.weight.detach().numpy())
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel([1])
+def test_parameter_names_are_horovods():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+    unnamed = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    assert list(unnamed._parameter_names.values()) == [f"allreduce.noname.{i}" for i in range(4)]
+    named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    assert list(named._parameter_names.values()) == ["0.weight", "0.bias", "1.weight", "1.bias"]

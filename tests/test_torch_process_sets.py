@@ -252,3 +252,35 @@ def test_a_set_one_rank_alone_refuses_fails_on_every_rank():
         assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == WORLD.size
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
+def test_an_optimizer_outside_its_set_steps_on_its_own_gradients():
+    """Horovod's rule: DistributedOptimizer(process_set=even) on an odd rank reduces nothing and steps on
+    the rank's own gradients (the synchronize/skip_synchronize/no_sync calls of a trainer still work)."""
+
+    def check():
+        even, odd, mine = sets_by_parity()
+        try:
+            torch.manual_seed(WORLD.rank)
+            model = torch.nn.Linear(3, 1).double()
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), process_set=even
+            )
+            start = model.weight.detach().clone()
+            model(torch.ones(2, 3, dtype=torch.float64)).sum().backward()
+            local = model.weight.grad.clone()
+            averaged = members_rows(local, even.ranks).mean(0)  # (every rank: an allgather of MPI's)
+            opt.step()
+            if WORLD.rank % 2 == 1:
+                torch.testing.assert_close(model.weight.detach(), start - 0.1 * local, rtol=0, atol=0)
+                opt.synchronize()
+                with opt.skip_synchronize(), opt.no_sync():
+                    pass
+            else:
+                np.testing.assert_allclose(model.weight.detach().numpy(), (start.numpy() - 0.1 * averaged))
+        finally:
+            hvd.remove_process_set(even)
+            hvd.remove_process_set(odd)
+
+    on_all_ranks(check)

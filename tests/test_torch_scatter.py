@@ -158,7 +158,25 @@ def test_errors_on_the_rank_that_erred_and_mismatch_on_the_others():
             ("splits sum", lambda: hvd.alltoall(torch.ones(p - 1), [1] * p), ValueError, "sum"),
             ("uneven", lambda: hvd.alltoall(torch.ones(p + 1)), ValueError, "divide evenly"),
             ("0-d", lambda: hvd.alltoall(torch.tensor(1.0)), ValueError, "dimension"),
-            ("rs op", lambda: hvd.reducescatter(torch.ones(p), op=hvd.Max), ValueError, "Average or hvd.Sum"),
+            # (an op reducescatter lacks: NotImplementedError, a RuntimeError, as Horovod's error for Adasum)
+            (
+                "rs op",
+                lambda: hvd.reducescatter(torch.ones(p), op=hvd.Max),
+                NotImplementedError,
+                "Average or",
+            ),
+            (
+                "rs adasum",
+                lambda: hvd.reducescatter(torch.ones(p), op=hvd.Adasum),
+                RuntimeError,
+                "Average or",
+            ),
+            (
+                "rs bad op",
+                lambda: hvd.reducescatter(torch.ones(p), op="max"),
+                ValueError,
+                "Average or hvd.Sum",
+            ),
             ("rs dtype", lambda: hvd.reducescatter(torch.ones(p, dtype=torch.complex64)), TypeError, "dtype"),
             ("rs async", lambda: hvd.synchronize(hvd.reducescatter_async("x")), TypeError, "torch.Tensor"),
         ]

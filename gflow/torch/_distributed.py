@@ -73,6 +73,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._gflow_build(self._gflow_reduced_params())
         self._gflow_reset_step()
 
+    @property
+    def _parameter_names(self) -> dict:
+        """Horovod's {parameter: name}: named_parameters' names, else "allreduce.noname.<i>" in the
+        param groups' order (alike on every rank)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if self._gflow_names is not None:
+            return {p: self._gflow_names.get(p, f"allreduce.noname.{i}") for i, p in enumerate(params)}
+        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
+
     def _gflow_reduced_params(self) -> list:
         """The parameters to reduce now: those of the param groups that require grad, each once, in
         named_parameters' order (the model's: reductions overlap backward best), then the others in

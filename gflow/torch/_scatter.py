@@ -148,7 +148,12 @@ class _ReducescatterPlan:
             raise ValueError(f"{where}: tensor must have at least one dimension, got a 0-d tensor")
         if isinstance(op, bool) or op not in (Average, Sum):
             name_of = _basics.OP_NAMES.get(op, repr(op)) if not isinstance(op, bool) else repr(op)
-            raise ValueError(f"{where}: op must be hvd.Average or hvd.Sum, got {name_of}")
+            # (a known op reducescatter lacks is NotImplementedError, a RuntimeError, as Horovod's
+            # error for Adasum is; anything else is not an op at all)
+            known = not isinstance(op, bool) and op in _basics.OP_NAMES
+            raise (NotImplementedError if known else ValueError)(
+                f"{where}: op must be hvd.Average or hvd.Sum, got {name_of}"
+            )
         prescale = check_factor(prescale, where, "prescale_factor")
         postscale = check_factor(postscale, where, "postscale_factor")
         floating = tensor.dtype.is_floating_point

@@ -8,6 +8,7 @@ by step()) ends the step: every gradient is then the average (or sum) over the r
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -16,7 +17,42 @@ from ._adasum_optimizer import adasum_optimizer
 from ._basics import Adasum, Average, Sum
 from ._distributed import _DistributedOptimizer, check_passes
 from .compression import Compression, wire_compression
-from .process_sets import comm_of
+from .process_sets import NotInSet, comm_of
+
+
+class _LocalStep:
+    """A DistributedOptimizer on a rank outside its process set (Horovod's): the wrapped optimizer's
+    own step, with the methods programs call on a DistributedOptimizer doing nothing."""
+
+    _gflow_wrapped = False
+
+    def synchronize(self) -> None:
+        """Nothing to reduce on a rank outside the optimizer's process set."""
+
+    @contextmanager
+    def skip_synchronize(self):
+        yield
+
+    @contextmanager
+    def no_sync(self):
+        yield
+
+
+def local_optimizer(optimizer):
+    """The optimizer as an instance of a subclass of its class with _LocalStep's methods, sharing its
+    state."""
+    cls = type(optimizer)
+    local = _local_classes.get(cls)
+    if local is None:
+        local = type(cls.__name__, (_LocalStep, cls), {"__module__": cls.__module__})
+        local.__qualname__ = cls.__qualname__
+        _local_classes[cls] = local
+    wrapped = local.__new__(local)
+    wrapped.__dict__.update(optimizer.__dict__)
+    return wrapped
+
+
+_local_classes: dict = {}
 
 
 def _patch_grad_scaler() -> None:
@@ -258,7 +294,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             "DistributedOptimizer: gradient_as_bucket_view=True takes neither compression, nor a "
             "gradient_predivide_factor, nor op=Adasum (the pool holds the gradients as they are reduced)"
         )
-    comm = comm_of(process_set, "DistributedOptimizer")
+    try:
+        comm = comm_of(process_set, "DistributedOptimizer")
+    except NotInSet:  # as Horovod: outside its set, the optimizer steps on this rank's own gradients
+        return local_optimizer(optimizer)
     if op == Adasum:
         return _adasum(optimizer, named_parameters, compression, comm, sparse, predivide)
     wire_compression(compression, "DistributedOptimizer")
