@@ -737,3 +737,28 @@ def test_parameter_names_are_horovods():
     assert list(unnamed._parameter_names.values()) == [f"allreduce.noname.{i}" for i in range(4)]
     named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     assert list(named._parameter_names.values()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+@pytest.mark.parallel([1, 2])
+def test_sparse_as_dense_reduces_dense_and_hands_back_a_sparse_gradient():
+    """Horovod's sparse_as_dense=True: reduced as a dense tensor, made sparse again for the optimizer (so
+    SparseAdam still steps); its dense form is MPI's average of the ranks' gradients."""
+
+    def check():
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(emb.parameters()), lr=0.1), sparse_as_dense=True
+        )
+        for _ in range(2):
+            opt.zero_grad()
+            emb(torch.tensor([[1, 2, 4], [4, 3 + WORLD.rank, 9]])).sum().backward()
+            expected = WORLD.allreduce(emb.weight.grad.to_dense().numpy()) / WORLD.size
+            opt.synchronize()
+            assert emb.weight.grad.layout == torch.sparse_coo
+            np.testing.assert_allclose(emb.weight.grad.to_dense().numpy(), expected, rtol=1e-6)
+            with opt.skip_synchronize():
+                opt.step()
+            assert_same_on_all_ranks(emb.weight.detach().numpy())
+
+    on_all_ranks(check)

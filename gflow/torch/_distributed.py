@@ -186,6 +186,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._pushed = [None] * n
         # per parameter with a sparse gradient (sparse_as_dense=False): (p.grad then, its version then)
         self._sparse_pushed: dict = {}
+        self._densified: set = set()  # (sparse_as_dense) parameters whose sparse gradient went dense
         self._touched = False  # a step began (a hook fired, or synchronize() began it)
 
     def _gflow_begin_step(self) -> None:
@@ -242,6 +243,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 return
             grad = grad.to_dense()
             p.grad = grad
+            self._densified.add(index)  # made sparse again once reduced, as Horovod's
         if self._views:
             view = self._views[index]
             if grad is not view:  # (autograd's own tensor, after zero_grad() set None): copied once
@@ -461,6 +463,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 work = work * self.gradient_predivide_factor
             if work is not p.grad:
                 p.grad.copy_(work)
+            if index in self._densified:
+                p.grad = p.grad.to_sparse()
         if overflow is not None:
             self._overflow = overflow
 
