@@ -762,3 +762,42 @@ def test_sparse_as_dense_reduces_dense_and_hands_back_a_sparse_gradient():
             assert_same_on_all_ranks(emb.weight.detach().numpy())
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
+def test_gradient_as_bucket_view_takes_a_checkpoint_of_another_parameter_set_loaded_on_rank_0_only():
+    """Horovod's resume recipe (load on rank 0, broadcast_optimizer_state) with a checkpoint saved while a
+    layer was frozen: rank 0 rebuilds its pool alone (in private memory), where it used to make the
+    pool's collective alone and fail every rank."""
+    rng = np.random.default_rng([46, WORLD.rank])
+
+    def run(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            x = torch.from_numpy(rng.standard_normal((4, 5)))
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    def check():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 2)).double()
+
+        def wrap(m):
+            sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            return hvd.DistributedOptimizer(sgd, m.named_parameters(), gradient_as_bucket_view=True)
+
+        opt = wrap(model)
+        model[0].requires_grad_(False)
+        run(model, opt, 2)
+        saved = opt.state_dict()
+        resumed = copy.deepcopy(model)
+        resumed[0].requires_grad_(True)
+        opt2 = wrap(resumed)
+        if WORLD.rank == 0:
+            opt2.load_state_dict(saved)
+        hvd.broadcast_optimizer_state(opt2, root_rank=0)
+        resumed[0].requires_grad_(False)
+        run(resumed, opt2, 2)
+        assert_same_on_all_ranks(np.concatenate([p.detach().numpy().ravel() for p in resumed.parameters()]))
+
+    on_all_ranks(check)

@@ -131,7 +131,9 @@ class PooledGradients:
     """LazyAllreduce.gradient_buffers() (a mixin of LazyAllreduce, lazy.py; self._pool is its
     GradientPool)."""
 
-    def gradient_buffers(self, shapes, dtype=np.float32, *, reduce_in_place: bool = False) -> list:
+    def gradient_buffers(
+        self, shapes, dtype=np.float32, *, reduce_in_place: bool = False, private=False
+    ) -> list:
         """Host arrays for gradients, carved out of the fusion pool (DDP's gradient_as_bucket_view).
 
         Give the shapes in the order the gradients will be pushed. Writing each gradient into its
@@ -156,6 +158,9 @@ class PooledGradients:
         Called while this rank has a step in flight, it abandons that step (as a failed one: the
         pushed arrays keep their values) and raises RuntimeError; the other ranks' call raises
         MismatchError.
+
+        private=True: the pool is in this rank's private memory, and the call is not collective (for
+        a caller that may rebuild its pool on one rank alone; the node phase copies it in).
         """
         if self._in_step():
             self._fail_step(RuntimeError("gradient_buffers: a step was in flight (pushed, not flushed)"))
@@ -174,8 +179,8 @@ class PooledGradients:
             check_op(self.op, dtype)
             shapes = check_shapes(shapes, dtype)
         except Exception as exc:
-            if not self._alone():  # the peers are about to allocate with this rank: they must fail too
+            if not (self._alone() or private):  # the peers are about to allocate with this rank
                 rejected_in_background(context(self._comm), "gradient_buffers", exc).wait()  # raises exc
             raise
-        memory = pool_memory(None if self._alone() else context(self._comm), shapes, dtype)
+        memory = pool_memory(None if self._alone() or private else context(self._comm), shapes, dtype)
         return self._pool.carve(memory, shapes, dtype, reduce_in_place)

@@ -229,7 +229,7 @@ class DataParallel:
         """What to multiply the loss by before backward (1.0 without a loss scaler)."""
         return 1.0 if self._scaler is None else self._scaler.scale
 
-    def gradient_buffers(self):
+    def gradient_buffers(self, *, private: bool = False):
         """Arrays for the gradients, keyed as params (a dict or a list): write each gradient into
         its array and push(key) it.
 
@@ -237,7 +237,8 @@ class DataParallel:
         holds float16), they are views of LazyAllreduce's fusion pool, so pushing costs no copy;
         otherwise new arrays of each parameter's kind. The same arrays on every call, zeroed on the
         first. After synchronize() they hold the reduced gradients. The first call is collective
-        when it carves the pool (LazyAllreduce.gradient_buffers): every rank calls it then.
+        when it carves the pool (LazyAllreduce.gradient_buffers): every rank calls it then, unless
+        private=True (the pool in this rank's private memory).
         """
         if self._buffers is None:
             lazy = self._lazy
@@ -248,7 +249,7 @@ class DataParallel:
                 and not (lazy.compression and not lazy.sparse)
             )
             if pool:
-                buffers = lazy.gradient_buffers(self._slot_shapes, dtypes.pop())
+                buffers = lazy.gradient_buffers(self._slot_shapes, dtypes.pop(), private=private)
                 for b in buffers:
                     b[...] = 0
             else:
