@@ -24,10 +24,8 @@ from contextlib import contextmanager
 import torch
 
 from ._allreduce import allreduce
-from ._basics import Adasum, Max
+from ._basics import Adasum, Max, with_methods
 from ._grouped import grouped_allreduce_
-
-_classes: dict = {}
 
 
 class _AdasumStep:
@@ -100,13 +98,6 @@ class _AdasumStep:
 
 def adasum_optimizer(optimizer, compression, names):
     """The optimizer's Adasum form: an instance of a subclass of its class, sharing its state."""
-    cls = type(optimizer)
-    adasum_class = _classes.get(cls)
-    if adasum_class is None:
-        adasum_class = type(cls.__name__, (_AdasumStep, cls), {"__module__": cls.__module__})
-        adasum_class.__qualname__ = cls.__qualname__
-        _classes[cls] = adasum_class
-    wrapped = adasum_class.__new__(adasum_class)
-    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped = with_methods(_AdasumStep, optimizer)
     wrapped._gflow_adasum_init(compression, names)
     return wrapped

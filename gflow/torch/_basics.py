@@ -40,7 +40,27 @@ class HorovodInternalError(RuntimeError):
     catch them."""
 
 
-_horovod_classes: dict = {}
+_derived_classes: dict = {}
+
+
+def derived_class(bases: tuple, like: type) -> type:
+    """The class deriving from `bases`, named as `like` (so reprs and messages show the user's own
+    class's name), made once per bases."""
+    derived = _derived_classes.get(bases)
+    if derived is None:
+        derived = type(like.__name__, bases, {"__module__": like.__module__})
+        derived.__qualname__ = like.__qualname__
+        _derived_classes[bases] = derived
+    return derived
+
+
+def with_methods(mixin: type, optimizer):
+    """The optimizer as an instance of a subclass of its class with `mixin`'s methods first, sharing
+    its attributes (param groups, state): how DistributedOptimizer wraps an optimizer."""
+    cls = derived_class((mixin, type(optimizer)), type(optimizer))
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    return wrapped
 
 
 def as_horovod_error(exc: BaseException) -> BaseException:
@@ -49,12 +69,7 @@ def as_horovod_error(exc: BaseException) -> BaseException:
     if not isinstance(exc, GflowError) or isinstance(exc, HorovodInternalError):
         return exc
     cls = type(exc)
-    both = _horovod_classes.get(cls)
-    if both is None:
-        both = type(cls.__name__, (cls, HorovodInternalError), {"__module__": cls.__module__})
-        both.__qualname__ = cls.__qualname__
-        _horovod_classes[cls] = both
-    new = both(*exc.args)
+    new = derived_class((cls, HorovodInternalError), cls)(*exc.args)
     new.__traceback__ = exc.__traceback__
     return new
 

@@ -129,8 +129,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     )
             probes.append(probe)
             probe_ctx.append(ctx)
+        self._dp = self._new_kit(keys, probes)
+        self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, probe_ctx
+        self._index_of = {p: i for i, p in enumerate(params)}
+        self._gflow_hook(params)
+
+    def _new_kit(self, keys: list, probes: list) -> DataParallel:
+        """The data-parallel kit reducing arrays like `probes` (each parameter's, keyed as `keys`)."""
         kit_params = dict(zip(keys, probes, strict=True)) if isinstance(keys[0], str) else probes
-        self._dp = DataParallel(
+        return DataParallel(
             kit_params,
             op="mean" if self.op == Average else "sum",
             threshold_bytes=self._threshold_arg,
@@ -138,9 +145,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             sparse=self._sparse_settings,
             comm=self._gflow_comm,
         )
-        self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, probe_ctx
-        self._index_of = {p: i for i, p in enumerate(params)}
-        self._gflow_hook(params)
 
     def _gflow_build_views(self, params: list, keys: list) -> None:
         """gradient_as_bucket_view: the kit's gradients are views of its fusion pool (DataParallel's
@@ -159,14 +163,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 f"{sorted({(p.device.type, str(p.dtype)) for p in params})}"
             )
         probes = [np.zeros(tuple(p.shape), _VIEW_DTYPES[p.dtype]) for p in params]
-        kit_params = dict(zip(keys, probes, strict=True)) if isinstance(keys[0], str) else probes
-        self._dp = DataParallel(
-            kit_params,
-            op="mean" if self.op == Average else "sum",
-            threshold_bytes=self._threshold_arg,
-            sparse=self._sparse_settings,
-            comm=self._gflow_comm,
-        )
+        self._dp = self._new_kit(keys, probes)
         # At construction every rank builds its kit together, so the pool may be in the node's shared
         # memory (a collective); a later rebuild may be one rank's alone (a checkpoint loaded on rank
         # 0 only), so its pool is private.

@@ -14,7 +14,7 @@ import torch
 
 from . import _basics, _settings
 from ._adasum_optimizer import adasum_optimizer
-from ._basics import Adasum, Average, Sum
+from ._basics import Adasum, Average, Sum, with_methods
 from ._distributed import _DistributedOptimizer, check_passes
 from .compression import Compression, wire_compression
 from .process_sets import NotInSet, comm_of
@@ -36,23 +36,6 @@ class _LocalStep:
     @contextmanager
     def no_sync(self):
         yield
-
-
-def local_optimizer(optimizer):
-    """The optimizer as an instance of a subclass of its class with _LocalStep's methods, sharing its
-    state."""
-    cls = type(optimizer)
-    local = _local_classes.get(cls)
-    if local is None:
-        local = type(cls.__name__, (_LocalStep, cls), {"__module__": cls.__module__})
-        local.__qualname__ = cls.__qualname__
-        _local_classes[cls] = local
-    wrapped = local.__new__(local)
-    wrapped.__dict__.update(optimizer.__dict__)
-    return wrapped
-
-
-_local_classes: dict = {}
 
 
 def _patch_grad_scaler() -> None:
@@ -81,18 +64,6 @@ def _patch_grad_scaler() -> None:
 
 
 _patch_grad_scaler()
-
-
-_classes: dict = {}
-
-
-def _distributed_class(cls):
-    distributed = _classes.get(cls)
-    if distributed is None:
-        distributed = type(cls.__name__, (_DistributedOptimizer, cls), {"__module__": cls.__module__})
-        distributed.__qualname__ = cls.__qualname__
-        _classes[cls] = distributed
-    return distributed
 
 
 def _adasum(optimizer, named_parameters, compression, comm, sparse, predivide):
@@ -297,7 +268,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     try:
         comm = comm_of(process_set, "DistributedOptimizer")
     except NotInSet:  # as Horovod: outside its set, the optimizer steps on this rank's own gradients
-        return local_optimizer(optimizer)
+        return with_methods(_LocalStep, optimizer)
     if op == Adasum:
         return _adasum(optimizer, named_parameters, compression, comm, sparse, predivide)
     wire_compression(compression, "DistributedOptimizer")
@@ -308,9 +279,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if threshold_bytes is None:
         threshold_bytes = _settings.fusion_threshold()  # (HOROVOD_FUSION_THRESHOLD, HOROVOD_AUTOTUNE)
     names = _named_parameters(optimizer, named_parameters)
-    cls = _distributed_class(type(optimizer))
-    distributed = cls.__new__(cls)
-    distributed.__dict__.update(optimizer.__dict__)
+    distributed = with_methods(_DistributedOptimizer, optimizer)
     distributed._gflow_comm = comm
     momentum_moved = None
     if sparse is not None:
