@@ -123,6 +123,14 @@ def test_other_collectives_raise_while_a_rank_is_joined_and_the_job_goes_on():
             ):
                 with pytest.raises(gflow.GflowError, match="join"):
                     call()
+            # Ranks that disagree while one is joined: they raise, saying what each passed, and the
+            # joined rank serves on (ranks 1.. are at least two from p = 3).
+            if p > 2:
+                with pytest.raises(gflow.MismatchError) as info:
+                    hvd.allreduce(torch.ones(2, 3) if r == 1 else torch.ones(3, 2), name="m")
+                first = str(info.value).split("\n")[0]
+                assert "rank 1 passed name='m', a tensor of shape (2, 3)" in first, first
+                assert "rank 2 passed name='m', a tensor of shape (3, 2)" in first, first  # (the lowest)
             assert hvd.allreduce(t, op=hvd.Sum).tolist() == [float(p - 1)] * 3  # rank 0 gives zeros
             if r == p - 1:
                 import time

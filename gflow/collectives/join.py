@@ -38,6 +38,7 @@ from .recursive_doubling import (
     SEPARATE_PAYLOAD_BYTES,
     SERVED_WHILE_JOINED,
     _merge,
+    share_what_passed,
 )
 
 
@@ -50,8 +51,11 @@ def serve(ctx: CommContext) -> None:
             return
         ctx.entered += 1  # (the others counted this call: the stall inspector compares counts)
         sig = header[_SIG_A]
-        if header[1] != _OK or int(sig[7]) == SIG_REJECTED:
-            continue  # a mismatch or a rejection: the callers raise
+        if header[1] != _OK:  # the callers raise, saying what each rank passed: this one, nothing
+            share_what_passed(ctx, header, "nothing: it is in join(), out of data")
+            continue
+        if int(sig[7]) == SIG_REJECTED:
+            continue  # the rejecting rank raises its own error, the others a MismatchError
         collective, algorithm = CODE_COLLECTIVE.get(int(sig[0])), CODE_ALGORITHM.get(int(sig[1]) & 0xFF)
         if collective not in SERVED_WHILE_JOINED or algorithm in ("recursive_doubling", "adasum"):
             continue  # (refused by the callers, or complete: its payload travelled in the exchange)

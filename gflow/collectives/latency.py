@@ -80,7 +80,7 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
     ctx.check_usable()
     dst = result.reshape(-1)
     try:
-        recursive_doubling.run(ctx, small.plan, small.sig, x.reshape(-1), dst, small.op)
+        recursive_doubling.run(ctx, small.plan, small.sig, x.reshape(-1), dst, small.op, small.about)
     except MismatchError as exc:
         raise MismatchError(f"{exc}.\nThis rank passed {small.about}") from exc
     if small.mean:

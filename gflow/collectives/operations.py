@@ -17,7 +17,7 @@ from ..runtime import engine, timeline
 from ..runtime.config import config
 from ..runtime.context import CommContext, context
 from ..runtime.signature import rejected_signature, signature
-from . import latency
+from . import latency, recursive_doubling
 from .adasum import adasum, check_adasum
 from .checks import check_allreduce, shape_fingerprint
 from .dispatch import (
@@ -149,10 +149,14 @@ def annotated(call, about):
     """call(), its MismatchError naming what this rank passed (when `about` says)."""
     if about is None:
         return call()
+    before = getattr(recursive_doubling.calling, "about", None)
+    recursive_doubling.calling.about = about  # (shared with the peers after a mismatch)
     try:
         return call()
     except MismatchError as exc:
         raise MismatchError(f"{exc}.\nThis rank passed {about}") from exc
+    finally:
+        recursive_doubling.calling.about = before
 
 
 def allreduce_on(

@@ -27,6 +27,7 @@ The lower-ranked operand always goes first, so every rank computes bitwise the s
 """
 
 import sys
+import threading
 
 import numpy as np
 from mpi4py import MPI
@@ -160,6 +161,12 @@ def plan_for(ctx: CommContext, sig: tuple, capacity: int, src) -> _Plan:
     return plan
 
 
+# What the call this thread is in passed, in words (operations.annotated sets it): after a mismatch
+# the ranks share theirs, so that a MismatchError shows the other rank's call, not a fingerprint.
+calling = threading.local()
+_PASSED_BYTES = 240  # each rank's words are cut there: the exchange has one fixed size
+
+
 def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=None, dst=None, op=None):
     """Check that every rank passed the same `sig`; allreduce the flat host array `src` into `dst`.
 
@@ -173,14 +180,15 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     _exchange(ctx, plan_for(ctx, sig, capacity, src), src, dst, op)
 
 
-def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op) -> None:
+def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, about: str) -> None:
     """allreduce_with_agreement with its plan (made by plan_for for this sig, capacity and src's
-    dtype and size): the latency path's fast lane (collectives/latency.py) keeps it from call to call."""
+    dtype and size): the latency path's fast lane (collectives/latency.py) keeps it from call to call.
+    `about`: what this rank passed, in words (the fast lane sets no thread-local)."""
     stall.entered(ctx, sig)
-    _exchange(ctx, plan, src, dst, op)
+    _exchange(ctx, plan, src, dst, op, about)
 
 
-def _exchange(ctx: CommContext, plan: _Plan, src, dst, op) -> None:
+def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
     send_mv, acc = plan.send_mv, plan.acc
     send_mv[:HEADER_BYTES] = plan.header
     own = acc  # what this rank contributes: src itself until the first combine, where it can be sent as is
@@ -203,8 +211,11 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op) -> None:
         elif step.action == "take":  # the partner's verdict and result, as they are
             send_mv[:HEADER_BYTES] = plan.recv_mv[:HEADER_BYTES]
     if send_mv[_STATE_BYTES] != _OK_BYTES:
-        header = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64)
-        raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx)))
+        header = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64).copy()
+        if about is None:
+            about = getattr(calling, "about", None)
+        passed = share_what_passed(ctx, header, about)
+        raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx), passed))
     if send_mv[_RANK_B_BYTES] != _NONE_BYTES:  # some ranks are in join(): they took part with zeros
         _check_joined(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64))
     if acc is not None and not plan.last_into_dst:
@@ -344,18 +355,46 @@ def _merge(mine, theirs, peer_is_lower: bool) -> None:
     mine[_RANK_A], mine[_SIG_A], mine[_RANK_B], mine[_SIG_B] = record
 
 
-def _mismatch_message(header, world=lambda ranks: "") -> str:
+def _two_calls(header) -> bool:
+    """Whether a MISMATCH header records two gflow calls (else a message from another protocol)."""
+    rank_a, sig_a, rank_b, sig_b = _record(header)
+    return rank_b >= 0 and any(sig_b)
+
+
+def share_what_passed(ctx: CommContext, header, about: str | None) -> list:
+    """Every rank's words for the call it is in ("" where it has none), after a mismatch. Every rank
+    holds the same verdict, so all of them take part (a rank in join() too: collectives/join.py);
+    none does where a peer spoke another protocol, which may not."""
+    if not _two_calls(header):
+        return []
+    mine = np.zeros(_PASSED_BYTES, np.uint8)
+    text = (about or "").encode()[:_PASSED_BYTES]
+    mine[: len(text)] = np.frombuffer(text, np.uint8)
+    everyone = np.empty((ctx.size, _PASSED_BYTES), np.uint8)
+    ctx.waitall([ctx.comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])])
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in everyone]
+
+
+def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
     """One line saying what the two ranks recorded disagree on (their world ranks too, on another
-    communicator), then each one's call in full."""
+    communicator), then each one's call in full; `passed`: each rank's words for its call, where the
+    ranks shared them (share_what_passed)."""
     rank_a, sig_a, rank_b, sig_b = _record(header)
     first = f"rank {rank_a} {describe(sig_a)}"
-    if rank_b < 0 or not any(sig_b):
+    if not _two_calls(header):
         who = "a peer" if rank_b < 0 else f"rank {rank_b}"
         second = f"{who} sent a message this protocol does not accept (other gflow settings or version?)"
         return f"ranks disagree: {first}; {second}"
     what, said_a, said_b = difference(sig_a, sig_b, world)
+    words_a, words_b = (passed[rank_a], passed[rank_b]) if passed else ("", "")
+    if said_b == "another" and words_a and words_b and words_a != words_b:
+        said_a, said_b = f"passed {words_a}", f"passed {words_b}"  # (the signature holds a checksum)
     headline = (
         f"ranks disagree on {what}: rank {rank_a}{world([rank_a])} {said_a}, "
         f"rank {rank_b}{world([rank_b])} {said_b}"
     )
-    return f"{headline}\n  rank {rank_a} {describe(sig_a)};\n  rank {rank_b} {describe(sig_b)}"
+    details = [
+        f"  rank {rank}{world([rank])} {describe(sig)}" + (f"; it passed {words}" if words else "")
+        for rank, sig, words in ((rank_a, sig_a, words_a), (rank_b, sig_b, words_b))
+    ]
+    return "\n".join([headline, details[0] + ";", details[1]])
