@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -31,6 +32,7 @@ ENABLED = os.environ.get("GFLOW_TEST_BATCH", "1") != "0"
 OUTPUT_TAIL = 20000  # characters of a dead batch's output shown with the test it died in
 
 _verdicts = {}  # node id -> (outcome, text), filled by a batch in the parent
+_batch_seconds = []  # (seconds, file, world size, tests): the end of the run lists the slowest
 
 
 def _world_size(item) -> int:
@@ -94,6 +96,7 @@ def _run_batch(first):
         pytest_cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--runxfail", *quiet, *args]
         cmd = ["mpiexec", "-n", str(size), *pytest_cmd]
         budget = sum(_item_budget(it) for it in group) + 60
+        started = time.monotonic()
         try:
             done = subprocess.run(
                 cmd, env=env, cwd=first.config.rootpath, capture_output=True, text=True, timeout=budget
@@ -102,7 +105,18 @@ def _run_batch(first):
         except subprocess.TimeoutExpired as e:
             status = f"killed after {budget:.0f} s"
             output = _text(e.stdout) + _text(e.stderr)
+        _batch_seconds.append((time.monotonic() - started, first.path.name, size, len(group)))
         _judge(group, size, _read_reports(reports), status, output)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest batches: the per-test durations pytest lists leave their time out."""
+    if not _batch_seconds:
+        return
+    total = sum(seconds for seconds, *_ in _batch_seconds)
+    terminalreporter.write_sep("=", f"slowest multi-rank batches ({total:.0f} s in {len(_batch_seconds)})")
+    for seconds, name, size, count in sorted(_batch_seconds, reverse=True)[:15]:
+        terminalreporter.write_line(f"{seconds:7.1f}s  {name} at {size} ranks ({count} tests)")
 
 
 def _text(data) -> str:

@@ -57,6 +57,7 @@ from batching import (  # noqa: E402, F401  (hooks: pytest finds them by name in
     pytest_pyfunc_call,
     pytest_runtest_logreport,
     pytest_runtest_protocol,
+    pytest_terminal_summary,
 )
 from hypothesis import HealthCheck, settings  # noqa: E402
 
