@@ -115,7 +115,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     total = sum(seconds for seconds, *_ in _batch_seconds)
     terminalreporter.write_sep("=", f"slowest multi-rank batches ({total:.0f} s in {len(_batch_seconds)})")
-    for seconds, name, size, count in sorted(_batch_seconds, reverse=True)[:15]:
+    for seconds, name, size, count in sorted(_batch_seconds, reverse=True)[:25]:
         terminalreporter.write_line(f"{seconds:7.1f}s  {name} at {size} ranks ({count} tests)")
 
 
