@@ -698,6 +698,40 @@ def test_gradient_as_bucket_view_reduces_in_the_pool_and_matches_mpi(set_to_none
     on_all_ranks(check)
 
 
+@pytest.mark.parallel([2, 3])
+def test_gradient_as_bucket_view_retried_after_a_refused_step_matches_mpi():
+    """The pool is reduced in place (DDP's way): a step refused on every rank (a gradient changed after
+    backward on one rank) is retried by recomputing the gradients, and then holds MPI's average."""
+    rng = np.random.default_rng([46, WORLD.rank])
+
+    def check():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            gradient_as_bucket_view=True,
+        )
+        x = torch.from_numpy(rng.standard_normal((3, 5)))
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        if WORLD.rank == WORLD.size - 1:
+            model[0].weight.grad.mul_(2.0)  # after its hook pushed it: the step is refused everywhere
+        with pytest.raises(RuntimeError, match="changed"):
+            opt.step()
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        expected = [WORLD.allreduce(p.grad.numpy().copy()) / WORLD.size for p in model.parameters()]
+        opt.synchronize()
+        for p, e in zip(model.parameters(), expected, strict=True):
+            np.testing.assert_allclose(p.grad.numpy(), e, rtol=1e-12, atol=1e-14)
+        with opt.skip_synchronize():
+            opt.step()
+        assert_same_on_all_ranks(np.concatenate([p.detach().numpy().ravel() for p in model.parameters()]))
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([1])
 def test_gradient_as_bucket_view_refuses_what_its_pool_cannot_hold():
     model = torch.nn.Linear(3, 2)

@@ -74,6 +74,9 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             send each fused segment by coarse-grained sparse communication: fusion + fp16 + CSC +
             overlap together. Each segment keeps its own residual from step to step, and the
             pushed arrays receive the sparse update (zeros where nothing was sent).
+        first_segment_bytes: a step's first segment fires at this many bytes instead (when fewer
+            than threshold_bytes), so the wire is busy while backward computes the rest: DDP's
+            first bucket (1 MiB in DataParallel and gflow.torch). None: threshold_bytes.
 
     Attributes:
         threshold_bytes: the threshold in use (with "auto": the candidate being tried, then the one
@@ -91,6 +94,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         compression=None,
         comm=None,
         sparse=None,
+        first_segment_bytes: int | None = None,
     ):
         self._tuner = None
         if isinstance(threshold_bytes, str):
@@ -109,6 +113,14 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             )
         if threshold_bytes < 1:
             raise ValueError(f"threshold_bytes must be >= 1, got {threshold_bytes}")
+        if first_segment_bytes is not None and (
+            isinstance(first_segment_bytes, bool)
+            or not isinstance(first_segment_bytes, (int, np.integer))
+            or first_segment_bytes < 1
+        ):
+            raise ValueError(
+                f"first_segment_bytes: expected None or an int >= 1, got {first_segment_bytes!r:.40}"
+            )
         op = check_op(op, np.dtype(np.float32))
         if compression is not None:
             compression = check_compression(compression, np.dtype(np.float32))
@@ -120,6 +132,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             SparseAllreduce(op=op, compression=compression, comm=comm, **sparse)  # checks the settings
         self.sparse = sparse
         self.threshold_bytes = int(threshold_bytes)
+        self.first_segment_bytes = None if first_segment_bytes is None else int(first_segment_bytes)
         self._checked_dtype = None
         self.op, self.compression, self._comm = op, compression, comm
         self._strategy = self._built_in_strategy()  # how each segment is reduced (strategies.py)
@@ -225,13 +238,16 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._pending_bytes += flat.size * on_wire
         self._step_bytes += flat.size * on_wire
         self._checksum = zlib.crc32(pushed, self._checksum)
-        if self._pending_bytes >= self.threshold_bytes:
+        if self._pending_bytes >= self.threshold_bytes or (
+            not self._fired and self._pending_bytes >= (self.first_segment_bytes or self.threshold_bytes)
+        ):
             self._fire()
 
     def _begin_step(self) -> None:
         """The step's first push: its checksum starts from the threshold (ranks that fuse differently
         must disagree at the first segment), and tuning times the step from here."""
-        where = (self.threshold_bytes, self._tuner is not None, isinstance(self._strategy, Hook))
+        where = (self.threshold_bytes, self.first_segment_bytes or 0, self._tuner is not None,
+                 isinstance(self._strategy, Hook))  # fmt: skip
         if self._tuner is not None:
             where += self._tuner.position()  # ranks elsewhere in the schedule would part ways later
             self._step_started = time.perf_counter()

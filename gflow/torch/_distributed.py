@@ -167,7 +167,10 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         # At construction every rank builds its kit together, so the pool may be in the node's shared
         # memory (a collective); a later rebuild may be one rank's alone (a checkpoint loaded on rank
         # 0 only), so its pool is private.
-        buffers = self._dp.gradient_buffers(private=bool(self._views))
+        # Reduced in place, as DDP's buckets are: no copy back (after a step that raised, the
+        # gradients may hold reduced values: recompute them, as with DDP).
+        in_place = not self._sparse_settings  # (CSC keeps its residuals apart: it may not)
+        buffers = self._dp.gradient_buffers(private=bool(self._views), reduce_in_place=in_place)
         self._views = [torch.from_numpy(buffers[k]) for k in keys]
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, [None] * len(params)
         self._index_of = {p: i for i, p in enumerate(params)}

@@ -219,7 +219,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             backward accumulates into the buffer that is reduced and the reduced gradient needs no
             copy back (with zero_grad(set_to_none=False), no copy at all). CPU parameters of one
             dtype (float32 or float64), no compression, gradient_predivide_factor 1. Do not keep
-            p.grad across steps expecting the local gradient: it holds the reduced one.
+            p.grad across steps expecting the local gradient: it holds the reduced one. The pool is
+            reduced in place, as DDP's buckets are: after a step that raised, p.grad may hold
+            reduced values, so recompute the gradients before retrying (as with DDP).
 
     Returns:
         The distributed optimizer (its class is a subclass of the wrapped optimizer's class).

@@ -44,6 +44,10 @@ from .loss_scaler import LossScaler
 # 1.03x DDP's fp16 hook at 4 MiB, 0.98x at 12.5 MiB, 0.94x at 25 MiB).
 TRAINING_THRESHOLD_BYTES = 25 * 2**20
 TRAINING_THRESHOLD_BYTES_FP16 = 4 * 2**20
+# A step's first segment is DDP's first bucket (1 MiB): the wire starts while backward computes the
+# rest (AlexNet under 1 Gbit/s: its last layer's 16 MB went out 120 ms sooner than with the layer
+# before it, bench/RESULTS.md, "AlexNet against DDP").
+FIRST_SEGMENT_BYTES = 2**20
 
 
 def training_threshold(compression, sparse) -> int:
@@ -196,7 +200,10 @@ class DataParallel:
             )
         if threshold_bytes is None:
             threshold_bytes = training_threshold(compression, sparse)
-        self._lazy = LazyAllreduce(threshold_bytes, op=op, compression=compression, comm=comm, sparse=sparse)
+        self._lazy = LazyAllreduce(
+            threshold_bytes, op=op, compression=compression, comm=comm, sparse=sparse,
+            first_segment_bytes=FIRST_SEGMENT_BYTES,
+        )  # fmt: skip
         self._scaler = loss_scaler
         self._comm = comm
         self._keys = keys
@@ -229,7 +236,7 @@ class DataParallel:
         """What to multiply the loss by before backward (1.0 without a loss scaler)."""
         return 1.0 if self._scaler is None else self._scaler.scale
 
-    def gradient_buffers(self, *, private: bool = False):
+    def gradient_buffers(self, *, private: bool = False, reduce_in_place: bool = False):
         """Arrays for the gradients, keyed as params (a dict or a list): write each gradient into
         its array and push(key) it.
 
@@ -238,7 +245,9 @@ class DataParallel:
         otherwise new arrays of each parameter's kind. The same arrays on every call, zeroed on the
         first. After synchronize() they hold the reduced gradients. The first call is collective
         when it carves the pool (LazyAllreduce.gradient_buffers): every rank calls it then, unless
-        private=True (the pool in this rank's private memory).
+        private=True (the pool in this rank's private memory). reduce_in_place=True: the pool is
+        reduced where it is, saving the copy back (see LazyAllreduce.gradient_buffers: after a step
+        that raised, the arrays may hold reduced values).
         """
         if self._buffers is None:
             lazy = self._lazy
@@ -249,7 +258,9 @@ class DataParallel:
                 and not (lazy.compression and not lazy.sparse)
             )
             if pool:
-                buffers = lazy.gradient_buffers(self._slot_shapes, dtypes.pop(), private=private)
+                buffers = lazy.gradient_buffers(
+                    self._slot_shapes, dtypes.pop(), private=private, reduce_in_place=reduce_in_place
+                )
                 for b in buffers:
                     b[...] = 0
             else:
