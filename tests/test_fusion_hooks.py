@@ -77,6 +77,27 @@ def test_a_hook_reduces_each_segment_as_mpi_does():
             assert state.seen == [0, 1, 2, 0, 1, 2], state.seen
 
 
+@pytest.mark.parallel([1, 3])
+def test_the_first_segment_of_each_step_fires_at_first_segment_bytes():
+    """DDP's first bucket: the step's first segment is cut at first_segment_bytes, the rest at the
+    threshold, every step alike; the results are MPI's."""
+    rng = rank_rng(42)
+    shapes = [(10,), (200,), (30,), (300,), (400,), (5,)]  # float64: 80, 1600, 240, 2400, 3200, 40 bytes
+    lazy = gflow.LazyAllreduce(threshold_bytes=4000, op="sum", comm=WORLD, first_segment_bytes=1000)
+    state = Recorder()
+    lazy.register_hook(state, allreduce_hook)
+    for step in range(2):
+        tensors = [random_array(rng, shape, np.float64) for shape in shapes]
+        expected = [mpi_allreduce(t) for t in tensors]
+        on_all_ranks(lambda: push_all(lazy, tensors), f"step {step}")  # noqa: B023 - called at once
+        for got, want in zip(tensors, expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    cut = [s[2] for s in state.seen]
+    assert cut == [[(10,), (200,)], [(30,), (300,), (400,)], [(5,)]] * 2, cut
+    with pytest.raises(ValueError, match="first_segment_bytes"):
+        gflow.LazyAllreduce(first_segment_bytes=0)
+
+
 def hook_failing(how: str):
     """A hook that goes wrong on the last rank in segment 1, in the way `how` says."""
 

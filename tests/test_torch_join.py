@@ -12,7 +12,7 @@ import gflow
 import gflow.torch as hvd
 
 torch.set_num_threads(1)
-SIZES = [2, 3, 4]
+SIZES = [2, 3]  # (the Horovod example runs at 4)
 
 
 @pytest.fixture(autouse=True)

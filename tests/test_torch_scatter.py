@@ -12,7 +12,7 @@ import gflow
 import gflow.torch as hvd
 
 torch.set_num_threads(1)
-SIZES = [1, 2, 3, 4]
+SIZES = [1, 2, 3]  # (4 ranks: the core collectives test it; the torch layer adds no 4-rank path)
 ANY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int32, torch.uint8, torch.int16, torch.bool)
 REDUCED = (torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.uint8)
 
