@@ -127,16 +127,22 @@ def test_a_first_compile_is_not_taken_for_a_slow_peer(monkeypatch, capsys):
 
 
 def test_a_sleeping_loop_visits_python_within_milliseconds(monkeypatch):
-    # The engine thread sleeps background_poll_us between polls: however long that is, a visit (and
-    # so the check for departed ranks) comes at least every SLEEPING_VISIT_S.
+    # The engine thread sleeps from background_poll_us between polls, longer as a wait lasts: however
+    # long that is, a visit (and so the check for departed ranks) comes within SLEEPING_VISIT_S plus
+    # one pause, which is at most SLEEPING_VISIT_S unless background_poll_us alone is longer.
     assert native.usable(host_ops)  # (Phases reads the compiled loops' layout)
+    from gflow.collectives import native_loops
+
     engine = SimpleNamespace(is_background=True, size=2, rank=0, comm=WORLD)
+    visit_us = native.SLEEPING_VISIT_S * 1e6
     for pause_us in (1, 20, 1000, 20_000):
         monkeypatch.setattr(gflow.config, "background_poll_us", pause_us)
         ints = native.Phases(engine).start(0, [0, 1, 2])
-        polls, sleep_us = ints[10], ints[11]
-        assert sleep_us == pause_us and polls >= 1
-        assert polls * sleep_us <= max(native.SLEEPING_VISIT_S * 1e6, sleep_us), (pause_us, polls)
+        budget_us, sleep_us = ints[10], ints[11]
+        assert sleep_us == pause_us and budget_us == visit_us
+        longest = native_loops.longest_pause(sleep_us, budget_us)
+        assert sleep_us <= longest <= max(visit_us, sleep_us), (pause_us, longest)
+        assert longest == min(native_loops.BACKOFF * sleep_us, max(visit_us, sleep_us)), (pause_us, longest)
     caller = SimpleNamespace(is_background=False, size=2, rank=0, comm=WORLD)
     ints = native.Phases(caller).start(0, [0, 1, 2])
     assert ints[10] == native.POLLS_PER_VISIT and ints[11] == 0  # (yields: no sleep)

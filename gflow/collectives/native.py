@@ -12,10 +12,11 @@ integer operations (float16 and bfloat16 through gflow/arrays/half_kernels.py's 
 bits are the same.
 
 Waits stay watched: the loop polls MPI_Testall, yielding the core between polls as the caller's
-Python wait does (or sleeping, on the background thread), and every POLLS_PER_VISIT polls it returns
-to Python, which looks for departed ranks (the stall inspector's goodbyes), lets signal handlers run
-(Ctrl-C) and calls back in where it left off. The stall inspector's mark says this thread waits on
-its peers for the whole phase.
+Python wait does (or sleeping, on the background thread, for longer the longer a wait lasts), and
+every POLLS_PER_VISIT polls (sleeping: SLEEPING_VISIT_S of sleep) it returns to Python, which looks
+for departed ranks (the stall inspector's goodbyes), lets signal handlers run (Ctrl-C) and calls
+back in where it left off. The stall inspector's mark says this thread waits on its peers for the
+whole phase.
 
 Binding: the MPI functions are resolved by name through llvmlite (add_symbol, with the addresses
 ctypes finds in the library mpi4py loaded), so the compiled code is cached on disk and works for
@@ -110,12 +111,8 @@ class Phases:
         ints[0], ints[1], ints[4], ints[5], ints[8], ints[12], ints[13] = (
             seg, widest, op, half, tag, tag_allgather, mean
         )  # fmt: skip
-        if self.sleeps:
-            pause_us = max(1, config.background_poll_us)
-            ints[10], ints[11] = (
-                max(1, min(POLLS_PER_VISIT, int(SLEEPING_VISIT_S * 1e6) // pause_us)),
-                pause_us,
-            )
+        if self.sleeps:  # (a budget in microseconds slept: native_loops._wait backs off)
+            ints[10], ints[11] = int(SLEEPING_VISIT_S * 1e6), max(1, config.background_poll_us)
         else:
             ints[10], ints[11] = POLLS_PER_VISIT, 0
         ints[self.params : self.params + self.state] = 0

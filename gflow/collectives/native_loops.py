@@ -1,15 +1,14 @@
 """The compiled ring phases of native.py (imported by it once the MPI entry points are registered).
 
-Every integer a phase needs travels in one int64 array, `ints` (native.py's Phases: segment,
-widest chunk, p, rank, op, half, comm, MPI_BYTE, tag, MPI_Request size, polls per visit, sleep in
-us, the allgather's tag and whether to divide by p between the phases; then the state; then the
-chunk bounds), and the requests and statuses in one byte array, `space`: a few arrays type faster
-than a dozen scalars, and the same way on every call. Each phase is a resumable state machine: the
-state holds (step, segment, in flight, phase) so that a visit that has polled POLLS_PER_VISIT times
-without progress can return _PENDING and the next visit goes on from there. `allreduce` runs the
-two phases in one call (one visit from Python instead of two: ring.allreduce's fixed cost). Handles
-and pointers travel as 64-bit integers (see native.py).
-"""
+Every integer a phase needs travels in one int64 array, `ints` (native.py's Phases: segment, widest
+chunk, p, rank, op, half, comm, MPI_BYTE, tag, MPI_Request size, polls per visit (sleeping:
+microseconds slept per visit), sleep in us, the allgather's tag and whether to divide by p between
+the phases; then the state; then the chunk bounds), and the requests and statuses in one byte array,
+`space`: a few arrays type faster than a dozen scalars, and the same way on every call. Each phase
+is a resumable state machine: the state holds (step, segment, in flight, phase) so that a visit that
+has polled POLLS_PER_VISIT times without progress can return _PENDING and the next visit goes on
+from there. `allreduce` runs the two phases in one call (one visit from Python instead of two:
+ring.allreduce's fixed cost). Handles and pointers travel as 64-bit integers (see native.py)."""
 
 import numpy as np
 from numba import njit, types
@@ -80,20 +79,43 @@ def _divide_by(x, d):
     return nothing
 
 
+BACKOFF = 64  # a sleeping wait's pause doubles from sleep_us up to this many times it (see _wait)
+
+
+@njit(inline="always")
+def longest_pause(sleep_us, budget):
+    """The longest pause of a sleeping wait: BACKOFF times the first, but not past the visit's budget
+    (so a visit lasts at most budget plus one pause), unless the first pause alone is longer."""
+    return min(sleep_us * BACKOFF, max(sleep_us, budget))
+
+
 @njit(inline="always")
 def _wait(space, flag, budget, sleep_us):
-    """Poll the two requests up to budget times: 0 done, _PENDING not yet, < 0 an MPI error."""
-    for _ in range(budget):
+    """Poll the two requests: 0 done, _PENDING not yet, < 0 an MPI error. Yielding (sleep_us 0):
+    up to budget polls. Sleeping: until budget microseconds were slept, the pause doubling from
+    sleep_us to BACKOFF times it, so a wait that lasts (a slow link) wakes its core seldom while
+    backward computes, and a short one (shared memory) is polled as often as before."""
+    if sleep_us <= 0:
+        for _ in range(budget):
+            rc = mpi_testall(2, space.ctypes.data, flag.ctypes.data, space.ctypes.data + 16)
+            if rc != 0:
+                return -rc
+            if flag[0] != 0:
+                return 0
+            sched_yield()
+        return _PENDING
+    pause, slept, longest = sleep_us, 0, longest_pause(sleep_us, budget)
+    while True:
         rc = mpi_testall(2, space.ctypes.data, flag.ctypes.data, space.ctypes.data + 16)
         if rc != 0:
             return -rc
         if flag[0] != 0:
             return 0
-        if sleep_us > 0:
-            usleep(sleep_us)
-        else:
-            sched_yield()
-    return _PENDING
+        if slept >= budget:
+            return _PENDING
+        usleep(pause)
+        slept += pause
+        pause = min(pause * 2, longest)
 
 
 @njit(inline="always")

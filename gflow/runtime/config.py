@@ -85,7 +85,8 @@ def latency_path_limit(ranks: int, small_message_bytes: int) -> int:
 # received is still in cache when it is reduced (bench/RESULTS.md).
 DEFAULT_RING_SEGMENT_BYTES = 256 * 1024
 # The background thread sleeps this long between polls of its messages, leaving the core to the
-# computation it overlaps with (bench/fusion.py, bench/RESULTS.md).
+# computation it overlaps with (bench/fusion.py, bench/RESULTS.md); the pause doubles while a wait
+# lasts, up to 64x (a slow link's waits: bench/RESULTS.md, "AlexNet against DDP").
 DEFAULT_BACKGROUND_POLL_US = 20
 # Under algorithm="auto", from these sizes up the hierarchical allreduce replaces the ring: on one node
 # (host arrays: the shared-memory node phase alone), and across nodes (bench/RESULTS.md, "Scale").
@@ -109,8 +110,8 @@ class Config:
             under algorithm="auto"; larger ones take the ring (GFLOW_SMALL_MESSAGE_BYTES).
         ring_segment_bytes: the ring's reduce-scatter pipelines each chunk in pieces of this size
             (GFLOW_RING_SEGMENT_BYTES).
-        background_poll_us: the background thread's pause between polls, in microseconds
-            (GFLOW_BACKGROUND_POLL_US).
+        background_poll_us: the background thread's first pause between polls, in microseconds;
+            it doubles while a wait lasts, up to 64 times this (GFLOW_BACKGROUND_POLL_US).
         ranks_per_node: "" (the nodes are what MPI says share memory), or k (a string or an int):
             consecutive ranks of each communicator form nodes of k, the last one possibly smaller
             (GFLOW_RANKS_PER_NODE). Read when a communicator is first used for a bandwidth-sized
