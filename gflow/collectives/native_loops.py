@@ -15,6 +15,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..arrays.half_kernels import _combine, _from_bf16, _from_half, _to_bf16, _to_half
+from ..runtime.config import BACKGROUND_POLL_BACKOFF
 
 _i32, _i64, _u32 = types.int32, types.int64, types.uint32
 # int MPI_Irecv(void *buf, int count, MPI_Datatype, int source, int tag, MPI_Comm, MPI_Request *)
@@ -79,7 +80,7 @@ def _divide_by(x, d):
     return nothing
 
 
-BACKOFF = 64  # a sleeping wait's pause doubles from sleep_us up to this many times it (see _wait)
+BACKOFF = BACKGROUND_POLL_BACKOFF  # a sleeping wait's pause doubles up to this many times sleep_us
 
 
 @njit(inline="always")

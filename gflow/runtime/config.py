@@ -88,6 +88,7 @@ DEFAULT_RING_SEGMENT_BYTES = 256 * 1024
 # computation it overlaps with (bench/fusion.py, bench/RESULTS.md); the pause doubles while a wait
 # lasts, up to 64x (a slow link's waits: bench/RESULTS.md, "AlexNet against DDP").
 DEFAULT_BACKGROUND_POLL_US = 20
+BACKGROUND_POLL_BACKOFF = 64  # (the pause's doubling stops at this many times the first)
 # Under algorithm="auto", from these sizes up the hierarchical allreduce replaces the ring: on one node
 # (host arrays: the shared-memory node phase alone), and across nodes (bench/RESULTS.md, "Scale").
 DEFAULT_SHARED_MEMORY_MIN_BYTES = 256 * 1024

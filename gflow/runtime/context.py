@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from ..errors import GflowError
 from . import stall, timeline
-from .config import config
+from .config import BACKGROUND_POLL_BACKOFF, config
 
 # Tags inside the private communicator; one per phase, so a protocol bug shows up as a mismatch.
 TAG_AGREE = 11
@@ -62,18 +62,15 @@ def _caller_waitall(requests) -> None:
         pause()
 
 
-BACKOFF = 64  # a background wait's pause doubles up to this many times background_poll_us
-
-
 def _polite_waitall(requests) -> None:
     """Waitall that sleeps between polls. MPI progresses only while polled, but a busy-polling
     background thread would take the core from the computation it is meant to overlap with; socket
     and shared-memory buffers hold far more than what moves in one sleep, so bandwidth is kept. The
-    pause doubles while the wait lasts (up to BACKOFF times background_poll_us): on a slow link the
-    thread wakes seldom, on shared memory as often as before (collectives/native_loops.py alike)."""
+    pause doubles while the wait lasts (up to BACKGROUND_POLL_BACKOFF times background_poll_us): on a
+    slow link the thread wakes seldom, on shared memory as often as before (native_loops.py alike)."""
     test, departures = MPI.Request.Testall, stall.departures
     pause = config.background_poll_us * 1e-6
-    longest = pause * BACKOFF
+    longest = pause * BACKGROUND_POLL_BACKOFF
     while not test(requests):
         if departures:
             stall.check_waiting()
