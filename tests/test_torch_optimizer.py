@@ -641,6 +641,94 @@ def test_sparse_gradients_are_gathered_as_horovods_and_sparse_adam_steps(op):
     on_all_ranks(check)
 
 
+@pytest.mark.parallel(SIZES)
+def test_sparse_gradients_leave_the_fused_buffers_after_the_first_step():
+    """Once the ranks have seen the embedding's gradient sparse, the kit no longer reduces a zero slot
+    for it (its saved names leave it out; a SparseAdam over embeddings alone fuses nothing and saves no
+    gflow state), and every step still matches MPI's float64 average; a SparseAdam checkpoint taken
+    then resumes in a fresh optimizer on the same gradients."""
+    rng = np.random.default_rng([47, WORLD.rank])
+
+    def check():
+        torch.manual_seed(0)
+        model = _Tagger().double()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        torch.manual_seed(1)
+        tagger = _Tagger().double()
+        sparse_opt = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(tagger.embedding.parameters()), lr=0.01),
+            named_parameters=list(tagger.embedding.named_parameters(prefix="embedding")),
+        )
+        for step in range(3):
+            for net, optimizer in ((model, opt), (tagger, sparse_opt)):
+                optimizer.zero_grad()
+                net(torch.from_numpy(rng.integers(0, 12, 5))).backward()
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                expected = [WORLD.allreduce(p.grad.to_dense().numpy()) / WORLD.size for p in params]
+                optimizer.synchronize()
+                for p, e in zip(params, expected, strict=True):
+                    np.testing.assert_allclose(p.grad.to_dense().numpy(), e, rtol=1e-12, atol=1e-15)
+                assert net.embedding.weight.grad.layout == torch.sparse_coo
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            names = [str(n) for n in opt.state_dict()["gflow"]["names"]]
+            assert names == (["embedding.weight"] if step == 0 else []) + ["head.weight", "head.bias"]
+            assert ("gflow" in sparse_opt.state_dict()) == (step == 0)
+        twin = _Tagger().double()
+        twin.load_state_dict(tagger.state_dict())
+        resumed = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(twin.embedding.parameters()), lr=0.01),
+            named_parameters=list(twin.embedding.named_parameters(prefix="embedding")),
+        )
+        saved = io.BytesIO()
+        torch.save(sparse_opt.state_dict(), saved)
+        saved.seek(0)
+        resumed.load_state_dict(torch.load(saved))
+        for net, optimizer in ((tagger, sparse_opt), (twin, resumed)):  # the same gradients: one update
+            optimizer.zero_grad()
+            net(torch.tensor([WORLD.rank % 12, 7])).backward()
+            optimizer.step()
+            assert_same_on_all_ranks(net.embedding.weight.detach().numpy())
+        assert torch.equal(twin.embedding.weight, tagger.embedding.weight)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_dense_gradient_on_the_sparse_path_fails_every_rank_and_the_retry_reduces_it_dense():
+    """A parameter whose gradient was sparse is reduced outside the fused buffers; a dense gradient for
+    it on one rank (its embedding made dense there) then refuses the step on every rank, and the step
+    run again with dense gradients everywhere reduces it densely, as MPI's average."""
+    rng = np.random.default_rng([48, WORLD.rank])
+
+    def check():
+        torch.manual_seed(0)
+        model = _Tagger().double()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        for step in range(2):
+            opt.zero_grad()
+            model.embedding.sparse = not (step == 1 and WORLD.rank == WORLD.size - 1)
+            model(torch.from_numpy(rng.integers(0, 12, 5))).backward()
+            if step == 0:
+                opt.step()
+                continue
+            with pytest.raises(RuntimeError, match="'embedding.weight' is dense .* zero_grad"):
+                opt.step()
+        opt.zero_grad()
+        model.embedding.sparse = False
+        model(torch.from_numpy(rng.integers(0, 12, 5))).backward()
+        expected = [WORLD.allreduce(p.grad.numpy()) / WORLD.size for p in model.parameters()]
+        opt.synchronize()
+        for p, e in zip(model.parameters(), expected, strict=True):
+            assert p.grad.layout == torch.strided
+            np.testing.assert_allclose(p.grad.numpy(), e, rtol=1e-12, atol=1e-15)
+        with opt.skip_synchronize():
+            opt.step()
+        assert_same_on_all_ranks(model.embedding.weight.detach().numpy())
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([2, 3])
 def test_a_gradient_sparse_on_one_rank_and_dense_on_another_fails_every_rank():
     def check():
