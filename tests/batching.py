@@ -1,19 +1,20 @@
-"""Run each test file's multi-rank tests of one world size in a single `mpiexec`, not one per test.
+"""Run the multi-rank tests of one world size, from every test file, in a single `mpiexec`, not one per test.
 
 mpi-pytest starts `mpiexec -n N pytest <one test>` for every multi-rank test. Each start imports pytest,
 NumPy, Numba (and torch) on every rank: 5-12 s on 2 cores, which was most of the suite's half hour. Here,
-when the first test of a (file, world size) group comes up, the parent starts one `mpiexec` for the whole
-group. Every child rank writes a line per test phase to its own report file; the parent then gives each
-test the verdict of all ranks together: passed only if every rank passed, failed with each failing rank's
-report, skipped when every rank skipped (mpi-pytest counted a child's skip as a pass).
+when the first test of a world size comes up, the parent starts one `mpiexec` for every test of that size
+not yet run (with one per file and size, the suite took 23:52 here; with one per size, 12:28). Every
+child rank writes a line per test phase to its own report file; the parent then gives each test the
+verdict of all ranks together: passed only if every rank passed, failed with each failing rank's report,
+skipped when every rank skipped (mpi-pytest counted a child's skip as a pass).
 
 A test that kills its batch (the deadlock watchdog, a crash) fails with the batch's output; the tests
 after it run again in a fresh batch. A batch that crashes or hangs after its last test (at exit:
 MPI_Finalize, atexit handlers) fails its last test. `@pytest.mark.isolated` keeps a test in its own
 `mpiexec` (mpi-pytest's way, judged by the exit status), and GFLOW_TEST_BATCH=0 turns batching off.
 
-The tests of a batch share their processes, as under `mpiexec -n N pytest`: a test must not depend on
-state a fresh process has (a warn-once flag: monkeypatch it; or mark the test isolated).
+The tests of a batch share their processes, as under `mpiexec -n N pytest tests/`: a test must not depend
+on state a fresh process has (a warn-once flag: monkeypatch it; or mark the test isolated).
 """
 
 import json
@@ -32,7 +33,8 @@ ENABLED = os.environ.get("GFLOW_TEST_BATCH", "1") != "0"
 OUTPUT_TAIL = 20000  # characters of a dead batch's output shown with the test it died in
 
 _verdicts = {}  # node id -> (outcome, text), filled by a batch in the parent
-_batch_seconds = []  # (seconds, file, world size, tests): the end of the run lists the slowest
+_batch_seconds = []  # (seconds, files, world size, tests): the end of the run lists the slowest
+_test_seconds = {}  # node id -> its call's seconds in a batch, on its slowest rank
 
 
 def _world_size(item) -> int:
@@ -84,7 +86,7 @@ def _run_batch(first):
     group = [
         it
         for it in items[items.index(first) :]
-        if it.path == first.path and _batched(it) and _world_size(it) == size and it.nodeid not in _verdicts
+        if _batched(it) and _world_size(it) == size and it.nodeid not in _verdicts
     ]
     config = first.config
     args = [str(config.rootpath / it.nodeid) for it in group]
@@ -105,7 +107,9 @@ def _run_batch(first):
         except subprocess.TimeoutExpired as e:
             status = f"killed after {budget:.0f} s"
             output = _text(e.stdout) + _text(e.stderr)
-        _batch_seconds.append((time.monotonic() - started, first.path.name, size, len(group)))
+        files = sorted({it.path.name for it in group})
+        where = files[0] if len(files) == 1 else f"{len(files)} files from {first.path.name}"
+        _batch_seconds.append((time.monotonic() - started, where, size, len(group)))
         _judge(group, size, _read_reports(reports), status, output)
 
 
@@ -117,6 +121,9 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", f"slowest multi-rank batches ({total:.0f} s in {len(_batch_seconds)})")
     for seconds, name, size, count in sorted(_batch_seconds, reverse=True)[:25]:
         terminalreporter.write_line(f"{seconds:7.1f}s  {name} at {size} ranks ({count} tests)")
+    terminalreporter.write_sep("=", "slowest tests inside them (the call, on the slowest rank)")
+    for node, seconds in sorted(_test_seconds.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:7.1f}s  {node}")
 
 
 def _text(data) -> str:
@@ -136,6 +143,9 @@ def _read_reports(folder):
                 except json.JSONDecodeError:  # a rank killed mid-line
                     continue
                 tests.setdefault(entry["id"], {})[entry["when"]] = (entry["outcome"], entry["text"])
+                if entry["when"] == "call":
+                    seconds = max(_test_seconds.get(entry["id"], 0.0), entry.get("seconds", 0.0))
+                    _test_seconds[entry["id"]] = seconds
     return ranks
 
 
@@ -197,5 +207,6 @@ def pytest_runtest_logreport(report):
     else:
         text = ""
     entry = {"id": report.nodeid, "when": report.when, "outcome": report.outcome, "text": text}
+    entry["seconds"] = report.duration
     _report_file.write(json.dumps(entry) + "\n")
     _report_file.flush()

@@ -6,8 +6,8 @@ is missing. A test marked @pytest.mark.parallel([1, 2, 3, 4]) runs once per worl
 mpi-pytest spawns `mpiexec -n N pytest <that test>` and fails the test if any rank fails. Inside those
 children a watchdog (faulthandler) dumps every thread's stack and kills the rank after
 GFLOW_TEST_DEADLINE seconds (default 60), so a deadlock fails its test instead of hanging CI; the
-parent's pytest-timeout is the backstop. The multi-rank tests of one file and world size share one
-`mpiexec` (tests/batching.py).
+parent's pytest-timeout is the backstop. The multi-rank tests of one world size share one `mpiexec`
+(tests/batching.py).
 """
 
 import ctypes
