@@ -119,6 +119,8 @@ def test_sets_that_differ_between_ranks_fail_on_every_rank_and_duplicates_are_re
             hvd.add_process_set(mine)
         with pytest.raises(ValueError, match="not a rank"):
             hvd.add_process_set([0, WORLD.size])
+        with pytest.raises(ValueError, match=r"passed \[0, >= 2\*\*62\], and >= 2\*\*62 is not a rank"):
+            hvd.add_process_set([0, 10**30])  # (past int64: the message says so, not a clamped number)
         with pytest.raises(ValueError, match="registered already"):
             hvd.add_process_set(list(range(WORLD.size)))  # the global set's ranks
         pair = hvd.add_process_set([1, 0]) if WORLD.size > 2 else None

@@ -142,13 +142,22 @@ def _passed(row, size: int, whose: str) -> str:
     count, _, problem, value, nshown = row[:5]
     if problem == 1:
         return "something that is not a list of ints (a list of ranks was expected)"
-    listed = ", ".join(map(str, row[5 : 5 + nshown])) + (f", ... ({count} in all)" if count > nshown else "")
+    listed = ", ".join(map(_shown_rank, row[5 : 5 + nshown])) + (
+        f", ... ({count} in all)" if count > nshown else ""
+    )
     why = {
-        2: f", and {value} is not a rank of {whose} ({size} ranks)",
+        2: f", and {_shown_rank(value)} is not a rank of {whose} ({size} rank{'s' if size != 1 else ''})",
         3: f", which names rank {value} twice",
         4: ", which is empty",
     }
     return f"[{listed}]{why.get(problem, '')}"
+
+
+def _shown_rank(value) -> str:
+    """A rank as gathered: past +-2**62 the rows hold the bound (int64), so say so."""
+    if abs(int(value)) < 2**62:
+        return str(int(value))
+    return ">= 2**62" if value > 0 else "<= -2**62"
 
 
 def forget_comm() -> None:
