@@ -70,10 +70,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._overflow = None
         self._touched = False
         self._no_sync = False  # inside no_sync(): gradients accumulate locally
-        # id(parameter) -> parameter, for those whose gradients the ranks found sparse (sparse_as_dense
-        # False): reduced on the sparse path alone from the next step, outside the kit's fused buffers
-        self._sparse_path: dict = {}
-        self._sparse_outside: list = []  # those of them this step gathers: [(parameter, key)]
         self._gflow_build(self._gflow_reduced_params())
         self._gflow_reset_step()
 
@@ -86,7 +82,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             return {p: self._gflow_names.get(p, f"allreduce.noname.{i}") for i, p in enumerate(params)}
         return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
 
-    def _gflow_reducible(self) -> list:
+    def _gflow_reduced_params(self) -> list:
         """The parameters to reduce now: those of the param groups that require grad, each once, in
         named_parameters' order (the model's: reductions overlap backward best), then the others in
         the groups' order."""
@@ -96,15 +92,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         named = [p for p in self._gflow_names if p in grouped]
         named += [p for p in grouped if p not in self._gflow_names]
         return [p for p in named if p.requires_grad]
-
-    def _gflow_reduced_params(self) -> list:
-        """The parameters the kit reduces now: the reducible ones but those on the sparse path."""
-        return [p for p in self._gflow_reducible() if id(p) not in self._sparse_path]
-
-    def _gflow_sparse_params(self) -> list:
-        """[(parameter, key)] of the reducible parameters on the sparse path, outside the kit."""
-        reducible = self._gflow_reducible()
-        return [(p, self._gflow_key(p, i)) for i, p in enumerate(reducible) if id(p) in self._sparse_path]
 
     def _gflow_key(self, p, position: int):
         if self._gflow_names is None:
@@ -120,12 +107,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
     def _gflow_build(self, params: list) -> None:
         """The data-parallel kit for these parameters, and a gradient hook on each that has none."""
-        if not params and not self._sparse_path:
+        if not params:
             raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires grad")
-        if not params:  # every gradient is sparse (a SparseAdam's embeddings): the sparse path alone
-            self._dp = _NoKit()
-            self._gflow_params, self._gflow_keys, self._probe_ctx, self._index_of = [], [], [], {}
-            return
         keys = [self._gflow_key(p, i) for i, p in enumerate(params)]
         # What the kit reduces per parameter: the gradient itself, or (predivided, compressed) a new
         # tensor; a probe gives its shape and dtype, and the ctx to decompress a zero gradient with.
@@ -226,7 +209,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             self._gflow_reset_step()
         else:
             self._gflow_hook(params)  # (a kit built from a checkpoint while some were frozen)
-        self._sparse_outside = self._gflow_sparse_params()
         self._gflow_take_momentum()
         self._touched = True
         self._reduced = self._user_synchronized = False
@@ -331,11 +313,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 was is not None and (params[i].grad is not was[0] or was[0]._version != was[1])
                 for i, was in enumerate(pushed)
             ]
-            outside = [p for p, _ in self._sparse_outside]
-            moved = _changed_set(self._gflow_reduced_params(), params) or _changed_set(
-                [p for p, _ in self._gflow_sparse_params()], outside
-            )
-            layouts = [0 if p.grad is None else 1 if p.grad.layout != torch.strided else 2 for p in outside]
+            moved = _changed_set(self._gflow_reduced_params(), params)
             overflow = None
             try:
                 self._dp.synchronize(commit=False)
@@ -344,23 +322,19 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             except Exception as exc:  # noqa: BLE001 - every rank raises (gflow guarantees it)
                 raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
             try:
-                used, sparse, outside_sparse = self._gflow_agree(changed, moved, scale, layouts)
+                used = self._gflow_agree(changed, moved, scale)
             except BaseException:
                 self._dp.discard_step()  # refused: CSC's residuals stay as before the step
                 raise
+            used, sparse = used
             if overflow is None:
                 self._dp.commit_step()
             self._gflow_write_back(used, overflow)
-            gathered = [(params[i], self._gflow_keys[i]) for i in np.flatnonzero(sparse)]
-            outside_gathered = [e for e, s in zip(self._sparse_outside, outside_sparse, strict=True) if s]
-            self._gather_sparse(gathered + outside_gathered)
-            if not (self._sparse_as_dense or self._sparse):  # (CSC's segments cannot change)
-                self._sparse_path.update((id(p), p) for p, _ in gathered)  # no zero slot from the next step
+            self._gather_sparse(sparse)
         finally:
             self._gflow_reset_step()
         self._reduced = True
-        live = (p.grad for p in (*params, *outside))
-        self._reduced_grads = [(g, g._version) for g in live if g is not None]
+        self._reduced_grads = [(g, g._version) for g in (p.grad for p in params) if g is not None]
 
     def _still_reduced(self, unchanged: bool) -> bool:
         """Whether the gradients are still those the last synchronize() reduced: no new step began
@@ -369,8 +343,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         skipped, would be taken for reduced."""
         if not self._reduced:
             return False
-        params = (*self._gflow_params, *(p for p, _ in self._sparse_outside))
-        live = [p.grad for p in params if p.grad is not None]
+        live = [p.grad for p in self._gflow_params if p.grad is not None]
         still = len(live) == len(self._reduced_grads) and all(
             g is was and (not unchanged or g._version == version)
             for g, (was, version) in zip(live, self._reduced_grads, strict=True)
@@ -378,25 +351,21 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._reduced = still
         return still
 
-    def _gflow_agree(self, changed: list, moved: bool, scale: float | None, layouts: list):
+    def _gflow_agree(self, changed: list, moved: bool, scale: float | None):
         """One small exchange after the kit's, before its step is committed: which parameters some
-        rank had a gradient for (and which a sparse one), which some rank changed after pushing (as
-        the highest such rank + 1), whether the reduced set changed during the step somewhere, the
-        ranges of what every rank must hold alike (the loss scale, gradient_predivide_factor: see
-        _bounds), and the layouts of the gradients on the sparse path (`layouts`: 0 none, 1 sparse,
-        2 dense). (used, sparse, on the sparse path: whether to gather each). Asked only
+        rank had a gradient for, which some rank changed after pushing (as the highest such rank +
+        1), whether the reduced set changed during the step somewhere, and the ranges of what every
+        rank must hold alike (the loss scale, gradient_predivide_factor: see _bounds). Asked only
         now, when every rank's background queue is empty: whether the kit's segments went out during
         backward or at synchronize() depends on which parameters each rank used, so a collective
         queued before them could meet a segment on another rank."""
-        n, m, rank = len(self._pushed), len(layouts), self._gflow_comm.Get_rank()
-        mine = np.zeros(3 * n + 5 + 2 * m, np.int64)
+        n, rank = len(self._pushed), self._gflow_comm.Get_rank()
+        mine = np.zeros(3 * n + 5, np.int64)
         mine[:n] = [entry is not None for entry in self._pushed]
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
         factor = self.gradient_predivide_factor
         mine[2 * n : 2 * n + 5] = (*_bounds(scale or 0.0), *_bounds(factor), int(moved))
-        mine[2 * n + 5 : 3 * n + 5] = [i in self._sparse_pushed for i in range(n)]
-        mine[3 * n + 5 :: 2] = [layout == 1 for layout in layouts]
-        mine[3 * n + 6 :: 2] = [rank + 1 if layout == 2 else 0 for layout in layouts]
+        mine[2 * n + 5 :] = [i in self._sparse_pushed for i in range(n)]
         try:
             agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
@@ -420,10 +389,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     f"{smallest:g} to {largest:g}; this rank's is {factor:g})"
                 )
             )
-        used, sparse = agreed[:n] > 0, agreed[2 * n + 5 : 3 * n + 5] > 0
-        outside_sparse, dense_on = agreed[3 * n + 5 :: 2] > 0, agreed[3 * n + 6 :: 2]
-        if dense_on.any():
-            self._leave_sparse_path(dense_on, layouts)
+        used, sparse = agreed[:n] > 0, agreed[2 * n + 5 :] > 0
         if (used & sparse).any():
             names = [repr(self._gflow_keys[i]) for i in np.flatnonzero(used & sparse)[:5]]
             raise RuntimeError(
@@ -432,29 +398,13 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 "step is not applied, on any rank. Give every rank the same layout (or "
                 "sparse_as_dense=True)"
             )
-        return used, sparse, outside_sparse
+        return used, sparse
 
-    def _leave_sparse_path(self, dense_on, layouts: list) -> None:
-        """Some rank has a dense gradient (the highest such rank + 1 in dense_on) for a parameter on
-        the sparse path, outside the kit, which has no slot for it: refuse the step on every rank,
-        and take the parameter back into the kit from the next step."""
-        which = [i for i in range(len(dense_on)) if dense_on[i]]
-        names = ", ".join(repr(self._sparse_outside[i][1]) for i in which[:5])
-        ranks = sorted({int(dense_on[i]) - 1 for i in which})
-        for i in which:
-            self._sparse_path.pop(id(self._sparse_outside[i][0]), None)
-        raise RuntimeError(
-            f"DistributedOptimizer: the gradient of {names} is dense (on rank {', '.join(map(str, ranks))}) "
-            "but was sparse in an earlier step, so it was reduced on the sparse path, outside the fused "
-            "buffers: the step is not applied, on any rank. From the next step it is reduced as a dense "
-            "gradient again: zero_grad() and run the step again (or give it one layout, or "
-            "sparse_as_dense=True)"
-        )
-
-    def _gather_sparse(self, gathered: list) -> None:
-        """Horovod's sparse allreduce of each sparse gradient ([(parameter, key)], in one order on every
-        rank): a rank without one takes part with no entries (and gets the others' in p.grad)."""
-        for p, key in gathered:
+    def _gather_sparse(self, sparse) -> None:
+        """Horovod's sparse allreduce of each sparse gradient, in parameter order on every rank: a rank
+        without one takes part with no entries (and gets the others' in p.grad)."""
+        for index in np.flatnonzero(sparse):
+            p = self._gflow_params[index]
             grad = p.grad
             if grad is None or grad.layout == torch.strided:
                 grad = torch.sparse_coo_tensor(
@@ -463,7 +413,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     p.shape,
                     check_invariants=True,
                 )
-            name = str(key)  # (a position when no names were given)
+            name = str(self._gflow_keys[index])  # (a position when no names were given)
             p.grad = sparse_allreduce_on(grad, self._gflow_comm, self.op, "DistributedOptimizer", name)
 
     def _changed_message(self, changed: list, changed_on) -> str:
@@ -672,41 +622,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
 # The wrapped class's step already runs torch's step hooks; torch must not wrap this one again.
 _DistributedOptimizer.step.hooked = True
-
-
-class _NoKit:
-    """The kit of a DistributedOptimizer whose gradients are all on the sparse path (a SparseAdam over
-    embeddings): nothing to fuse, so no collective; it saves no state, and a saved kit's state is
-    left unread (the next step rebuilds the kit from the parameters as they are then)."""
-
-    sparse = None
-
-    def synchronize(self, *, commit: bool = True) -> bool:
-        return True
-
-    def commit_step(self) -> None:
-        pass
-
-    def discard_step(self) -> None:
-        pass
-
-    def state_dict(self) -> None:
-        return None
-
-    def load_state_dict(self, state) -> None:
-        pass
-
-    def snapshot(self) -> None:
-        return None
-
-    def restore(self, snapshot) -> None:
-        pass
-
-    def tuning_position(self) -> None:
-        return None
-
-    def adopt_tuning(self, tuning) -> None:
-        pass
 
 
 def _changed_set(params: list, before: list) -> bool:

@@ -14,9 +14,7 @@ class OptimizerCheckpoint:
         with sparse=, the residuals, which are per rank) under the key "gflow"."""
         self._check_between_steps("state_dict")
         state = super().state_dict()
-        kit_state = self._dp.state_dict()
-        if kit_state is not None:  # (None: every gradient is on the sparse path, nothing fused)
-            state["gflow"] = _as_tensors(kit_state)
+        state["gflow"] = _as_tensors(self._dp.state_dict())
         return state
 
     def load_state_dict(self, state_dict):

@@ -196,8 +196,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         sparse_as_dense: reduce sparse gradients (nn.Embedding(sparse=True)) as dense ones, in the
             fused buffers (True), or as Horovod's sparse allreduce (False, the default): every
             rank's indices and values gathered, so p.grad stays sparse (as torch.optim.SparseAdam
-            needs) and holds every rank's entries, divided by the size for Average. Those
-            gradients leave the fused buffers from the optimizer's second step (docs/torch.md).
+            needs) and holds every rank's entries, divided by the size for Average.
         process_set: the ranks whose gradients are reduced together (a registered hvd.ProcessSet
             including this rank; default all).
         threshold_bytes: gflow's fusion segment size; by default HOROVOD_FUSION_THRESHOLD when set
