@@ -773,6 +773,36 @@ def test_parameter_names_are_horovods():
     assert list(named._parameter_names.values()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
 
 
+@pytest.mark.parallel([2, 3])
+def test_sparse_as_dense_hands_a_sparse_gradient_to_ranks_that_had_none_and_replicas_stay_bitwise():
+    """sparse_as_dense=True with the embedding unused on some ranks in a step: every rank gets the
+    reduced gradient sparse (a dense one steps SGD with another rounding: replicas drift apart by an
+    ulp), equal to MPI's float64 average, and the weights stay bitwise identical."""
+    rng = np.random.default_rng([49, WORLD.rank])
+
+    def check():
+        torch.manual_seed(0)
+        model = _Tagger().double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), sparse_as_dense=True
+        )
+        for step in range(4):
+            opt.zero_grad()
+            use = (step + WORLD.rank) % 3 != 0
+            model(torch.from_numpy(rng.integers(0, 12, 4)), use_embedding=use).backward()
+            weight = model.embedding.weight
+            local = weight.grad.to_dense().numpy() if weight.grad is not None else np.zeros((12, 3))
+            expected = WORLD.allreduce(local) / WORLD.size
+            opt.synchronize()
+            assert weight.grad.layout == torch.sparse_coo, (step, use)
+            np.testing.assert_allclose(weight.grad.to_dense().numpy(), expected, rtol=1e-12, atol=1e-15)
+            with opt.skip_synchronize():
+                opt.step()
+            assert_same_on_all_ranks(np.concatenate([p.detach().numpy().ravel() for p in model.parameters()]))
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([1, 2])
 def test_sparse_as_dense_reduces_dense_and_hands_back_a_sparse_gradient():
     """Horovod's sparse_as_dense=True: reduced as a dense tensor, made sparse again for the optimizer (so

@@ -329,8 +329,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             used, sparse = used
             if overflow is None:
                 self._dp.commit_step()
-            self._gflow_write_back(used, overflow)
-            self._gather_sparse(sparse)
+            self._gflow_write_back(used, overflow, sparse if self._sparse_as_dense else None)
+            if not self._sparse_as_dense:
+                self._gather_sparse(sparse)
         finally:
             self._gflow_reset_step()
         self._reduced = True
@@ -365,7 +366,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
         factor = self.gradient_predivide_factor
         mine[2 * n : 2 * n + 5] = (*_bounds(scale or 0.0), *_bounds(factor), int(moved))
-        mine[2 * n + 5 :] = [i in self._sparse_pushed for i in range(n)]
+        mine[2 * n + 5 :] = [i in self._sparse_pushed or i in self._densified for i in range(n)]
         try:
             agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
@@ -390,7 +391,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 )
             )
         used, sparse = agreed[:n] > 0, agreed[2 * n + 5 :] > 0
-        if (used & sparse).any():
+        if not self._sparse_as_dense and (used & sparse).any():
             names = [repr(self._gflow_keys[i]) for i in np.flatnonzero(used & sparse)[:5]]
             raise RuntimeError(
                 f"DistributedOptimizer: the gradient of {', '.join(names)} is sparse on some ranks and "
@@ -440,17 +441,20 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             "call step() inside optimizer.skip_synchronize(); zero_grad() and run the step again"
         )
 
-    def _gflow_write_back(self, used, overflow) -> None:
+    def _gflow_write_back(self, used, overflow, densified=None) -> None:
         """Put the reduced gradients into p.grad (they are there already when p.grad was pushed as it
-        is); after an overflow, make every gradient non-finite on every rank alike."""
+        is); after an overflow, make every gradient non-finite on every rank alike. `densified`
+        (sparse_as_dense): which gradients were sparse on some rank, made sparse again on every rank
+        (a rank that had none would otherwise step on a dense one: another rounding, replicas apart)."""
         reduced = None
         for index, p in enumerate(self._gflow_params):
             entry = self._pushed[index]
+            sparse_again = densified is not None and densified[index]
             if entry is None:
                 if not used[index]:
                     continue  # no rank used it: .grad stays None
                 if self._views:  # the kit reduced zeros in the pool, where its view is
-                    p.grad = self._views[index]
+                    p.grad = self._views[index].to_sparse() if sparse_again else self._views[index]
                     continue
                 if reduced is None:
                     reduced = self._dp.gradients()  # the zeros the kit pushed for it, reduced
@@ -466,7 +470,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 work = work * self.gradient_predivide_factor
             if work is not p.grad:
                 p.grad.copy_(work)
-            if index in self._densified:
+            if sparse_again:
                 p.grad = p.grad.to_sparse()
         if overflow is not None:
             self._overflow = overflow
