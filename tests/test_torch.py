@@ -408,6 +408,37 @@ def test_object_parameter_and_optimizer_state_broadcasts():
     on_all_ranks(check)
 
 
+@pytest.mark.parallel([2, 3])
+def test_broadcast_optimizer_state_carries_sparse_state_and_a_root_failure_raises_everywhere():
+    """SGD's momentum over nn.Embedding(sparse=True) is a sparse tensor: it arrives as root holds it
+    (indices, values, coalesced or not); a state root cannot send fails on every rank, not on root
+    alone with the others waiting in the broadcast."""
+    p, r = WORLD.size, WORLD.rank
+
+    def check():
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True).double()
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+        for step in range(r + 1):  # a different sparse momentum on every rank
+            opt.zero_grad()
+            emb(torch.tensor([r % 10, (r + step + 3) % 10, 7])).sum().backward()
+            opt.step()
+        root = p - 1
+        ref = WORLD.bcast(opt.state_dict()["state"][0]["momentum_buffer"].coalesce(), root=root)
+        hvd.broadcast_optimizer_state(opt, root_rank=root)
+        buffer = opt.state_dict()["state"][0]["momentum_buffer"]
+        assert buffer.layout == torch.sparse_coo
+        got = buffer.coalesce()
+        assert torch.equal(got.indices(), ref.indices()) and torch.equal(got.values(), ref.values())
+        if r == 0:  # root (0 here) holds a tensor it cannot copy to the host
+            opt.state[emb.weight]["broken"] = torch.empty(2, device="meta")
+        with pytest.raises((RuntimeError, NotImplementedError)) as info:
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        assert r == 0 or "root rank 0 could not send its optimizer state" in str(info.value), info.value
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel(SIZES)
 def test_join_barrier_and_handles():
     p, r = WORLD.size, WORLD.rank

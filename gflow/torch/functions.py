@@ -116,8 +116,34 @@ class _Slot:
         self.index, self.shape, self.dtype = state
 
 
+class _SparseSlot:
+    """A sparse COO tensor's place (SGD's momentum over nn.Embedding(sparse=True)): its indices and
+    values as two _Slots, exactly as root holds them (coalesced or not)."""
+
+    __slots__ = ("indices", "values", "shape", "coalesced")
+
+    def __init__(self, indices, values, shape, coalesced):
+        self.indices, self.values, self.shape, self.coalesced = indices, values, shape, coalesced
+
+    def __getstate__(self):
+        return (self.indices, self.values, self.shape, self.coalesced)
+
+    def __setstate__(self, state):
+        self.indices, self.values, self.shape, self.coalesced = state
+
+
+class _RootFailed:
+    """Sent instead of the state when root could not take its own apart: every rank raises."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
 def _split(value, tensors: list):
     """value with every tensor replaced by a _Slot (its host copy appended to `tensors`)."""
+    if isinstance(value, torch.Tensor) and value.layout == torch.sparse_coo:
+        indices, values = _split(value._indices(), tensors), _split(value._values(), tensors)
+        return _SparseSlot(indices, values, tuple(value.shape), value.is_coalesced())
     if isinstance(value, torch.Tensor):
         tensors.append(value.detach().to("cpu", copy=True).contiguous())
         return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
@@ -131,6 +157,9 @@ def _split(value, tensors: list):
 def _join(value, tensors: list):
     if isinstance(value, _Slot):
         return tensors[value.index]
+    if isinstance(value, _SparseSlot):
+        indices, values = tensors[value.indices.index], tensors[value.values.index]
+        return torch.sparse_coo_tensor(indices, values, value.shape, is_coalesced=value.coalesced)
     if isinstance(value, dict):
         return {k: _join(v, tensors) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -166,9 +195,20 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=No
         _zero_gradients(optimizer)
     tensors: list = []
     skeleton = None
+    failure = None
     if is_root:
-        skeleton = _split(own, tensors)
+        try:
+            skeleton = _split(own, tensors)
+        except Exception as exc:  # noqa: BLE001 - raised below, once the others know (they would wait)
+            failure, skeleton = exc, _RootFailed(f"{type(exc).__name__}: {exc}")
     skeleton = broadcast_object(skeleton, root_rank, process_set=process_set)
+    if isinstance(skeleton, _RootFailed):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(
+            f"broadcast_optimizer_state: root rank {root_rank} could not send its optimizer state "
+            f"({skeleton.text}); nothing was changed here"
+        )
     if not is_root:
         slots: list = []
         _collect_slots(skeleton, slots)
@@ -214,6 +254,8 @@ def _zero_gradients(optimizer) -> None:
 def _collect_slots(value, slots: list) -> None:
     if isinstance(value, _Slot):
         slots.append(value)
+    elif isinstance(value, _SparseSlot):
+        slots += [value.indices, value.values]
     elif isinstance(value, dict):
         for v in value.values():
             _collect_slots(v, slots)
