@@ -641,6 +641,110 @@ def test_sparse_gradients_are_gathered_as_horovods_and_sparse_adam_steps(op):
     on_all_ranks(check)
 
 
+def _kit_reduces(opt, name) -> bool:
+    """Whether the optimizer's last step reduced a slot (zeros, for a sparse gradient) for `name` in
+    its fused buffers (DataParallel.gradients() gives None for a parameter out of the fusion)."""
+    return opt._dp.gradients()[name] is not None
+
+
+@pytest.mark.parallel(SIZES)
+def test_sparse_gradients_leave_the_fusion_after_the_first_step():
+    """Once the ranks have seen the embedding's gradient sparse, the fused buffers no longer carry a
+    zero slot for it, and every step still matches MPI's float64 average; a dense gradient for it
+    later (on every rank) is reduced densely and takes it back into the fusion; mixed layouts fail on
+    every rank; a SparseAdam over the embedding alone keeps working with nothing fused."""
+    rng = np.random.default_rng([47, WORLD.rank])
+
+    def check():
+        torch.manual_seed(0)
+        model = _Tagger().double()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        torch.manual_seed(1)
+        tagger = _Tagger().double()
+        sparse_opt = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(tagger.embedding.parameters()), lr=0.01),
+            named_parameters=list(tagger.embedding.named_parameters(prefix="embedding")),
+        )
+        # (step, the embedding's layout on each rank): sparse, sparse, dense everywhere, sparse, sparse
+        for step, dense_step in enumerate([False, False, True, False, False]):
+            for net, optimizer in ((model, opt), (tagger, sparse_opt)):
+                dense = dense_step and optimizer is opt  # (SparseAdam takes sparse gradients only)
+                optimizer.zero_grad()
+                net.embedding.sparse = not dense
+                net(torch.from_numpy(rng.integers(0, 12, 5))).backward()
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                expected = [WORLD.allreduce(p.grad.to_dense().numpy()) / WORLD.size for p in params]
+                optimizer.synchronize()
+                for p, e in zip(params, expected, strict=True):
+                    np.testing.assert_allclose(p.grad.to_dense().numpy(), e, rtol=1e-12, atol=1e-15)
+                layout = torch.strided if dense else torch.sparse_coo
+                assert net.embedding.weight.grad.layout == layout
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+                assert_same_on_all_ranks(net.embedding.weight.detach().numpy())
+                # in the fusion at the first step (not yet known) and the step after a dense one; the
+                # dense one itself is reduced on its own
+                fused = step == 0 or (step == 3 and optimizer is opt)
+                assert _kit_reduces(optimizer, "embedding.weight") == fused, step
+        if WORLD.size > 1:
+            opt.zero_grad()
+            model.embedding.sparse = WORLD.rank != WORLD.size - 1
+            model(torch.tensor([1, 2])).backward()
+            with pytest.raises(RuntimeError, match="sparse on some ranks and dense on others"):
+                opt.step()
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("threshold", [None, "auto"])
+def test_horovods_restore_recipe_after_the_sparse_gradients_left_the_fusion(threshold):
+    """A checkpoint taken once the embedding's gradients left the fusion, loaded on rank 0 alone into
+    a fresh optimizer, then broadcast_optimizer_state (Horovod's recipe, tuning included): the steps
+    after it match MPI's float64 average, alike on every rank, as an uninterrupted optimizer's do."""
+    rng = np.random.default_rng([50, WORLD.rank])
+    kwargs = {} if threshold is None else {"threshold_bytes": threshold}
+
+    def check():
+        torch.manual_seed(0)
+        model = _Tagger().double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(), **kwargs
+        )
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.from_numpy(rng.integers(0, 12, 5))).backward()
+            opt.step()
+        saved = io.BytesIO()
+        torch.save(opt.state_dict(), saved)
+        saved.seek(0)
+        twin = _Tagger().double()
+        fresh = hvd.DistributedOptimizer(
+            torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9), twin.named_parameters(), **kwargs
+        )
+        if WORLD.rank == 0:
+            twin.load_state_dict(model.state_dict())
+            fresh.load_state_dict(torch.load(saved))
+        hvd.broadcast_parameters(twin.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(fresh, root_rank=0)
+        for _ in range(4):
+            for net, optimizer in ((model, opt), (twin, fresh)):
+                optimizer.zero_grad()
+                net(torch.tensor([WORLD.rank % 12, 5, 7])).backward()
+                params = list(net.parameters())
+                expected = [WORLD.allreduce(p.grad.to_dense().numpy()) / WORLD.size for p in params]
+                optimizer.synchronize()
+                for p, e in zip(params, expected, strict=True):
+                    np.testing.assert_allclose(p.grad.to_dense().numpy(), e, rtol=1e-12, atol=1e-15)
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+                np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-12, atol=1e-14)
+            assert_same_on_all_ranks(np.concatenate([p.detach().numpy().ravel() for p in twin.parameters()]))
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([2, 3])
 def test_a_gradient_sparse_on_one_rank_and_dense_on_another_fails_every_rank():
     def check():

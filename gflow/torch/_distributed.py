@@ -70,6 +70,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._overflow = None
         self._touched = False
         self._no_sync = False  # inside no_sync(): gradients accumulate locally
+        # id(parameter) -> parameter, for those the ranks found with sparse gradients (sparse_as_dense
+        # False, no CSC): out of the kit's fusion from the next step (DataParallel.set_absent), so no
+        # dense slot of zeros is reduced for them. Learned by this instance, never saved: every rank's
+        # fresh optimizer starts alike, whatever checkpoint one rank loads.
+        self._absent: dict = {}
         self._gflow_build(self._gflow_reduced_params())
         self._gflow_reset_step()
 
@@ -131,7 +136,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             probe_ctx.append(ctx)
         self._dp = self._new_kit(keys, probes)
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, probe_ctx
+        self._probes = probes
         self._index_of = {p: i for i, p in enumerate(params)}
+        self._dp.set_absent([k for k, p in zip(keys, params, strict=True) if id(p) in self._absent])
         self._gflow_hook(params)
 
     def _new_kit(self, keys: list, probes: list) -> DataParallel:
@@ -173,7 +180,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         buffers = self._dp.gradient_buffers(private=bool(self._views), reduce_in_place=in_place)
         self._views = [torch.from_numpy(buffers[k]) for k in keys]
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, [None] * len(params)
+        self._probes = None
         self._index_of = {p: i for i, p in enumerate(params)}
+        self._dp.set_absent([k for k, p in zip(keys, params, strict=True) if id(p) in self._absent])
 
     def _gflow_hook(self, params) -> None:
         """A gradient hook on each parameter that requires grad and has none yet (torch refuses one
@@ -253,7 +262,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 view.copy_(grad)
                 p.grad = view
             self._pushed[index] = (view, None, view, view._version)
-            self._dp.push(self._gflow_keys[index])
+            if id(p) not in self._absent:  # (else reduced on its own at synchronize: _reduce_absent)
+                self._dp.push(self._gflow_keys[index])
             return
         work = grad
         if self.gradient_predivide_factor != 1.0:
@@ -264,7 +274,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         if self._compressor is not None:
             work, ctx = self._compressor.compress(work)
         self._pushed[index] = (work, ctx, grad, grad._version)
-        self._dp.push(self._gflow_keys[index], work)
+        if id(p) not in self._absent:  # (else reduced on its own at synchronize: _reduce_absent)
+            self._dp.push(self._gflow_keys[index], work)
 
     # --- synchronize / step -----------------------------------------------------------------------
 
@@ -329,9 +340,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             used, sparse = used
             if overflow is None:
                 self._dp.commit_step()
+            self._reduce_absent(used)
             self._gflow_write_back(used, overflow, sparse if self._sparse_as_dense else None)
             if not self._sparse_as_dense:
                 self._gather_sparse(sparse)
+                self._learn_absent(used, sparse)
         finally:
             self._gflow_reset_step()
         self._reduced = True
@@ -400,6 +413,46 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 "sparse_as_dense=True)"
             )
         return used, sparse
+
+    def _reduce_absent(self, used) -> None:
+        """Dense gradients of parameters out of the kit's fusion (their gradients were sparse before):
+        each reduced on its own, in parameter order on every rank, a rank without one taking part
+        with zeros; they are then in the kit's place for the write-back."""
+        for index, p in enumerate(self._gflow_params):
+            if id(p) not in self._absent or not used[index]:
+                continue
+            if self._pushed[index] is None:  # unused here: zeros, as the kit would have pushed
+                if self._views:
+                    view = self._views[index].zero_()
+                    self._pushed[index] = (view, None, view, view._version)
+                    p.grad = view
+                else:
+                    zeros = torch.zeros_like(self._probes[index])
+                    p.grad = torch.zeros_like(p)
+                    self._pushed[index] = (zeros, self._probe_ctx[index], p.grad, p.grad._version)
+            work = self._pushed[index][0]
+            op = "mean" if self.op == Average else "sum"
+            try:
+                gflow.allreduce_async(work, op, comm=self._gflow_comm, out=work).wait()
+            except gflow.GflowError as exc:
+                raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+
+    def _learn_absent(self, used, sparse) -> None:
+        """After a step (alike on every rank: used and sparse are agreed): parameters whose gradients
+        were sparse leave the kit's fusion, those whose gradients were dense come back (not with CSC,
+        whose segments keep residuals and cannot change)."""
+        if self._sparse:
+            return
+        absent = dict(self._absent)
+        for index, p in enumerate(self._gflow_params):
+            if sparse[index]:
+                absent[id(p)] = p
+            elif used[index]:
+                absent.pop(id(p), None)
+        if absent.keys() != self._absent.keys():
+            self._absent = absent
+            keys = [k for k, p in zip(self._gflow_keys, self._gflow_params, strict=True) if id(p) in absent]
+            self._dp.set_absent(keys)
 
     def _gather_sparse(self, sparse) -> None:
         """Horovod's sparse allreduce of each sparse gradient, in parameter order on every rank: a rank

@@ -148,6 +148,13 @@ class _Rejected:
     refuses it, so the step fails on every rank (MismatchError on the peers) and the ranks stay in step."""
 
 
+class _Absent:
+    """In the place of a parameter set_absent() took out of the fusion: its slot counts as gone."""
+
+
+_ABSENT = _Absent()
+
+
 class DataParallel:
     """Data-parallel gradient averaging for a custom trainer: fusion, overlap, fp16 or sparse
     communication and loss scaling behind push() and synchronize() (see the module docstring).
@@ -218,17 +225,19 @@ class DataParallel:
         self._buffers = None  # per slot, what gradient_buffers() handed out
         self._zeros: dict = {}  # per slot, a zero gradient for a parameter unused on this rank
         self._last = None  # per slot, the arrays holding the last step's reduced gradients
+        self._absent: frozenset = frozenset()  # slots set_absent() took out of the fusion
         self.step_count = 0
         self._reset_step()
 
     def _reset_step(self) -> None:
-        self._ready: list = [None] * len(self._keys)  # per slot, the gradient pushed in this step
+        # per slot, the gradient pushed in this step (_ABSENT: a slot out of the fusion)
+        self._ready: list = [_ABSENT if slot in self._absent else None for slot in range(len(self._keys))]
         self._next = 0  # slots below this went into LazyAllreduce
         self._error = None  # a push that failed its checks: synchronize() raises it
 
     def _by_key(self, per_slot):
         n = len(self._keys)
-        values = [per_slot[n - 1 - i] for i in range(n)]
+        values = [None if per_slot[n - 1 - i] is _ABSENT else per_slot[n - 1 - i] for i in range(n)]
         return dict(zip(self._keys, values, strict=True)) if self._named else values
 
     @property
@@ -299,6 +308,11 @@ class DataParallel:
             slot = None
         if slot is None:
             raise KeyError(f"DataParallel.push: unknown parameter {key!r}; the parameters are {self._keys}")
+        if self._ready[slot] is _ABSENT:
+            raise ValueError(
+                f"DataParallel.push: parameter {key!r} is out of the fusion (set_absent()); its gradient "
+                "travels another way"
+            )
         if self._ready[slot] is not None:
             raise ValueError(
                 f"DataParallel.push: parameter {key!r} was already pushed in this step; push each "
@@ -344,8 +358,8 @@ class DataParallel:
         while self._next < n and ready[self._next] is not None:
             grad = ready[self._next]
             self._next += 1
-            if self._error is not None:
-                continue  # the step failed here; LazyAllreduce ignores its pushes anyway
+            if self._error is not None or grad is _ABSENT:
+                continue  # (the step failed here; LazyAllreduce ignores its pushes anyway)
             name = self._slot_names[self._next - 1]
             if self._scaler is not None and self._lazy.keeps_state:
                 # A sparse residual (or a hook's state) carries gradients from step to step: it must
@@ -407,7 +421,8 @@ class DataParallel:
             if self._scaler is not None:
                 if not self._lazy.keeps_state and not overflow:
                     for grad in ready:
-                        overflow |= self._scaler.unscale(grad)
+                        if grad is not _ABSENT:
+                            overflow |= self._scaler.unscale(grad)
                 apply = self._scaler.update(overflow)
             else:
                 apply = True
@@ -479,7 +494,24 @@ class DataParallel:
         return grad
 
     def _in_step(self) -> bool:
-        return self._error is not None or any(g is not None for g in self._ready)
+        return self._error is not None or any(g is not None and g is not _ABSENT for g in self._ready)
+
+    def set_absent(self, keys) -> None:
+        """Take these parameters out of the fusion from the next step (and put back those absent now
+        and not in keys): they are neither pushed nor reduced as zeros, and gradients() gives None for
+        them. For gradients that travel another way: gflow.torch's optimizer gathers sparse ones on
+        their own. Every rank must give the same keys (other segments fail the step with
+        MismatchError everywhere). Between steps; not saved in state_dict() (a caller's choice)."""
+        if self._in_step():
+            raise RuntimeError("DataParallel.set_absent: a step is in flight (pushed, not synchronized)")
+        slots = []
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None:
+                raise KeyError(f"DataParallel.set_absent: no parameter {key!r}; the parameters: {self._keys}")
+            slots.append(slot)
+        self._absent = frozenset(slots)
+        self._reset_step()
 
     def state_dict(self) -> dict:
         """This rank's state for a checkpoint: the settings, the parameters' names, shapes and dtypes,
