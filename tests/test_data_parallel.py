@@ -122,6 +122,63 @@ def test_any_push_order_and_an_unused_parameter_still_agree():
 
 
 @pytest.mark.parallel(SIZES)
+def test_absent_parameters_leave_the_fusion_and_the_rest_match_mpi():
+    """set_absent: those parameters are neither pushed nor reduced (gradients() gives None), the rest
+    still match MPI's mean, in the pool and with the trainer's own arrays; they come back with
+    set_absent([]); misuse is refused (a push of one, mid-step, an unknown key)."""
+    for use_buffers in (True, False):
+        params = make_params(2)
+        dp = DataParallel(params, threshold_bytes=200)
+        buffers = dp.gradient_buffers() if use_buffers else None
+        for step, absent in enumerate([["b1", "scale"], ["w1"], []]):
+            dp.set_absent(absent)
+            grads = random_grads(rank_rng(40 + step), params)
+
+            def check(grads=grads, buffers=buffers, dp=dp, absent=absent, params=params):
+                pushed = {}
+                for key in reversed([k for k in params if k not in absent]):
+                    if buffers is not None:
+                        buffers[key][...] = grads[key]
+                        dp.push(key)
+                        pushed[key] = buffers[key]
+                    else:
+                        pushed[key] = grads[key].copy()
+                        dp.push(key, pushed[key])
+                if absent:
+                    with pytest.raises(ValueError, match="out of the fusion"):
+                        dp.push(absent[0], grads[absent[0]].copy())
+                    with pytest.raises(RuntimeError, match="in flight"):
+                        dp.set_absent([])
+                assert dp.synchronize() is True
+                reduced = dp.gradients()
+                assert all(reduced[k] is None for k in absent)
+                for key, g in pushed.items():
+                    assert reduced[key] is g
+                    assert_close_to_reference(g, grads[key], "mean")
+
+            on_all_ranks(check, f"buffers={use_buffers} absent={absent}")
+        with pytest.raises(KeyError, match="no parameter 'nope'"):
+            dp.set_absent(["nope"])
+
+
+@pytest.mark.parallel([2, 3])
+def test_ranks_with_different_absent_parameters_fail_the_step_on_every_rank():
+    params = make_params(3)
+    dp = DataParallel(params, threshold_bytes=1 << 20)
+    dp.set_absent(["b2"] if WORLD.rank == WORLD.size - 1 else [])
+    grads = random_grads(rank_rng(44), params)
+    for key in reversed(params):
+        if key != "b2" or WORLD.rank != WORLD.size - 1:
+            dp.push(key, grads[key].copy())
+    with pytest.raises(gflow.MismatchError):
+        dp.synchronize()
+    dp.set_absent([])  # the same everywhere again: the next step works
+    for key in reversed(params):
+        dp.push(key, grads[key].copy())
+    assert dp.synchronize() is True
+
+
+@pytest.mark.parallel(SIZES)
 def test_parameters_stay_bitwise_identical_dense_fp16_and_csc():
     variants = [
         {},
