@@ -431,9 +431,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     p.grad = torch.zeros_like(p)
                     self._pushed[index] = (zeros, self._probe_ctx[index], p.grad, p.grad._version)
             work = self._pushed[index][0]
-            op = "mean" if self.op == Average else "sum"
+            op, comm = "mean" if self.op == Average else "sum", self._gflow_comm
             try:
-                gflow.allreduce_async(work, op, comm=self._gflow_comm, out=work).wait()
+                gflow.allreduce_async(work, op, comm=comm, out=work, compression=self._cname).wait()
             except gflow.GflowError as exc:
                 raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
 
