@@ -162,19 +162,26 @@ def test_absent_parameters_leave_the_fusion_and_the_rest_match_mpi():
 
 
 @pytest.mark.parallel([2, 3])
-def test_ranks_with_different_absent_parameters_fail_the_step_on_every_rank():
-    params = make_params(3)
-    dp = DataParallel(params, threshold_bytes=1 << 20)
-    dp.set_absent(["b2"] if WORLD.rank == WORLD.size - 1 else [])
+@pytest.mark.parametrize("named", [True, False])
+def test_ranks_with_different_absent_parameters_fail_the_step_on_every_rank(named):
+    """Named, or unnamed with parameters of one shape: the last rank leaves out another one than
+    the others (unnamed, the kit would otherwise pair one rank's parameter with another's)."""
+    shapes = {"a": (4,), "b": (4,), "c": (4,)}
+    params = make_params(3, shapes=shapes)
+    dp = DataParallel(params if named else list(params.values()), threshold_bytes=1 << 20)
+    keys = list(params) if named else [0, 1, 2]
+    absent = keys[1] if WORLD.rank == WORLD.size - 1 else keys[0]
     grads = random_grads(rank_rng(44), params)
-    for key in reversed(params):
-        if key != "b2" or WORLD.rank != WORLD.size - 1:
-            dp.push(key, grads[key].copy())
+    arrays = dict(zip(keys, grads.values(), strict=True))
+    dp.set_absent([absent])
+    for key in reversed(keys):
+        if key != absent:
+            dp.push(key, arrays[key].copy())
     with pytest.raises(gflow.MismatchError):
         dp.synchronize()
     dp.set_absent([])  # the same everywhere again: the next step works
-    for key in reversed(params):
-        dp.push(key, grads[key].copy())
+    for key in reversed(keys):
+        dp.push(key, arrays[key].copy())
     assert dp.synchronize() is True
 
 

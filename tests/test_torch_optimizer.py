@@ -697,6 +697,41 @@ def test_sparse_gradients_leave_the_fusion_after_the_first_step():
 
 
 @pytest.mark.parallel([2, 3])
+def test_an_fp16_overflow_of_a_dense_gradient_out_of_the_fusion_is_refused_as_the_kits():
+    """compression=fp16: a dense gradient past float16's range, for the embedding once its gradients
+    left the fusion, overflows on every rank alike: step() raises CompressionOverflowError and leaves
+    the parameters as they were; the next step trains."""
+
+    def check():
+        torch.manual_seed(0)
+        model = _Tagger()
+        fp16 = hvd.Compression.fp16
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=fp16
+        )
+        for step in range(3):
+            opt.zero_grad()
+            model.embedding.sparse = step != 1
+            idx = torch.tensor([1, 2, 3])
+            huge = 1e6 * model.embedding(idx).sum() if step == 1 else 0.0  # (the head's stay small)
+            (model(idx) + huge).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            if step == 1:  # as the kit's overflow: NaN on every rank (GradScaler skips), step() raises
+                opt.synchronize()
+                assert torch.isnan(model.embedding.weight.grad).all()
+                assert not torch.isnan(model.head.weight.grad).any()
+                with pytest.raises(gflow.CompressionOverflowError), opt.skip_synchronize():
+                    opt.step()
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+            else:
+                opt.step()
+                assert not torch.equal(model.embedding.weight, before[0])
+            assert_same_on_all_ranks(np.concatenate([p.detach().numpy().ravel() for p in model.parameters()]))
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
 @pytest.mark.parametrize("threshold", [None, "auto"])
 def test_horovods_restore_recipe_after_the_sparse_gradients_left_the_fusion(threshold):
     """A checkpoint taken once the embedding's gradients left the fusion, loaded on rank 0 alone into

@@ -340,7 +340,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             used, sparse = used
             if overflow is None:
                 self._dp.commit_step()
-            self._reduce_absent(used)
+            overflow = self._reduce_absent(used) or overflow
             self._gflow_write_back(used, overflow, sparse if self._sparse_as_dense else None)
             if not self._sparse_as_dense:
                 self._gather_sparse(sparse)
@@ -414,10 +414,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             )
         return used, sparse
 
-    def _reduce_absent(self, used) -> None:
+    def _reduce_absent(self, used):
         """Dense gradients of parameters out of the kit's fusion (their gradients were sparse before):
         each reduced on its own, in parameter order on every rank, a rank without one taking part
-        with zeros; they are then in the kit's place for the write-back."""
+        with zeros; they are then in the kit's place for the write-back. An fp16 overflow (on every
+        rank alike) leaves NaN in it and is returned, as the kit's is (see synchronize)."""
+        overflow = None
         for index, p in enumerate(self._gflow_params):
             if id(p) not in self._absent or not used[index]:
                 continue
@@ -434,8 +436,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             op, comm = "mean" if self.op == Average else "sum", self._gflow_comm
             try:
                 gflow.allreduce_async(work, op, comm=comm, out=work, compression=self._cname).wait()
+            except gflow.NonFiniteError as exc:
+                overflow = exc
+                work.fill_(math.nan)
             except gflow.GflowError as exc:
                 raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+        return overflow
 
     def _learn_absent(self, used, sparse) -> None:
         """After a step (alike on every rank: used and sparse are agreed): parameters whose gradients

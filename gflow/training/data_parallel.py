@@ -361,6 +361,8 @@ class DataParallel:
             if self._error is not None or grad is _ABSENT:
                 continue  # (the step failed here; LazyAllreduce ignores its pushes anyway)
             name = self._slot_names[self._next - 1]
+            if name is None and self._absent:  # unnamed: ranks with other absent slots of one shape
+                name = f"#{self._next - 1}"  # would pair one parameter with another; the name tells
             if self._scaler is not None and self._lazy.keeps_state:
                 # A sparse residual (or a hook's state) carries gradients from step to step: it must
                 # hold them unscaled, or a change of scale would mix units. They are unscaled on their
