@@ -942,6 +942,30 @@ def test_sparse_as_dense_hands_a_sparse_gradient_to_ranks_that_had_none_and_repl
     on_all_ranks(check)
 
 
+@pytest.mark.parallel([2, 3])
+def test_ranks_with_different_sparse_as_dense_fail_every_step_on_every_rank():
+    """sparse_as_dense=True on the last rank only: every rank refuses each step (none applies it
+    alone), whichever rank used the embedding."""
+
+    def check():
+        torch.manual_seed(0)
+        model = _Tagger().double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            sparse_as_dense=WORLD.rank == WORLD.size - 1,
+        )
+        before = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.tensor([1, 2, WORLD.rank % 12])).backward()
+            with pytest.raises(Exception, match="sparse_as_dense differ"):
+                opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([1, 2])
 def test_sparse_as_dense_reduces_dense_and_hands_back_a_sparse_gradient():
     """Horovod's sparse_as_dense=True: reduced as a dense tensor, made sparse again for the optimizer (so

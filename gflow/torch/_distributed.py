@@ -369,17 +369,19 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         """One small exchange after the kit's, before its step is committed: which parameters some
         rank had a gradient for, which some rank changed after pushing (as the highest such rank +
         1), whether the reduced set changed during the step somewhere, and the ranges of what every
-        rank must hold alike (the loss scale, gradient_predivide_factor: see _bounds). Asked only
+        rank must hold alike (the loss scale, gradient_predivide_factor: see _bounds; sparse_as_dense,
+        as a flag and its complement, whose maxima are both 1 where ranks differ). Asked only
         now, when every rank's background queue is empty: whether the kit's segments went out during
         backward or at synchronize() depends on which parameters each rank used, so a collective
         queued before them could meet a segment on another rank."""
         n, rank = len(self._pushed), self._gflow_comm.Get_rank()
-        mine = np.zeros(3 * n + 5, np.int64)
+        mine = np.zeros(3 * n + 7, np.int64)
         mine[:n] = [entry is not None for entry in self._pushed]
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
         factor = self.gradient_predivide_factor
         mine[2 * n : 2 * n + 5] = (*_bounds(scale or 0.0), *_bounds(factor), int(moved))
-        mine[2 * n + 5 :] = [i in self._sparse_pushed or i in self._densified for i in range(n)]
+        mine[2 * n + 5 : 3 * n + 5] = [i in self._sparse_pushed or i in self._densified for i in range(n)]
+        mine[3 * n + 5 :] = (int(self._sparse_as_dense), 1 - int(self._sparse_as_dense))
         try:
             agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
@@ -403,7 +405,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     f"{smallest:g} to {largest:g}; this rank's is {factor:g})"
                 )
             )
-        used, sparse = agreed[:n] > 0, agreed[2 * n + 5 :] > 0
+        if agreed[3 * n + 5] and agreed[3 * n + 6]:
+            raise as_horovod_error(
+                gflow.MismatchError(
+                    "DistributedOptimizer: the ranks' sparse_as_dense differ (this rank's is "
+                    f"{self._sparse_as_dense}): a sparse gradient would be reduced two ways; the step is not "
+                    "applied, on any rank"
+                )
+            )
+        used, sparse = agreed[:n] > 0, agreed[2 * n + 5 : 3 * n + 5] > 0
         if not self._sparse_as_dense and (used & sparse).any():
             names = [repr(self._gflow_keys[i]) for i in np.flatnonzero(used & sparse)[:5]]
             raise RuntimeError(
