@@ -138,7 +138,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, probe_ctx
         self._probes = probes
         self._index_of = {p: i for i, p in enumerate(params)}
-        self._dp.set_absent([k for k, p in zip(keys, params, strict=True) if id(p) in self._absent])
+        self._apply_absent()
         self._gflow_hook(params)
 
     def _new_kit(self, keys: list, probes: list) -> DataParallel:
@@ -182,7 +182,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, [None] * len(params)
         self._probes = None
         self._index_of = {p: i for i, p in enumerate(params)}
-        self._dp.set_absent([k for k, p in zip(keys, params, strict=True) if id(p) in self._absent])
+        self._apply_absent()
 
     def _gflow_hook(self, params) -> None:
         """A gradient hook on each parameter that requires grad and has none yet (torch refuses one
@@ -429,7 +429,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         each reduced on its own, in parameter order on every rank, a rank without one taking part
         with zeros; they are then in the kit's place for the write-back. An fp16 overflow (on every
         rank alike) leaves NaN in it and is returned, as the kit's is (see synchronize)."""
-        overflow = None
+        overflow, op, comm = None, "mean" if self.op == Average else "sum", self._gflow_comm
         for index, p in enumerate(self._gflow_params):
             if id(p) not in self._absent or not used[index]:
                 continue
@@ -443,7 +443,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     p.grad = torch.zeros_like(p)
                     self._pushed[index] = (zeros, self._probe_ctx[index], p.grad, p.grad._version)
             work = self._pushed[index][0]
-            op, comm = "mean" if self.op == Average else "sum", self._gflow_comm
             try:
                 gflow.allreduce_async(work, op, comm=comm, out=work, compression=self._cname).wait()
             except gflow.NonFiniteError as exc:
@@ -467,8 +466,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 absent.pop(id(p), None)
         if absent.keys() != self._absent.keys():
             self._absent = absent
-            keys = [k for k, p in zip(self._gflow_keys, self._gflow_params, strict=True) if id(p) in absent]
-            self._dp.set_absent(keys)
+            self._apply_absent()
+
+    def _apply_absent(self) -> None:
+        """Tell the kit which of its parameters are out of its fusion (self._absent), between steps."""
+        params = zip(self._gflow_keys, self._gflow_params, strict=True)
+        self._dp.set_absent([key for key, p in params if id(p) in self._absent])
 
     def _gather_sparse(self, sparse) -> None:
         """Horovod's sparse allreduce of each sparse gradient, in parameter order on every rank: a rank
