@@ -36,6 +36,21 @@ def fp16_close(y, x):
     assert np.all(np.abs(y.astype(np.float64) - everyone.mean(axis=0)) <= tol)
 
 
+def push_in_backward_order(dp, keys, grads, buffers) -> dict:
+    """Push each key's gradient, last layer first: written into its buffer from gradient_buffers()
+    (buffers given) or as a copy of its own; {key: the array pushed}."""
+    pushed = {}
+    for key in reversed(keys):
+        if buffers is not None:
+            buffers[key][...] = grads[key]
+            dp.push(key)
+            pushed[key] = buffers[key]
+        else:
+            pushed[key] = grads[key].copy()
+            dp.push(key, pushed[key])
+    return pushed
+
+
 def identical(params):
     """Every rank holds bitwise the same parameters."""
     for p in params.values():
@@ -58,15 +73,7 @@ def test_dense_equals_mpis_allreduce_mean():
             grads = random_grads(rank_rng(10 * step + threshold), params)
 
             def check(grads=grads, buffers=buffers, dp=dp, step=step, params=params):
-                pushed = {}
-                for key in reversed(list(params)):  # backward: last layer first
-                    if buffers is not None:
-                        buffers[key][...] = grads[key]
-                        dp.push(key)
-                        pushed[key] = buffers[key]
-                    else:
-                        pushed[key] = grads[key].copy()
-                        dp.push(key, pushed[key])
+                pushed = push_in_backward_order(dp, list(params), grads, buffers)
                 assert dp.synchronize() is True
                 assert dp.step_count == step + 1
                 assert all(dp.gradients()[k] is g for k, g in pushed.items())
@@ -135,15 +142,7 @@ def test_absent_parameters_leave_the_fusion_and_the_rest_match_mpi():
             grads = random_grads(rank_rng(40 + step), params)
 
             def check(grads=grads, buffers=buffers, dp=dp, absent=absent, params=params):
-                pushed = {}
-                for key in reversed([k for k in params if k not in absent]):
-                    if buffers is not None:
-                        buffers[key][...] = grads[key]
-                        dp.push(key)
-                        pushed[key] = buffers[key]
-                    else:
-                        pushed[key] = grads[key].copy()
-                        dp.push(key, pushed[key])
+                pushed = push_in_backward_order(dp, [k for k in params if k not in absent], grads, buffers)
                 if absent:
                     with pytest.raises(ValueError, match="out of the fusion"):
                         dp.push(absent[0], grads[absent[0]].copy())
