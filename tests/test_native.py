@@ -22,8 +22,9 @@ from mpi4py import MPI
 import gflow
 from gflow.arrays import host_ops
 from gflow.collectives import native
+from gflow.collectives.recursive_doubling import SEPARATE_PAYLOAD_BYTES
 from gflow.runtime import stall
-from gflow.runtime.context import context
+from gflow.runtime.context import context, rd_schedule
 
 SIZES = [1, 2, 3, 4]
 MULTI = [2, 3, 4]
@@ -161,3 +162,130 @@ def test_an_mpi_error_in_a_compiled_step_is_named():
     ):
         native._drive(context(), FailingLoop(), (np.zeros(1),))
     assert stall.mark().since is None  # the wait is over
+
+
+# Recursive doubling's steps compiled (native_loops.recursive_doubling): the latency path and the
+# agreement before a ring, from a plan's second use, on ranks whose plan has two steps or more.
+
+
+def compiled_here() -> bool:
+    """Whether this rank's recursive-doubling plans run compiled (two steps or more: p >= 3 but for
+    the ranks that hand their data to a partner, or that only exchange once)."""
+    fold, rounds = rd_schedule(WORLD.rank, WORLD.size)
+    steps = 1 if fold is not None and fold[0] == "send" else len(rounds) + (2 if fold is not None else 0)
+    return steps >= 2
+
+
+def spy_on_compiled_steps(monkeypatch) -> list:
+    """The (step, status) of every compiled recursive-doubling run in this process from now on."""
+    runs, real = [], native.recursive_doubling
+
+    def spied(*args):
+        runs.append(real(*args))
+        return runs[-1]
+
+    monkeypatch.setattr(native, "recursive_doubling", spied)
+    return runs
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_recursive_doubling_gives_the_python_loops_bits(monkeypatch, dtype):
+    runs = spy_on_compiled_steps(monkeypatch)
+    for n in (1, 7, 1000):
+        for op in ("sum", "max", "min", "mean") if np.dtype(dtype).kind != "i" else ("sum", "max", "min"):
+            x = random_array(rank_rng(n), n, np.float32).astype(dtype)
+            results = []
+            for on in (True, False):
+                monkeypatch.setattr(gflow.config, "native", on)
+                for out in (None, "given"):  # the fast lane's own result, and the caller's array
+                    for _ in range(3):  # (a plan runs compiled from its second use)
+                        poisoned = None if out is None else np.full(x.shape, 7, x.dtype)
+                        y = gflow.allreduce(x, op, out=poisoned)
+                    results.append(y.tobytes())
+            label = f"n={n} {op}"
+            assert results[0] == results[1] == results[2] == results[3], label
+            assert_same_on_all_ranks(y)
+            if np.dtype(dtype) != ml_dtypes.bfloat16:  # (no MPI bfloat16: test_bfloat16.py)
+                on_all_ranks(lambda: assert_close_to_reference(y, x, op), label)  # noqa: B023
+    # every compiled run went through all its steps: no header differed
+    assert bool(runs) == compiled_here(), runs
+    assert all(status == 0 for _, status in runs), runs
+
+
+@pytest.mark.parallel(MULTI)
+def test_the_agreement_before_a_ring_runs_compiled(monkeypatch):
+    runs = spy_on_compiled_steps(monkeypatch)
+    x = random_array(rank_rng(5), 300_001, np.float32)  # (above the latency path: agreement, then ring)
+    for _ in range(3):
+        y = gflow.allreduce(x, algorithm="ring")
+    on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))
+    assert_same_on_all_ranks(y)
+    assert len(runs) == (2 if compiled_here() else 0) and all(status == 0 for _, status in runs), runs
+
+
+@pytest.mark.parallel(MULTI)
+def test_a_header_not_this_ranks_is_handed_to_python(monkeypatch):
+    # Warm plans on every rank, then one rank passes another length: the compiled loop meets a header
+    # that is not its own, hands the step to Python, and every rank raises.
+    runs = spy_on_compiled_steps(monkeypatch)
+    for theirs in (11, SEPARATE_PAYLOAD_BYTES // 8 + 5):  # (the latter: a payload sent apart)
+        mine = np.ones(10)
+        for _ in range(2):
+            gflow.allreduce(mine)
+            gflow.allreduce(np.ones(theirs))
+        x = np.ones(theirs) if WORLD.rank == 0 else mine
+        for _ in range(2):
+            with pytest.raises(gflow.MismatchError, match="ranks disagree"):
+                gflow.allreduce(x)
+        y = random_array(rank_rng(3), 9, np.float64)  # nothing left in flight
+        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(y), y, "sum"))  # noqa: B023
+    asked = [step for step, status in runs if status == native.ASK_PYTHON]
+    assert asked or WORLD.rank == 0 or not compiled_here(), runs  # (rank 0's long one: sent apart)
+
+
+@pytest.mark.parallel([3, 4])
+def test_compiled_recursive_doubling_resumes_after_a_visit(monkeypatch):
+    # One poll per visit and a late rank: the waits return to Python many times between steps.
+    monkeypatch.setattr(native, "POLLS_PER_VISIT", 1)
+    visits = []
+    visit = native._visit
+
+    def counted(loop, args):
+        def once(*args):
+            visits.append(loop)
+            return loop(*args)
+
+        return visit(once, args)
+
+    x = random_array(rank_rng(8), 100, np.float32)
+    gflow.allreduce(x)
+    monkeypatch.setattr(native, "_visit", counted)
+    for late in range(WORLD.size):
+        if WORLD.rank == late:
+            time.sleep(0.1)
+        y = gflow.allreduce(x)
+        on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))  # noqa: B023
+        assert_same_on_all_ranks(y)
+    assert len(visits) > WORLD.size or not compiled_here(), len(visits)
+
+
+@pytest.mark.parallel([4])  # (every rank's plan has two steps: compiled)
+@pytest.mark.parametrize("error", ["truncated", "other"])
+def test_an_mpi_error_in_compiled_recursive_doubling(monkeypatch, error):
+    # What the compiled loop returns when a step's MPI call fails, before anything moved (the loop is
+    # replaced): a receive that did not fit is a message from another protocol, on every rank; any
+    # other error names the peer.
+    code = MPI.ERR_TRUNCATE if error == "truncated" else MPI.ERR_OTHER
+    x = random_array(rank_rng(6), 10, np.float64)
+    gflow.allreduce(x)
+    monkeypatch.setattr(native, "recursive_doubling", lambda *args: (0, -code))
+    if error == "truncated":
+        with pytest.raises(gflow.MismatchError, match="a message this protocol does not accept"):
+            gflow.allreduce(x)
+    else:
+        with pytest.raises(gflow.GflowError, match=f"agreement exchange with rank {WORLD.rank ^ 1}"):
+            gflow.allreduce(x)
+    monkeypatch.undo()
+    if error == "truncated":  # nothing was left in flight
+        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))

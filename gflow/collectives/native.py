@@ -1,5 +1,7 @@
 """Ring steps without Python in the loop: Numba loops that call the MPI library's own C entry points
-(MPI_Irecv, MPI_Isend, MPI_Testall of the library mpi4py loaded) and reduce what arrives.
+(MPI_Irecv, MPI_Isend, MPI_Testall, MPI_Startall of the library mpi4py loaded) and reduce what arrives.
+Recursive doubling's steps (the latency path, the agreement before a ring) run the same way: see
+RecursiveDoubling at the end.
 
 A ring step in Python costs 4 to 9 us of interpreter per exchange here (mpi4py's buffer handling,
 the watched wait, slicing, the ufunc call; bench/ring_steps.py); at 512 ranks a 4 MiB allreduce makes
@@ -29,6 +31,7 @@ loop runs instead.
 
 import ctypes
 import platform
+import sys
 import time
 
 import numpy as np
@@ -40,12 +43,14 @@ from ..runtime.config import config
 from ..runtime.context import TAG_RING_AG, TAG_RING_RS, CommContext
 from ..runtime.signature import BFLOAT16
 
-_DONE, _PENDING = 0, 1  # what a compiled phase returns; a negative number: -(the MPI error code)
+# What a compiled loop returns (a negative number: -(the MPI error code)); ASK_PYTHON: recursive
+# doubling met a header that is not this rank's
+_DONE, _PENDING, ASK_PYTHON = 0, 1, 2
 POLLS_PER_VISIT = 2000  # polls between visits to Python, yielding (a few ms: departures, Ctrl-C)
 SLEEPING_VISIT_S = 0.005  # ... and, sleeping between polls (the engine thread), at most this long
 _HALVES = {np.dtype(np.float16): 1, BFLOAT16: 2}  # 2-byte floats, reduced as their bits
 _OPS = {"sum": 0, "max": 1, "min": 2}
-_ENTRY_POINTS = ("MPI_Irecv", "MPI_Isend", "MPI_Testall")
+_ENTRY_POINTS = ("MPI_Irecv", "MPI_Isend", "MPI_Testall", "MPI_Startall")
 
 _compiled = None  # the compiled phases once bound, or False where they cannot be
 
@@ -98,7 +103,7 @@ class Phases:
     statuses; `divisors` the world size in each dtype a mean divides (host_ops.divide's operand)."""
 
     def __init__(self, ctx: CommContext):
-        self.sleeps = ctx.is_background  # the engine thread sleeps between polls, the caller's yields
+        self.is_background = ctx.is_background  # (_budget: the engine thread sleeps between polls)
         self.params, self.state = _compiled.PARAMS, _compiled.STATE
         self.ints = np.zeros(self.params + self.state + ctx.size + 1, np.int64)
         handles = (_int64(ctx.comm.handle), _int64(MPI.BYTE.handle), 0, MPI._sizeof(MPI.Request))
@@ -111,10 +116,7 @@ class Phases:
         ints[0], ints[1], ints[4], ints[5], ints[8], ints[12], ints[13] = (
             seg, widest, op, half, tag, tag_allgather, mean
         )  # fmt: skip
-        if self.sleeps:  # (a budget in microseconds slept: native_loops._wait backs off)
-            ints[10], ints[11] = int(SLEEPING_VISIT_S * 1e6), max(1, config.background_poll_us)
-        else:
-            ints[10], ints[11] = POLLS_PER_VISIT, 0
+        ints[10], ints[11] = _budget(self)
         ints[self.params : self.params + self.state] = 0
         ints[self.params + self.state :] = bounds
         return ints
@@ -125,6 +127,14 @@ class Phases:
         if d is None:
             d = self.divisors[dtype] = np.full(1, self.size, dtype)
         return d
+
+
+def _budget(ctx) -> tuple:
+    """A visit's (budget, sleep_us): the engine thread sleeps between polls, budget microseconds
+    slept per visit (native_loops._wait_on backs off); the caller's thread yields, budget polls."""
+    if ctx.is_background:
+        return int(SLEEPING_VISIT_S * 1e6), max(1, config.background_poll_us)
+    return POLLS_PER_VISIT, 0
 
 
 def _phases(ctx: CommContext) -> Phases:
@@ -148,24 +158,17 @@ def _compiled_for(loop, args) -> None:
         _ready.add(key)
 
 
-def _drive(ctx: CommContext, loop, args) -> None:
-    """Call loop(*args) (one compiled visit) until it is done, doing between visits what the watched
-    wait does between polls; the stall inspector sees this thread waiting for the whole phase."""
-    _compiled_for(loop, args)
+def _visit(loop, args) -> int:
+    """Call loop(*args) (one compiled visit) until it returns anything but _PENDING, and return that,
+    doing between visits what the watched wait does between polls; the stall inspector sees this
+    thread waiting the whole time."""
     mark = stall.mark()
     mark.since = time.monotonic()
     try:
         while True:
             status = loop(*args)
-            if status == _DONE:
-                return
-            if status < 0:
-                left, right = (ctx.rank - 1) % ctx.size, (ctx.rank + 1) % ctx.size
-                raise GflowError(
-                    f"MPI failed in a ring step on rank {ctx.rank}, exchanging with ranks {left} and {right} "
-                    f"(a peer that failed?): MPI error class {MPI.Get_error_class(-status)}, "
-                    f"{MPI.Get_error_string(-status)}"
-                )
+            if status != _PENDING:
+                return status
             if stall.departures:
                 stall.check_waiting()
     except GflowError:
@@ -175,6 +178,19 @@ def _drive(ctx: CommContext, loop, args) -> None:
         raise
     finally:
         mark.since = None
+
+
+def _drive(ctx: CommContext, loop, args) -> None:
+    """Run a ring phase's loop to its end; an MPI error names this rank's two neighbours."""
+    _compiled_for(loop, args)
+    status = _visit(loop, args)
+    if status < 0:
+        left, right = (ctx.rank - 1) % ctx.size, (ctx.rank + 1) % ctx.size
+        raise GflowError(
+            f"MPI failed in a ring step on rank {ctx.rank}, exchanging with ranks {left} and {right} "
+            f"(a peer that failed?): MPI error class {MPI.Get_error_class(-status)}, "
+            f"{MPI.Get_error_string(-status)}"
+        )
 
 
 def reduce_scatter(ctx: CommContext, src, buf, landing, bounds, seg: int, widest: int, op: str) -> None:
@@ -204,3 +220,57 @@ def allgather(ctx: CommContext, buf, bounds) -> None:
     phases = _phases(ctx)
     ints = phases.start(TAG_RING_AG, bounds)
     _drive(ctx, _compiled.allgather, (_plain(buf, _HALVES.get(buf.dtype, 0)), ints, phases.space))
+
+
+class RecursiveDoubling:
+    """A recursive-doubling plan's steps for the compiled loop (native_loops.recursive_doubling):
+    its persistent requests' handles, one row per step, and the header's offsets, made once per plan.
+    In Python a step costs about 3 us here (Startall, the watched wait, the header's comparison, the
+    ufunc), log2(p) of them per call; compiled, the loop starts, waits and folds each step while every
+    header that arrives is this rank's own, and hands the rest (a mismatch, ranks in join(), a payload
+    sent apart, a receive that did not fit) back to recursive_doubling.py, which goes on from there.
+    `steps`: (peer is lower, action, requests) per step, requests as recursive_doubling._Step holds
+    them (the receive first); `layout`: (bytes compared, rank_a, rank_b, follows, header bytes)."""
+
+    def __init__(self, steps, layout, last_into_dst: bool):
+        loops = _compiled
+        size = MPI._sizeof(MPI.Request)
+        self.steps = np.zeros((len(steps), 4), np.int64)
+        self.space = np.zeros(len(steps) * 2 * size + 2 * 64, np.uint8)  # (room for any MPI_Status)
+        for i, (lower, action, requests, receives) in enumerate(steps):
+            code = {"combine": loops.RD_COMBINE, "take": loops.RD_TAKE}.get(action, -1)
+            self.steps[i] = (int(lower), code, len(requests), int(receives))
+            for k, request in enumerate(requests):
+                at = (2 * i + k) * size
+                self.space[at : at + size] = np.frombuffer(
+                    (request.handle & ((1 << 8 * size) - 1)).to_bytes(size, sys.byteorder), np.uint8
+                )
+        self.ints = np.zeros(loops.RD_PARAMS + 2, np.int64)
+        words = (loops.RD_SAME, loops.RD_RANK_A, loops.RD_RANK_B, loops.RD_FOLLOWS, loops.RD_HEADER)
+        self.ints[list(words)] = layout
+        self.ints[loops.RD_STEPS], self.ints[loops.RD_REQUEST_SIZE] = len(steps), size
+        self.ints[loops.RD_STATUSES], self.ints[loops.RD_LAST_INTO_DST] = len(steps) * 2 * size, last_into_dst
+
+
+_NO_PAYLOAD = np.zeros(0, np.uint8)
+
+
+def recursive_doubling(ctx: CommContext, rd: RecursiveDoubling, acc, incoming, dst, send, recv, op) -> tuple:
+    """Run a plan's steps compiled while every peer's header is this rank's own (see
+    native_loops.recursive_doubling). Returns (step, status): status _DONE (step: the number of
+    steps), ASK_PYTHON (that step's messages arrived; the caller folds them and goes on) or
+    -(an MPI error code) of that step."""
+    loops = _compiled
+    ints = rd.ints
+    half = _HALVES.get(acc.dtype, 0) if acc is not None else 0
+    ints[loops.RD_OP], ints[loops.RD_HALF] = _OPS[op] if op is not None else 0, half
+    ints[loops.RD_BUDGET], ints[loops.RD_SLEEP] = _budget(ctx)
+    ints[loops.RD_PARAMS :] = 0
+    if acc is None:
+        args = (_NO_PAYLOAD, _NO_PAYLOAD, _NO_PAYLOAD, send, recv, ints, rd.steps, rd.space)
+    else:
+        payload = (_plain(acc, half), _plain(incoming, half), _plain(dst, half))
+        args = (*payload, send, recv, ints, rd.steps, rd.space)
+    _compiled_for(loops.recursive_doubling, args)
+    status = _visit(loops.recursive_doubling, args)
+    return int(ints[loops.RD_PARAMS]), status

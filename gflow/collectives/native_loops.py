@@ -23,10 +23,12 @@ mpi_irecv = types.ExternalFunction("MPI_Irecv", _i32(_i64, _i32, _i64, _i32, _i3
 mpi_isend = types.ExternalFunction("MPI_Isend", _i32(_i64, _i32, _i64, _i32, _i32, _i64, _i64))
 # int MPI_Testall(int count, MPI_Request requests[], int *flag, MPI_Status statuses[])
 mpi_testall = types.ExternalFunction("MPI_Testall", _i32(_i32, _i64, _i64, _i64))
+# int MPI_Startall(int count, MPI_Request requests[])
+mpi_startall = types.ExternalFunction("MPI_Startall", _i32(_i32, _i64))
 sched_yield = types.ExternalFunction("sched_yield", _i32())
 usleep = types.ExternalFunction("usleep", _i32(_u32))
 
-_DONE, _PENDING = 0, 1
+_DONE, _PENDING, _ASK_PYTHON = 0, 1, 2
 
 
 def reduce_into(out, low, high, op, half):
@@ -92,13 +94,19 @@ def longest_pause(sleep_us, budget):
 
 @njit(inline="always")
 def _wait(space, flag, budget, sleep_us):
-    """Poll the two requests: 0 done, _PENDING not yet, < 0 an MPI error. Yielding (sleep_us 0):
-    up to budget polls. Sleeping: until budget microseconds were slept, the pause doubling from
-    sleep_us to BACKOFF times it, so a wait that lasts (a slow link) wakes its core seldom while
-    backward computes, and a short one (shared memory) is polled as often as before."""
+    """Poll the two requests at the start of space (their statuses after them)."""
+    return _wait_on(2, space.ctypes.data, space.ctypes.data + 16, flag, budget, sleep_us)
+
+
+@njit(inline="always")
+def _wait_on(count, requests, statuses, flag, budget, sleep_us):
+    """Poll `count` requests (at address `requests`): 0 done, _PENDING not yet, < 0 an MPI error.
+    Yielding (sleep_us 0): up to budget polls. Sleeping: until budget microseconds were slept, the
+    pause doubling from sleep_us to BACKOFF times it, so a wait that lasts (a slow link) wakes its
+    core seldom while backward computes, and a short one (shared memory) is polled as often as before."""
     if sleep_us <= 0:
         for _ in range(budget):
-            rc = mpi_testall(2, space.ctypes.data, flag.ctypes.data, space.ctypes.data + 16)
+            rc = mpi_testall(count, requests, flag.ctypes.data, statuses)
             if rc != 0:
                 return -rc
             if flag[0] != 0:
@@ -107,7 +115,7 @@ def _wait(space, flag, budget, sleep_us):
         return _PENDING
     pause, slept, longest = sleep_us, 0, longest_pause(sleep_us, budget)
     while True:
-        rc = mpi_testall(2, space.ctypes.data, flag.ctypes.data, space.ctypes.data + 16)
+        rc = mpi_testall(count, requests, flag.ctypes.data, statuses)
         if rc != 0:
             return -rc
         if flag[0] != 0:
@@ -234,3 +242,75 @@ def allreduce(src, buf, landing, divisor, ints, space):
             divide_by(buf[bounds[r] : bounds[r + 1]], divisor[0])
         state[0], state[1], state[2], state[3] = 0, 0, 0, 1
     return _allgather_steps(buf, ints, space, ints[12])
+
+
+# Recursive doubling's steps (recursive_doubling.py's schedule), for plans whose payload travels in
+# the header's message. `ints`: the RD_PARAMS below, then the state (step, in flight); `steps`: one row
+# per step (peer is lower, action, requests, receives); `space`: each step's two persistent requests
+# (started by MPI_Startall), then room for two statuses.
+RD_STEPS, RD_OP, RD_HALF, RD_BUDGET, RD_SLEEP, RD_REQUEST_SIZE = 0, 1, 2, 3, 4, 5
+RD_SAME, RD_RANK_A, RD_RANK_B, RD_FOLLOWS, RD_HEADER, RD_LAST_INTO_DST, RD_STATUSES = 6, 7, 8, 9, 10, 11, 12
+RD_PARAMS = 13
+RD_COMBINE, RD_TAKE = 0, 1  # (any other action: the step only sends)
+
+
+@njit(inline="always")
+def _header_agrees(send, recv, ints):
+    """The peer's header is this rank's (state and signature), with no rank in join() behind it and
+    no payload sent apart: the only case handled here; anything else is recursive_doubling.py's."""
+    for k in range(ints[RD_SAME]):
+        if recv[k] != send[k]:
+            return False
+    for k in range(8):
+        if recv[ints[RD_RANK_B] + k] != 0 or recv[ints[RD_FOLLOWS] + k] != 0:
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True)
+def recursive_doubling(acc, incoming, dst, send, recv, ints, steps, space):
+    """The steps of one recursive-doubling exchange from state[0] on, while every header received is
+    this rank's own: start a step's persistent requests, wait, fold the peer's payload into acc (or
+    dst, at the last step where the plan says so), lower rank's operand first. Returns _DONE, _PENDING
+    (out of polls: call again), _ASK_PYTHON (step state[0]'s messages have arrived and its header is
+    not this rank's: Python folds it and goes on) or -(an MPI error code) of step state[0]."""
+    state = ints[RD_PARAMS:]
+    op, half, size = ints[RD_OP], ints[RD_HALF], ints[RD_REQUEST_SIZE]
+    budget, sleep_us = ints[RD_BUDGET], ints[RD_SLEEP]
+    last = ints[RD_STEPS] - 1
+    flag = np.zeros(1, np.int32)
+    statuses = space.ctypes.data + ints[RD_STATUSES]
+    i, in_flight = state[0], state[1]
+    while i <= last:
+        requests, count = space.ctypes.data + i * 2 * size, steps[i, 2]
+        if in_flight == 0:
+            rc = mpi_startall(count, requests)
+            if rc != 0:
+                state[0], state[1] = i, 0
+                return -rc
+            in_flight = 1
+        rc = _wait_on(count, requests, statuses, flag, budget, sleep_us)
+        if rc != 0:
+            state[0], state[1] = i, in_flight if rc == _PENDING else 0
+            return rc
+        in_flight = 0
+        if steps[i, 3] != 0:
+            if not _header_agrees(send, recv, ints):
+                state[0], state[1] = i, 0
+                return _ASK_PYTHON
+            lower, action = steps[i, 0] != 0, steps[i, 1]
+            if action == RD_COMBINE:
+                if lower:  # the lowest rank among those agreeing
+                    for k in range(8):
+                        send[ints[RD_RANK_A] + k] = recv[ints[RD_RANK_A] + k]
+                out = dst if (i == last and ints[RD_LAST_INTO_DST] != 0) else acc
+                if lower:
+                    reduce_into(out, incoming, acc, op, half)
+                else:
+                    reduce_into(out, acc, incoming, op, half)
+            elif action == RD_TAKE:  # the partner's verdict and result, as they are
+                for k in range(ints[RD_HEADER]):
+                    send[k] = recv[k]
+        i += 1
+    state[0], state[1] = i, 0
+    return _DONE

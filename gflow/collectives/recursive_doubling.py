@@ -34,10 +34,11 @@ from mpi4py import MPI
 
 from ..arrays import host_ops as host
 from ..errors import GflowError, MismatchError
-from ..runtime import stall
+from ..runtime import stall, timeline
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
 from ..runtime.context import TAG_AGREE, CommContext
 from ..runtime.signature import CODE_COLLECTIVE, SIG_LEN, describe, difference
+from . import native
 
 _MAGIC = 0x67666C6F77  # "gflow"
 _OK, _MISMATCH, JOINED = 0, 1, 2
@@ -139,6 +140,21 @@ class _Plan:
                 self.steps.append(step(fold[1], False, "none", receives=False))
         # The last combine can write straight to the caller's array unless a partner still needs it.
         self.last_into_dst = fold is None and len(self.steps) > 0
+        self.send, self.recv = send, recv
+        self.uses = 0
+        self.compiled = None  # the steps for native.py's loop, from the plan's second use (_compiled)
+
+    def _compiled(self):
+        """native.py's form of these steps, or None where they run in Python: one step (a call into
+        the compiled loop, Numba's dispatch of its arrays, costs about what a step in Python does:
+        measured slower at p = 2, faster from two steps: bench/RESULTS.md), a payload sent apart, no
+        compiled loops here, or a plan used once so far (a short script need not load Numba)."""
+        self.uses += 1
+        if self.uses == 2 and len(self.steps) >= 2 and not self.separate and native.usable(host):
+            steps = [(s.peer_is_lower, s.action, s.requests, s.receives) for s in self.steps]
+            layout = (_RANK_A * 8, _RANK_A * 8, _RANK_B * 8, _FOLLOWS * 8, HEADER_BYTES)
+            self.compiled = native.RecursiveDoubling(steps, layout, self.last_into_dst)
+        return self.compiled
 
     def free(self) -> None:
         for step in self.steps:
@@ -200,8 +216,12 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
         else:
             np.copyto(acc, src)
     last = len(plan.steps) - 1
-    for i, step in enumerate(plan.steps):
-        if not _complete(ctx, plan, step, own):
+    first, arrived = _compiled_steps(ctx, plan, dst, op)
+    if first:
+        own = acc
+    for i in range(first, last + 1):
+        step = plan.steps[i]
+        if not _complete(ctx, plan, step, own, arrived=i == first and arrived):
             own = acc
             continue
         if step.action == "combine":
@@ -222,14 +242,38 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
         np.copyto(dst, plan.incoming if plan.steps[0].action == "take" else acc)
 
 
-def _complete(ctx: CommContext, plan: _Plan, step: _Step, own) -> bool:
+def _compiled_steps(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
+    """Run the plan's steps in native.py's compiled loop while every header received is this rank's
+    own. Returns (the first step left to Python, whether that step's header exchange has already
+    completed); (0, False) where the loop does not serve this call."""
+    compiled = plan._compiled()
+    if compiled is None or timeline.active():  # (a timeline shows each wait: the Python loop)
+        return 0, False
+    if dst is not None and not (dst.flags.c_contiguous and dst.flags.writeable and dst.flags.aligned):
+        return 0, False
+    step, status = native.recursive_doubling(
+        ctx, compiled, plan.acc, plan.incoming, dst, plan.send, plan.recv, op
+    )
+    if status == native.ASK_PYTHON:
+        return step, True
+    if status < 0:
+        _failed(plan, plan.steps[step], MPI.Exception(-status))
+        return step + 1, False
+    return step, False
+
+
+def _complete(ctx: CommContext, plan: _Plan, step: _Step, own, arrived=False) -> bool:
     """Run one step: the header's message (with the payload, unless it goes apart) each way, then a
     separate payload each way where the sender's header says one follows. False (and a recorded
     mismatch) when the peer's message did not fit: receives have room for any settings, so it came
-    from another version of gflow."""
+    from another version of gflow. `arrived`: the header's messages have been exchanged already
+    (by the compiled loop, which leaves a plan whose payload goes apart to Python)."""
     requests, waitall, recv_mv = step.requests, ctx.waitall, plan.recv_mv
     try:
-        MPI.Prequest.Startall(requests)  # (the header is posted before its payload: it arrives first)
+        if arrived:
+            requests = []
+        else:
+            MPI.Prequest.Startall(requests)  # (the header is posted before its payload: it arrives first)
         if plan.separate:
             if step.sends:
                 if own is plan.acc:
@@ -252,23 +296,28 @@ def _complete(ctx: CommContext, plan: _Plan, step: _Step, own) -> bool:
                 step.payload_in.Start()
                 waitall(requests)
     except MPI.Exception as exc:
-        # A truncated receive comes back as ERR_TRUNCATE, or, from a wait on several requests, as
-        # ERR_IN_STATUS (the error is in the receive's status): on gflow's private communicator, the
-        # only sender is a gflow rank, and its message can only be too long for another protocol.
-        if exc.Get_error_class() not in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
-            peer = step.peer
-            raise GflowError(f"MPI failed during the agreement exchange with rank {peer}: {exc}") from exc
-        for request in requests:  # let the send half finish: the next call starts these again
-            try:
-                request.Wait()
-            except MPI.Exception:
-                pass
-        mine = np.frombuffer(plan.send_mv[:HEADER_BYTES], dtype=np.int64).copy()
-        if mine[1] == _OK:
-            mine[1], mine[_SIG_B], mine[_RANK_B] = _MISMATCH, 0, step.peer
-            plan.send_mv[:HEADER_BYTES] = mine.tobytes()
+        _failed(plan, step, exc, requests)
         return False
     return True
+
+
+def _failed(plan: _Plan, step: _Step, exc: MPI.Exception, requests=None) -> None:
+    """A step's MPI error: a receive that did not fit is recorded as a mismatch with the peer, once
+    the step's other requests have finished; any other error raises."""
+    # A truncated receive comes back as ERR_TRUNCATE, or, from a wait on several requests, as
+    # ERR_IN_STATUS (the error is in the receive's status): on gflow's private communicator, the
+    # only sender is a gflow rank, and its message can only be too long for another protocol.
+    if exc.Get_error_class() not in (MPI.ERR_TRUNCATE, MPI.ERR_IN_STATUS):
+        raise GflowError(f"MPI failed during the agreement exchange with rank {step.peer}: {exc}") from exc
+    for request in step.requests if requests is None else requests:  # let the send half finish: the
+        try:  # next call starts these again
+            request.Wait()
+        except MPI.Exception:
+            pass
+    mine = np.frombuffer(plan.send_mv[:HEADER_BYTES], dtype=np.int64).copy()
+    if mine[1] == _OK:
+        mine[1], mine[_SIG_B], mine[_RANK_B] = _MISMATCH, 0, step.peer
+        plan.send_mv[:HEADER_BYTES] = mine.tobytes()
 
 
 def _follows(recv_mv) -> int:
