@@ -792,6 +792,59 @@ def test_a_gradient_sparse_on_one_rank_and_dense_on_another_fails_every_rank():
     on_all_ranks(check)
 
 
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_an_embedding_a_rank_left_unused_has_no_layout_of_its_own(set_to_none):
+    """zero_grad(set_to_none=False) leaves an empty sparse gradient on an nn.Embedding(sparse=True)
+    that a rank then does not use: it holds zeros, as None would, and must not make a step where the
+    other ranks' gradient is dense fail as "sparse on some ranks". op=Sum, no named_parameters."""
+    rng = np.random.default_rng([46, WORLD.rank])
+
+    def check():
+        torch.manual_seed(0)
+        emb, head = torch.nn.Embedding(10, 3, sparse=True).double(), torch.nn.Linear(3, 1).double()
+        params = [emb.weight, *head.parameters()]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), op=hvd.Sum)  # (no momentum: torch
+        last = WORLD.rank == WORLD.size - 1  # adds no sparse gradient to a dense buffer)
+        for step, (sparse, skipped) in enumerate([(True, False), (False, True), (True, True), (True, False)]):
+            opt.zero_grad(set_to_none=set_to_none)
+            emb.sparse = sparse
+            rows = torch.from_numpy(rng.integers(0, 10, 4))
+            x = torch.from_numpy(rng.standard_normal((4, 3))) if skipped and last else emb(rows)
+            head(x).pow(2).sum().backward()
+            local = [
+                np.zeros(p.shape) if p.grad is None else p.grad.to_dense().numpy().copy() for p in params
+            ]
+            expected = [WORLD.allreduce(g) for g in local]
+            opt.synchronize()
+            for i, (p, e) in enumerate(zip(params, expected, strict=True)):
+                np.testing.assert_allclose(
+                    p.grad.to_dense().numpy(), e, rtol=1e-12, atol=1e-14, err_msg=f"{step} {i}"
+                )
+            with opt.skip_synchronize():
+                opt.step()
+            assert_same_on_all_ranks(emb.weight.detach().numpy())
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_mixed_layout_names_the_parameter_and_this_ranks_layout():
+    def check():
+        emb = torch.nn.Embedding(6, 2, sparse=WORLD.rank == 0)
+        head = torch.nn.Linear(2, 1)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([*head.parameters(), emb.weight], lr=0.1))
+        head(emb(torch.tensor([1, 2]))).sum().backward()
+        here = "sparse" if WORLD.rank == 0 else "dense"
+        with pytest.raises(
+            RuntimeError,
+            match=rf"'allreduce.noname.2' is sparse .* \(this rank's of 'allreduce.noname.2': {here}\)",
+        ):
+            opt.step()
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_gradient_as_bucket_view_reduces_in_the_pool_and_matches_mpi(set_to_none):

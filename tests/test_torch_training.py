@@ -344,6 +344,11 @@ def test_a_gradient_changed_between_backward_and_step_fails_on_every_rank():
             lambda m: setattr(m.head.bias, "grad", m.head.bias.grad * 2),
         ),
         "in place on the last rank": (-1, lambda m: m.body.weight.grad.mul_(3)),
+        # (no version bump: the reduction went into the old memory, p.grad kept this rank's own)
+        "p.grad.data replaced on the last rank": (
+            -1,
+            lambda m: setattr(m.body.weight.grad, "data", m.body.weight.grad.data.clamp(-1e-3, 1e-3)),
+        ),
     }
     for label, (who, change) in changes.items():
 
@@ -375,6 +380,40 @@ def test_a_gradient_changed_between_backward_and_step_fails_on_every_rank():
             assert_close(model, ref)
 
         on_all_ranks(check, label)
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("op", ["Average", "Sum"])
+def test_a_retry_on_gradients_a_refused_step_reduced_fails_on_every_rank(op):
+    """A step refused after its gradients were reduced where they are leaves them holding the ranks'
+    sum: step() again without a new backward would reduce them twice (silently, with op=Sum). It
+    fails on every rank, nothing is applied, and zero_grad() with a new backward is right."""
+
+    def check():
+        torch.manual_seed(0)
+        model = Net()
+        ref = Net().double()
+        ref.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=getattr(hvd, op))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1 * (WORLD.size if op == "Sum" else 1))
+        (x, y), (x2, y2) = data(2)
+        local_loss(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # after backward sent them: refused
+        with pytest.raises(RuntimeError, match="changed after backward sent it"):
+            opt.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):  # the retry as it is, twice
+            with pytest.raises(RuntimeError, match="still those of a step that was not applied"):
+                opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        opt.zero_grad(set_to_none=False)  # (in place: the same tensors, zeroed)
+        local_loss(model, x2, y2).backward()
+        opt.step()
+        reference_step(ref, ref_opt, x2, y2)
+        assert_identical(model)
+        assert_close(model, ref)
+
+    on_all_ranks(check)
 
 
 @pytest.mark.parallel(SIZES)

@@ -75,6 +75,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         # dense slot of zeros is reduced for them. Learned by this instance, never saved: every rank's
         # fresh optimizer starts alike, whatever checkpoint one rank loads.
         self._absent: dict = {}
+        # index -> (p.grad, its version) of gradients a refused step had reduced in place (they hold
+        # the reduced gradient, not this rank's): a step on them as they are would reduce them twice
+        self._refused: dict = {}
         self._gflow_build(self._gflow_reduced_params())
         self._gflow_reset_step()
 
@@ -196,6 +199,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._delay = [self.backward_passes_per_step] * n
         # per parameter: (tensor pushed into the kit, decompress ctx, p.grad then, its version then)
         self._pushed = [None] * n
+        self._pushed_at = [0] * n  # per dense gradient pushed: where its memory was (p.grad.data = ...)
         # per parameter with a sparse gradient (sparse_as_dense=False): (p.grad then, its version then)
         self._sparse_pushed: dict = {}
         self._densified: set = set()  # (sparse_as_dense) parameters whose sparse gradient went dense
@@ -262,6 +266,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 view.copy_(grad)
                 p.grad = view
             self._pushed[index] = (view, None, view, view._version)
+            self._pushed_at[index] = view.data_ptr()
             if id(p) not in self._absent:  # (else reduced on its own at synchronize: _reduce_absent)
                 self._dp.push(self._gflow_keys[index])
             return
@@ -274,6 +279,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         if self._compressor is not None:
             work, ctx = self._compressor.compress(work)
         self._pushed[index] = (work, ctx, grad, grad._version)
+        self._pushed_at[index] = grad.data_ptr()
         if id(p) not in self._absent:  # (else reduced on its own at synchronize: _reduce_absent)
             self._dp.push(self._gflow_keys[index], work)
 
@@ -290,7 +296,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
         Raises:
             HorovodInternalError: the reduction failed on every rank (MismatchError: the ranks' models
-                differ...). Every p.grad then keeps its local value and the next step works.
+                differ...). Gradients reduced where they are (no compression) may hold the reduced value
+                then: a step on them as they are, without a new backward, fails on every rank (see
+                self._refused); zero_grad() and backward again, and the next step works.
             TypeError, ValueError: this rank pushed a bad gradient (the others raise MismatchError).
             RuntimeError: on every rank, when some rank changed a gradient after backward had pushed
                 it (clip_grad_norm_, p.grad = None, ...) and before synchronize(): the reduction would
@@ -310,9 +318,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         if not self._touched:
             self._gflow_begin_step()
         params = self._gflow_params
+        stale = any(params[i].grad is g and g._version == v for i, (g, v) in self._refused.items())
         try:
             for index, p in enumerate(params):
                 if self._pushed[index] is None and index not in self._sparse_pushed and p.grad is not None:
+                    if _left_over_zeros(p.grad):  # zeros as None would be; as None, not in another layout
+                        continue
                     self._push(index, p)
             # Gradients changed since backward pushed them, and parameters that joined or left the
             # reduced set since the step began: found here, agreed on below.
@@ -321,7 +332,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 for i, entry in enumerate(self._pushed)
             ]
             changed = [
-                was is not None and (params[i].grad is not was[0] or was[0]._version != was[1])
+                was is not None
+                and (
+                    params[i].grad is not was[0]
+                    or was[0]._version != was[1]
+                    or (was[0].layout == torch.strided and was[0].data_ptr() != self._pushed_at[i])
+                )
                 for i, was in enumerate(pushed)
             ]
             moved = _changed_set(self._gflow_reduced_params(), params)
@@ -333,7 +349,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             except Exception as exc:  # noqa: BLE001 - every rank raises (gflow guarantees it)
                 raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
             try:
-                used = self._gflow_agree(changed, moved, scale)
+                used = self._gflow_agree(changed, moved, scale, stale)
             except BaseException:
                 self._dp.discard_step()  # refused: CSC's residuals stay as before the step
                 raise
@@ -345,8 +361,17 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             if not self._sparse_as_dense:
                 self._gather_sparse(sparse)
                 self._learn_absent(used, sparse)
+        except BaseException:
+            # Gradients reduced where they are (no compression, no copy) hold the reduced value now
+            self._refused = {
+                i: (entry[2], entry[2]._version)
+                for i, entry in enumerate(self._pushed)
+                if entry is not None and entry[0] is entry[2]
+            }
+            raise
         finally:
             self._gflow_reset_step()
+        self._refused = {}
         self._reduced = True
         self._reduced_grads = [(g, g._version) for g in (p.grad for p in params) if g is not None]
 
@@ -365,27 +390,37 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._reduced = still
         return still
 
-    def _gflow_agree(self, changed: list, moved: bool, scale: float | None):
+    def _gflow_agree(self, changed: list, moved: bool, scale: float | None, stale: bool):
         """One small exchange after the kit's, before its step is committed: which parameters some
         rank had a gradient for, which some rank changed after pushing (as the highest such rank +
         1), whether the reduced set changed during the step somewhere, and the ranges of what every
         rank must hold alike (the loss scale, gradient_predivide_factor: see _bounds; sparse_as_dense,
-        as a flag and its complement, whose maxima are both 1 where ranks differ). Asked only
+        as a flag and its complement, whose maxima are both 1 where ranks differ), and whether some
+        rank steps on gradients a refused step reduced (`stale`: see self._refused). Asked only
         now, when every rank's background queue is empty: whether the kit's segments went out during
         backward or at synchronize() depends on which parameters each rank used, so a collective
         queued before them could meet a segment on another rank."""
         n, rank = len(self._pushed), self._gflow_comm.Get_rank()
-        mine = np.zeros(3 * n + 7, np.int64)
+        mine = np.zeros(3 * n + 8, np.int64)
         mine[:n] = [entry is not None for entry in self._pushed]
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
         factor = self.gradient_predivide_factor
         mine[2 * n : 2 * n + 5] = (*_bounds(scale or 0.0), *_bounds(factor), int(moved))
         mine[2 * n + 5 : 3 * n + 5] = [i in self._sparse_pushed or i in self._densified for i in range(n)]
-        mine[3 * n + 5 :] = (int(self._sparse_as_dense), 1 - int(self._sparse_as_dense))
+        mine[3 * n + 5 : 3 * n + 7] = (int(self._sparse_as_dense), 1 - int(self._sparse_as_dense))
+        mine[3 * n + 7] = int(stale)
         try:
             agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
             raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+        if agreed[3 * n + 7]:
+            raise RuntimeError(
+                "DistributedOptimizer: the gradients are still those of a step that was not applied, "
+                "and that step had already reduced them in place (they hold the reduced gradient, not "
+                f"each rank's own{'; so here' if stale else ', on some rank'}): reducing them again would "
+                "count them twice, so the step is not applied, on any rank. zero_grad() and run backward "
+                "again"
+            )
         changed_on = agreed[n : 2 * n]
         if changed_on.any():
             raise RuntimeError(self._changed_message(changed, changed_on))
@@ -415,14 +450,30 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             )
         used, sparse = agreed[:n] > 0, agreed[2 * n + 5 : 3 * n + 5] > 0
         if not self._sparse_as_dense and (used & sparse).any():
-            names = [repr(self._gflow_keys[i]) for i in np.flatnonzero(used & sparse)[:5]]
+            which = np.flatnonzero(used & sparse)
+            first = int(which[0])
+            here = "sparse" if first in self._sparse_pushed else "dense" if self._pushed[first] else "none"
             raise RuntimeError(
-                f"DistributedOptimizer: the gradient of {', '.join(names)} is sparse on some ranks and "
-                f"dense on others (this rank's is {'sparse' if self._sparse_pushed else 'dense'}): the "
-                "step is not applied, on any rank. Give every rank the same layout (or "
-                "sparse_as_dense=True)"
+                f"DistributedOptimizer: the gradient of {self._names_of(which)} is sparse on some ranks and "
+                f"dense on others (this rank's of {self._name_of(first)}: {here}): the step is not applied, "
+                "on any rank. Give every rank the same layout (or sparse_as_dense=True); a dense p.grad "
+                "that zero_grad(set_to_none=False) kept (broadcast_optimizer_state leaves zeros) makes "
+                "backward's sparse gradient dense: zero_grad(set_to_none=True) clears it"
             )
         return used, sparse
+
+    def _name_of(self, index: int) -> str:
+        """A reduced parameter as messages name it: its name, or Horovod's for an unnamed one."""
+        key = self._gflow_keys[index]
+        if isinstance(key, str):
+            return repr(key)
+        return repr(self._parameter_names.get(self._gflow_params[index], f"allreduce.noname.{key}"))
+
+    def _names_of(self, indices) -> str:
+        """Up to five parameters' names, and how many more."""
+        indices = list(indices)
+        more = f" and {len(indices) - 5} more" if len(indices) > 5 else ""
+        return ", ".join(self._name_of(int(i)) for i in indices[:5]) + more
 
     def _reduce_absent(self, used):
         """Dense gradients of parameters out of the kit's fusion (their gradients were sparse before):
@@ -449,7 +500,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 overflow = exc
                 work.fill_(math.nan)
             except gflow.GflowError as exc:
-                raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+                error = type(exc)(f"{exc} (reducing the dense gradient of {self._name_of(index)})")
+                raise as_horovod_error(error).with_traceback(exc.__traceback__) from None
         return overflow
 
     def _learn_absent(self, used, sparse) -> None:
@@ -491,9 +543,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
     def _changed_message(self, changed: list, changed_on) -> str:
         which = [i for i in range(len(changed_on)) if changed_on[i]]
-        names = ", ".join(repr(self._gflow_keys[i]) for i in which[:5]) + (
-            f" and {len(which) - 5} more" if len(which) > 5 else ""
-        )
+        names = self._names_of(which)
         ranks = sorted({int(changed_on[i]) - 1 for i in which})
         here = ""
         for i in which:
@@ -501,9 +551,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 grad = self._gflow_params[i].grad
                 sent = self._pushed[i][2] if self._pushed[i] is not None else self._sparse_pushed[i][0]
                 how = "cleared (p.grad is None: model.zero_grad()?)" if grad is None else (
-                    "replaced (p.grad = ...)" if grad is not sent else "modified in place"
+                    "replaced (p.grad = ...)" if grad is not sent else
+                    "given other memory (p.grad.data = ...)" if grad.layout == torch.strided
+                    and grad.data_ptr() != self._pushed_at[i] else "modified in place"
                 )  # fmt: skip
-                here = f"; here, {self._gflow_keys[i]!r} was {how}"
+                here = f"; here, {self._name_of(i)} was {how}"
                 break
         return (
             f"DistributedOptimizer: the gradient of {names} changed after backward sent it for reduction "
@@ -698,6 +750,16 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
 # The wrapped class's step already runs torch's step hooks; torch must not wrap this one again.
 _DistributedOptimizer.step.hooked = True
+
+
+def _left_over_zeros(grad) -> bool:
+    """A gradient this step's backward did not produce (no hook pushed it) that holds only zeros: an
+    unused parameter's after zero_grad(set_to_none=False) (sparse without entries, for an embedding
+    of sparse=True), or broadcast_optimizer_state's. It counts as no gradient, whose zeros it holds:
+    its layout must not conflict with the ranks that used the parameter."""
+    if grad.layout == torch.strided:
+        return not bool(grad.any())
+    return grad.layout == torch.sparse_coo and not bool(grad._values().any())
 
 
 def _changed_set(params: list, before: list) -> bool:
