@@ -170,3 +170,28 @@ def test_malformed_stall_settings_are_named():
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.returncode != 0 and name in done.stderr and repr(value) in done.stderr, done.stderr
+
+
+@pytest.mark.parallel([2, 3])
+def test_after_crossed_waits_no_collective_starts_on_that_communicator():
+    # Rank 0 reduces in a blocking call while the others wait for an async one it has not started:
+    # rank 0 finds the crossed waits and raises; its blocking call's messages stay posted, so every
+    # later collective of any kind on that communicator (here an allgather, which used to meet them
+    # on a peer and hang it) refuses to start on rank 0, naming the failure. (A duplicate of WORLD:
+    # the failed communicator is never used again.)
+    comm = WORLD.Dup()
+    x = np.arange(4, dtype=np.float64)
+    gflow.allreduce(x, comm=comm)  # (the communicator's contexts made, as in a trainer's later steps)
+    gflow.allreduce_async(x, comm=comm).wait()
+    if WORLD.rank == 0:
+        with pytest.raises(gflow.MismatchError, match="crossed waits"):
+            gflow.allreduce(x, comm=comm)
+    try:  # what the others wait for; a peer found waiting then was told, and raises too
+        gflow.allreduce_async(x, comm=comm).wait()
+    except gflow.MismatchError as exc:
+        assert WORLD.rank != 0 and "crossed waits" in str(exc), exc
+    if WORLD.rank == 0:
+        for call in (gflow.allgather, gflow.broadcast, gflow.allreduce):
+            with pytest.raises(gflow.GflowError, match="an earlier collective on this communicator failed"):
+                call(x, comm=comm)
+    WORLD.Barrier()

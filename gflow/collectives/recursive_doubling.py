@@ -192,6 +192,9 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     """
     if src is not None and src.nbytes > capacity:
         raise ValueError(f"payload of {src.nbytes} bytes exceeds the agreement capacity of {capacity} bytes")
+    # Every collective agrees first: none may start where an earlier one left its messages posted
+    # (crossed waits), which a peer's next collective would otherwise take for its own.
+    ctx.check_usable()
     stall.entered(ctx, sig)  # (before the plan: making it may wait for the context's duplicates)
     _exchange(ctx, plan_for(ctx, sig, capacity, src), src, dst, op)
 
