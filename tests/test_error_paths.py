@@ -538,8 +538,9 @@ def test_ranks_with_another_small_message_bytes_fail_together(monkeypatch, setti
     others = latency_path_bytes(WORLD.size)  # (at p = 2, 16x small_message_bytes: dispatch.py)
     if WORLD.rank == LAST:
         monkeypatch.setattr(gflow.config, "small_message_bytes", setting)
-    if x.nbytes > others:  # the last rank alone takes the latency path
-        on_all_ranks(lambda: expect(gflow.MismatchError, lambda: gflow.allreduce(x), "disagree"))
+    if x.nbytes > others:  # the last rank alone takes the latency path: the message points at the setting
+        said = r"disagree on the algorithm \(as passed, or as chosen by gflow.config's settings: small_"
+        on_all_ranks(lambda: expect(gflow.MismatchError, lambda: gflow.allreduce(x), said))
     else:  # every rank takes it (receives have room for either): the right answer, alike
         on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))
     monkeypatch.undo()

@@ -218,8 +218,9 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
         return f"the number of {unit}", *(f"passed {s[2]}" for s in (a, b))
     if a[4] != b[4]:
         return "the op", *(f"op={CODE_OP.get(s[4], '?')}" for s in (a, b))
-    if a[1] & 0xFF != b[1] & 0xFF:
-        return "the algorithm", *(f"algorithm={CODE_ALGORITHM.get(s[1] & 0xFF, '?')}" for s in (a, b))
+    if a[1] & 0xFF != b[1] & 0xFF:  # (passed alike, "auto" chooses by gflow.config: say so)
+        what = "the algorithm (as passed, or as chosen by gflow.config's settings: small_message_bytes, ...)"
+        return what, *(f"algorithm={CODE_ALGORITHM.get(s[1] & 0xFF, '?')}" for s in (a, b))
     if a[1] != b[1]:
         return "gflow.config's settings for the algorithm", "has one checksum of them", "another"
     if collective == "broadcast" and a[5] & 0xFFFFFFFF != b[5] & 0xFFFFFFFF:
