@@ -75,9 +75,10 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         # dense slot of zeros is reduced for them. Learned by this instance, never saved: every rank's
         # fresh optimizer starts alike, whatever checkpoint one rank loads.
         self._absent: dict = {}
-        # index -> (p.grad, its version) of gradients a refused step had reduced in place (they hold
-        # the reduced gradient, not this rank's): a step on them as they are would reduce them twice
-        self._refused: dict = {}
+        # (parameter, its p.grad, that gradient's version) where a refused step had reduced the gradient
+        # in place (it holds the reduced gradient, not this rank's): a step on it as it is would reduce
+        # it twice. By parameter, not position: the reduced set may change before the retry.
+        self._refused: list = []
         self._gflow_build(self._gflow_reduced_params())
         self._gflow_reset_step()
 
@@ -318,7 +319,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         if not self._touched:
             self._gflow_begin_step()
         params = self._gflow_params
-        stale = any(params[i].grad is g and g._version == v for i, (g, v) in self._refused.items())
+        stale = any(p.grad is g and g._version == v for p, g, v in self._refused)
         try:
             for index, p in enumerate(params):
                 if self._pushed[index] is None and index not in self._sparse_pushed and p.grad is not None:
@@ -363,15 +364,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 self._learn_absent(used, sparse)
         except BaseException:
             # Gradients reduced where they are (no compression, no copy) hold the reduced value now
-            self._refused = {
-                i: (entry[2], entry[2]._version)
-                for i, entry in enumerate(self._pushed)
+            self._refused = [
+                (p, entry[2], entry[2]._version)
+                for p, entry in zip(params, self._pushed, strict=False)
                 if entry is not None and entry[0] is entry[2]
-            }
+            ]
             raise
         finally:
             self._gflow_reset_step()
-        self._refused = {}
+        self._refused = []
         self._reduced = True
         self._reduced_grads = [(g, g._version) for g in (p.grad for p in params) if g is not None]
 
