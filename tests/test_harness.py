@@ -50,4 +50,6 @@ def test_a_batch_that_fails_after_its_tests_fails_its_last_test():
     _, output = run_pytest(os.path.join(HERE, "batch_exit_case.py"), "-rA")
     assert "1 failed, 1 passed" in output, output
     assert "FAILED tests/batch_exit_case.py::test_passes_then_rank_1_fails_at_exit" in output, output
-    assert "every test of the batch reported, then its mpiexec ended (7)" in output, output
+    # mpiexec's status: rank 1's 7, or 9 where Hydra's SIGKILL of rank 0 (after rank 1 left) came first
+    ended = re.search(r"every test of the batch reported, then its mpiexec ended \((\d+)\)", output)
+    assert ended and ended.group(1) in ("7", "9"), output
