@@ -219,9 +219,7 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
         else:
             np.copyto(acc, src)
     last = len(plan.steps) - 1
-    first, arrived = _compiled_steps(ctx, plan, dst, op)
-    if first:
-        own = acc
+    first, arrived = _compiled_steps(ctx, plan, dst, op)  # (compiled only where own is acc already)
     for i in range(first, last + 1):
         step = plan.steps[i]
         if not _complete(ctx, plan, step, own, arrived=i == first and arrived):

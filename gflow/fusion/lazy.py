@@ -419,7 +419,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 "lazy", "recursive_doubling", len(self._fired), np.dtype(np.int64), None, extra=self._checksum
             )
             capacity = config.small_message_bytes
-            final = lambda: ctx.check_usable() or allreduce_with_agreement(ctx, ends, capacity)  # noqa: E731
+            final = lambda: allreduce_with_agreement(ctx, ends, capacity)  # noqa: E731 (it checks ctx is usable)
             self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx), [], None))
         tuner = self._tuner
         tuning = tuner is not None and tuner.active and self._pushes and self._error is None
