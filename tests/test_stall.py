@@ -177,7 +177,8 @@ def test_after_crossed_waits_no_collective_starts_on_that_communicator():
     # Rank 0 reduces in a blocking call while the others wait for an async one it has not started:
     # rank 0 finds the crossed waits and raises; its blocking call's messages stay posted, so every
     # later collective of any kind on that communicator (here an allgather, which used to meet them
-    # on a peer and hang it) refuses to start on rank 0, naming the failure. (A duplicate of WORLD:
+    # on a peer and hang it) refuses to start on rank 0, naming the failure; async calls work again
+    # after every rank's failed one, on a fresh background context. (A duplicate of WORLD:
     # the failed communicator is never used again.)
     comm = WORLD.Dup()
     x = np.arange(4, dtype=np.float64)
@@ -186,10 +187,19 @@ def test_after_crossed_waits_no_collective_starts_on_that_communicator():
     if WORLD.rank == 0:
         with pytest.raises(gflow.MismatchError, match="crossed waits"):
             gflow.allreduce(x, comm=comm)
-    try:  # what the others wait for; a peer found waiting then was told, and raises too
+    # What the others wait for: each peer was told, and raises (there or, not yet waiting then, here);
+    # rank 0's async call raises too, as its peers abandoned theirs (it used to wait for their
+    # messages, and hung at 3 ranks where a peer had left its collective before sending them all).
+    with pytest.raises(gflow.GflowError, match="crossed waits") as raised:
         gflow.allreduce_async(x, comm=comm).wait()
-    except gflow.MismatchError as exc:
-        assert WORLD.rank != 0 and "crossed waits" in str(exc), exc
+    if WORLD.rank == 0:
+        assert "an earlier background collective on this communicator failed" in str(raised.value)
+    else:
+        assert isinstance(raised.value, gflow.MismatchError), raised.value
+    y = np.random.default_rng(WORLD.rank).standard_normal(5)  # a fresh background context: it works
+    want = np.empty_like(y)
+    WORLD.Allreduce(y, want)
+    assert np.allclose(gflow.allreduce_async(y, comm=comm, op="sum").wait(), want)
     if WORLD.rank == 0:
         for call in (gflow.allgather, gflow.broadcast, gflow.allreduce):
             with pytest.raises(gflow.GflowError, match="an earlier collective on this communicator failed"):

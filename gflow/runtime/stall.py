@@ -246,6 +246,12 @@ def raise_crossed(ctx, number: int) -> None:
     if ctx.crossed_here is not None:
         text, ctx.crossed_here = ctx.crossed_here, None
         ctx.failed = text  # its unfinished collective's messages are still posted
+        # The peers were told to abandon their async collectives past this rank's place on the
+        # background context (their duplicates, where it has none yet), so this rank's next one there
+        # could never finish: it fails too, and the next async call after it makes a fresh context on
+        # every rank (reset_background). Where there is none yet, one is made, so that its duplicate
+        # meets the one the peers abandoned, as theirs was.
+        ctx.background().failed = f"crossed waits found by gflow rank {ctx.rank}, which told its peers"
         raise MismatchError(text)
     if not ctx.is_background:
         return
