@@ -170,3 +170,38 @@ def test_what_the_lane_does_not_serve_still_gives_mpis_answer(tmp_path):
         assert_same_on_all_ranks(y)
     finally:
         gflow.config.small_message_bytes = small
+
+
+@pytest.mark.parallel([2])
+@pytest.mark.parametrize("error", ["truncated", "other"])
+def test_an_mpi_error_in_the_one_exchange_of_two_ranks(monkeypatch, error):
+    # Two ranks exchange once, inline (recursive_doubling._lone_step). An MPI error there, before
+    # anything moved (Startall replaced): a receive that did not fit is a message from another
+    # protocol, a mismatch on every rank; any other error names the peer.
+    from mpi4py import MPI
+
+    from gflow.collectives import recursive_doubling
+
+    code = MPI.ERR_TRUNCATE if error == "truncated" else MPI.ERR_OTHER
+    x = random_array(rank_rng(6), 10, np.float64)
+    for _ in range(2):  # (the lane learns, then makes the plan)
+        gflow.allreduce(x)
+    plan = context().small_calls[(x.dtype, x.shape, "sum", "auto", gflow.config.small_message_bytes)].plan
+    assert plan is not None and plan.lone
+
+    def failing(requests):
+        raise MPI.Exception(code)
+
+    mpi = type("MPI", (), {"Prequest": type("P", (), {"Startall": staticmethod(failing)})})
+    for name in ("Request", "Exception", "ERR_TRUNCATE", "ERR_IN_STATUS"):
+        setattr(mpi, name, getattr(MPI, name))
+    monkeypatch.setattr(recursive_doubling, "MPI", mpi)
+    if error == "truncated":
+        with pytest.raises(gflow.MismatchError, match="a message this protocol does not accept"):
+            gflow.allreduce(x)
+    else:
+        with pytest.raises(gflow.GflowError, match="agreement exchange with rank"):
+            gflow.allreduce(x)
+    monkeypatch.undo()
+    if error == "truncated":  # nothing was left in flight
+        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))

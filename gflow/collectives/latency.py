@@ -78,9 +78,12 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
     else:
         return None
     ctx.check_usable()
-    dst = result.reshape(-1)
+    flat = x.ndim == 1  # (a reshape costs 0.3 us: a tenth of what this lane adds to MPI at p = 2)
+    dst = result if flat else result.reshape(-1)
     try:
-        recursive_doubling.run(ctx, small.plan, small.sig, x.reshape(-1), dst, small.op, small.about)
+        recursive_doubling.run(
+            ctx, small.plan, small.sig, x if flat else x.reshape(-1), dst, small.op, small.about
+        )
     except MismatchError as exc:
         raise MismatchError(f"{exc}.\nThis rank passed {small.about}") from exc
     if small.mean:

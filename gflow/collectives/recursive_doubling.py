@@ -140,6 +140,9 @@ class _Plan:
                 self.steps.append(step(fold[1], False, "none", receives=False))
         # The last combine can write straight to the caller's array unless a partner still needs it.
         self.last_into_dst = fold is None and len(self.steps) > 0
+        # One exchange, the payload in the header's message (p = 2 below SEPARATE_PAYLOAD_BYTES):
+        # _exchange runs it inline (_lone_step).
+        self.lone = len(self.steps) == 1 and self.steps[0].action == "combine" and not self.separate
         self.send, self.recv = send, recv
         self.uses = 0
         self.compiled = None  # the steps for native.py's loop, from the plan's second use (_compiled)
@@ -219,7 +222,10 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
         else:
             np.copyto(acc, src)
     last = len(plan.steps) - 1
-    first, arrived = _compiled_steps(ctx, plan, dst, op)  # (compiled only where own is acc already)
+    if plan.lone:
+        first, arrived = _lone_step(ctx, plan, dst, op)
+    else:
+        first, arrived = _compiled_steps(ctx, plan, dst, op)  # (compiled only where own is acc already)
     for i in range(first, last + 1):
         step = plan.steps[i]
         if not _complete(ctx, plan, step, own, arrived=i == first and arrived):
@@ -261,6 +267,33 @@ def _compiled_steps(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
         _failed(plan, plan.steps[step], MPI.Exception(-status))
         return step + 1, False
     return step, False
+
+
+def _lone_step(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
+    """A plan's one exchange (p = 2, the payload in the header's message), inline: _complete and
+    _combine's generality cost about as much as MPI's own allreduce of a few KB at p = 2
+    (bench/RESULTS.md). Returns (1, False) when the step is done: the peer's header was this rank's
+    own and the result is in dst, or an MPI error was recorded as a mismatch (_failed); (0, True)
+    where the header that arrived is _combine's to fold (a mismatch, ranks in join())."""
+    step = plan.steps[0]
+    requests = step.requests
+    try:
+        MPI.Prequest.Startall(requests)
+        if not MPI.Request.Testall(requests):  # (a watched wait only where there is a wait)
+            ctx.waitall(requests)
+    except MPI.Exception as exc:
+        _failed(plan, step, exc, requests)
+        return 1, False
+    recv_mv = plan.recv_mv
+    if plan.recv_same != plan.send_same or recv_mv[_RANK_B_BYTES] != _NONE_BYTES:
+        return 0, True  # a mismatch, or ranks in join(): _combine's
+    if plan.acc is None:  # (the agreement before a ring: headers only)
+        pass
+    elif step.peer_is_lower:
+        host.reduce(dst, plan.incoming, plan.acc, op)
+    else:
+        host.reduce(dst, plan.acc, plan.incoming, op)
+    return 1, False
 
 
 def _complete(ctx: CommContext, plan: _Plan, step: _Step, own, arrived=False) -> bool:
