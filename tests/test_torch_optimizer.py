@@ -1081,3 +1081,48 @@ def test_gradient_as_bucket_view_takes_a_checkpoint_of_another_parameter_set_loa
         assert_same_on_all_ranks(np.concatenate([p.detach().numpy().ravel() for p in resumed.parameters()]))
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_the_steps_agreement_rides_in_the_fused_steps_final_exchange(monkeypatch):
+    """DDP carries its used-parameter mask in the step's last exchange; the optimizer carries its whole
+    agreement (the mask, gradients changed after backward, the loss scale, layouts) in the fused
+    step's final exchange, with no collective of its own. Where that exchange does not carry it (a
+    vector over AGREE_IN_FINAL_BYTES: thousands of parameters) the agreement is a collective of its
+    own, on every rank alike (here with that bound lowered); both give the reference's parameters,
+    bitwise alike on every rank."""
+    from gflow.fusion import lazy
+
+    r = WORLD.rank
+    calls = []
+    real = gflow.allreduce_async
+
+    def counted(x, op="sum", **kwargs):
+        calls.append(op)
+        return real(x, op, **kwargs)
+
+    monkeypatch.setattr(gflow, "allreduce_async", counted)
+    data = batches(3)
+    for case in ("in the final exchange", "on its own"):
+        if case == "on its own":  # (the model's agreement is 3 x 4 + 8 int64 words)
+            monkeypatch.setattr(lazy, "AGREE_IN_FINAL_BYTES", 64)
+
+        def check(case=case):
+            model = make_model()
+            ref = copy.deepcopy(model).double()
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+            )
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            for x, y in data:
+                calls.clear()
+                opt.zero_grad()
+                rank_loss(model, x, y, r)
+                opt.step()
+                reference_step(ref, ref_opt, x, y)
+                assert calls == ([] if case == "in the final exchange" else ["max"]), calls
+                assert_identical(model)
+                assert_close_to(model, ref, atol=1e-5)
+                assert model.extra.grad is not None and model.unused.grad is None  # (the mask)
+
+        on_all_ranks(check, case)

@@ -246,7 +246,8 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
     if send_mv[_RANK_B_BYTES] != _NONE_BYTES:  # some ranks are in join(): they took part with zeros
         _check_joined(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64))
     if acc is not None and not plan.last_into_dst:
-        np.copyto(dst, plan.incoming if plan.steps[0].action == "take" else acc)
+        took = plan.steps and plan.steps[0].action == "take"  # (one rank: no steps)
+        np.copyto(dst, plan.incoming if took else acc)
 
 
 def _compiled_steps(ctx: CommContext, plan: _Plan, dst, op) -> tuple:

@@ -27,6 +27,7 @@ together). Checkpoints are in lazy_state.py, the pool in pool.py, how a segment 
 strategies.py, threshold tuning in autotune.py.
 """
 
+import functools
 import struct
 import sys
 import time
@@ -41,7 +42,7 @@ from ..collectives.operations import allreduce_on, rejected_in_background
 from ..collectives.recursive_doubling import allreduce_with_agreement
 from ..errors import CompressionOverflowError
 from ..runtime import engine, timeline
-from ..runtime.config import config
+from ..runtime.config import DEFAULT_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import context
 from ..runtime.signature import DTYPE_CODE, check_op, holds, signature
 from .autotune import ThresholdTuner
@@ -54,6 +55,9 @@ from .strategies import Codec, Dense, Hook, Segment, Sparse
 _SIZE_AND_TYPE = struct.Struct("<qqq")
 # Measured with bench/fusion.py (bench/RESULTS.md): larger segments stop paying on this machine.
 DEFAULT_THRESHOLD_BYTES = 4 * 2**20
+# flush(agree=...): a caller's vector rides in the final exchange up to this size (the default
+# latency path's; a constant, not the setting, so that every rank decides alike), else it is None.
+AGREE_IN_FINAL_BYTES = DEFAULT_SMALL_MESSAGE_BYTES
 
 
 class LazyAllreduce(LazyCheckpoint, PooledGradients):
@@ -376,12 +380,18 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             csc.set_momentum(momentum)
         self.sparse = self._strategy.settings = dict(self.sparse, momentum=float(momentum))
 
-    def flush(self, *, commit: bool = True) -> None:
+    def flush(self, *, commit: bool = True, agree=None):
         """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
 
         commit=False keeps the sparse segments' new residuals aside until commit_step() (or
         discard_step(), which leaves them as before the step): for a caller with checks of its own
         after the reduction (DataParallel's loss-scale agreement), so a step they refuse is forgotten.
+
+        agree: an int64 vector of the same length on every rank (a caller's per-step agreement:
+        gflow.torch's optimizer), reduced with max in the step's final exchange instead of a
+        collective of its own. Returns that maximum; None where it did not ride (agree None or over
+        AGREE_IN_FINAL_BYTES), and flush() raised where the step failed: the caller then agrees on
+        its own, alike on every rank.
 
         Raises:
             TypeError, ValueError: one of this rank's pushes in this step failed its checks (the
@@ -395,7 +405,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 every rank; the pushed arrays hold the reduced values, inf/NaN included).
         """
         with timeline.span("lazy flush"):
-            self._flush(commit)
+            return self._flush(commit, agree)
 
     def commit_step(self) -> None:
         """Commit the sparse residuals of the last flush(commit=False)."""
@@ -409,18 +419,30 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         for csc in staged:
             csc.discard()
 
-    def _flush(self, commit: bool) -> None:
+    def _flush(self, commit: bool, agree):
         ctx = context(self._comm).background()
         if self._error is None:
             self._fire()
+        src = dst = None  # the caller's vector to agree on, and where its maximum lands
+        if agree is not None:
+            src = np.ascontiguousarray(agree, dtype=np.int64).reshape(-1)
+            dst = np.empty_like(src) if src.nbytes <= AGREE_IN_FINAL_BYTES else None
         if self._error is None and not (self._alone() and not self._fired):
-            # the final exchange: one segment count and checksum per rank (none to agree with alone)
-            ends = signature(
-                "lazy", "recursive_doubling", len(self._fired), np.dtype(np.int64), None, extra=self._checksum
-            )
-            capacity = config.small_message_bytes
-            final = lambda: allreduce_with_agreement(ctx, ends, capacity)  # noqa: E731 (it checks ctx is usable)
+            # the final exchange: one segment count and checksum per rank (none to agree with alone),
+            # with the caller's vector as payload (its length in the checksum: lengths must agree)
+            op, checksum = None, self._checksum
+            if dst is not None:
+                op, checksum = "max", zlib.crc32(struct.pack("<q", src.size), checksum)
+            count = len(self._fired)
+            ends = signature("lazy", "recursive_doubling", count, np.dtype(np.int64), op, extra=checksum)
+            capacity = max(config.small_message_bytes, 0 if dst is None else src.nbytes)
+            payload = (src, dst, op) if dst is not None else (None, None, None)
+            # (bound now: allreduce_with_agreement checks that ctx is usable)
+            final = functools.partial(allreduce_with_agreement, ctx, ends, capacity, *payload)
             self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx), [], None))
+        elif dst is not None:
+            dst[:] = src  # alone: the maximum over one rank
+        step_agreed = dst
         tuner = self._tuner
         tuning = tuner is not None and tuner.active and self._pushes and self._error is None
         agreed = None  # the ranks' step times per candidate, summed (the step that settles the threshold)
@@ -467,6 +489,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             self.commit_step()
         if overflow:
             raise CompressionOverflowError(overflow_message("LazyAllreduce", self.compression))
+        return step_agreed
 
     def _agree_on_threshold(self, ctx):
         """Queue, behind the step's segments, the allreduce of this rank's median step time per

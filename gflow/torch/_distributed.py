@@ -342,15 +342,16 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 for i, was in enumerate(pushed)
             ]
             moved = _changed_set(self._gflow_reduced_params(), params)
+            mine = self._agreement(changed, moved, scale, stale)
             overflow = None
             try:
-                self._dp.synchronize(commit=False)
+                self._dp.synchronize(commit=False, agree=mine)
             except gflow.NonFiniteError as exc:  # on every rank alike: see the docstring
                 overflow = exc
             except Exception as exc:  # noqa: BLE001 - every rank raises (gflow guarantees it)
                 raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
             try:
-                used = self._gflow_agree(changed, moved, scale, stale)
+                used = self._gflow_agree(mine, self._dp.agreed, changed, scale)
             except BaseException:
                 self._dp.discard_step()  # refused: CSC's residuals stay as before the step
                 raise
@@ -391,16 +392,14 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._reduced = still
         return still
 
-    def _gflow_agree(self, changed: list, moved: bool, scale: float | None, stale: bool):
-        """One small exchange after the kit's, before its step is committed: which parameters some
-        rank had a gradient for, which some rank changed after pushing (as the highest such rank +
-        1), whether the reduced set changed during the step somewhere, and the ranges of what every
-        rank must hold alike (the loss scale, gradient_predivide_factor: see _bounds; sparse_as_dense,
-        as a flag and its complement, whose maxima are both 1 where ranks differ), and whether some
-        rank steps on gradients a refused step reduced (`stale`: see self._refused). Asked only
-        now, when every rank's background queue is empty: whether the kit's segments went out during
-        backward or at synchronize() depends on which parameters each rank used, so a collective
-        queued before them could meet a segment on another rank."""
+    def _agreement(self, changed: list, moved: bool, scale: float | None, stale: bool) -> np.ndarray:
+        """This rank's side of the step's agreement, whose maximum over the ranks _gflow_agree
+        reads: which parameters some rank had a gradient for, which some rank changed after pushing
+        (as the highest such rank + 1), whether the reduced set changed during the step somewhere,
+        and the ranges of what every rank must hold alike (the loss scale, gradient_predivide_factor:
+        see _bounds; sparse_as_dense, as a flag and its complement, whose maxima are both 1 where
+        ranks differ), and whether some rank steps on gradients a refused step reduced (`stale`: see
+        self._refused)."""
         n, rank = len(self._pushed), self._gflow_comm.Get_rank()
         mine = np.zeros(3 * n + 8, np.int64)
         mine[:n] = [entry is not None for entry in self._pushed]
@@ -410,10 +409,23 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         mine[2 * n + 5 : 3 * n + 5] = [i in self._sparse_pushed or i in self._densified for i in range(n)]
         mine[3 * n + 5 : 3 * n + 7] = (int(self._sparse_as_dense), 1 - int(self._sparse_as_dense))
         mine[3 * n + 7] = int(stale)
-        try:
-            agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
-        except gflow.GflowError as exc:
-            raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+        return mine
+
+    def _gflow_agree(self, mine: np.ndarray, agreed, changed: list, scale: float | None):
+        """Judge the step's agreement before the kit's step is committed. `agreed`: the maximum of
+        `mine` over the ranks, from the kit's final exchange (DataParallel.synchronize(agree=...):
+        no collective of its own); None where it did not ride there (a step that raised, a vector
+        over LazyAllreduce.AGREE_IN_FINAL_BYTES), alike on every rank: then it is one small exchange
+        after the kit's, asked only now, when every rank's background queue is empty (whether the
+        kit's segments went out during backward or at synchronize() depends on which parameters each
+        rank used, so a collective queued before them could meet a segment on another rank).
+        `changed` and `scale` as _agreement took them (for the messages)."""
+        n, stale, factor = len(self._pushed), bool(mine[-1]), self.gradient_predivide_factor
+        if agreed is None:
+            try:
+                agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
+            except gflow.GflowError as exc:
+                raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
         if agreed[3 * n + 7]:
             raise RuntimeError(
                 "DistributedOptimizer: the gradients are still those of a step that was not applied, "

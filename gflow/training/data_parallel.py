@@ -213,6 +213,7 @@ class DataParallel:
         )  # fmt: skip
         self._scaler = loss_scaler
         self._comm = comm
+        self.agreed = None  # the last synchronize(agree=...)'s maximum over the ranks
         self._keys = keys
         # Slot i is the i-th gradient pushed into LazyAllreduce: parameters in reverse order.
         n = len(keys)
@@ -382,13 +383,15 @@ class DataParallel:
             self._error = error
             self._lazy.push(_Rejected())
 
-    def synchronize(self, *, commit: bool = True) -> bool:
+    def synchronize(self, *, commit: bool = True, agree=None) -> bool:
         """End the step: push what is missing (zeros for parameters no gradient reached), reduce,
         and with a loss scaler unscale and agree on overflow.
 
         commit=False (for a caller with checks of its own after the reduction, as gflow.torch's
         optimizer has): with sparse=, the new residuals wait for commit_step(), or discard_step()
-        to forget the step.
+        to forget the step. agree: such a caller's int64 vector, reduced with max in the step's
+        final exchange (LazyAllreduce.flush); the result is self.agreed afterwards, None where it
+        did not ride there (the caller then agrees on its own, alike on every rank).
 
         Returns:
             True when the step should be applied (always without a loss scaler); False when some
@@ -413,9 +416,10 @@ class DataParallel:
             except Exception as exc:  # noqa: BLE001 - raised below, after the peers were told
                 self._fail(exc)
         error = self._error
+        self.agreed = None
         try:
             try:
-                self._lazy.flush(commit=False)
+                self.agreed = self._lazy.flush(commit=False, agree=agree)
             except NonFiniteError:
                 if self._scaler is None or error is not None:
                     raise
