@@ -43,13 +43,16 @@ CASES = [  # every dtype with every op it takes ("mean" of integers is a TypeErr
 def test_warm_calls_match_mpi_with_and_without_out(dtype, op):
     rng = rank_rng(7)
     for shape in [(1,), (5, 3), (257,), (gflow.config.small_message_bytes // np.dtype(dtype).itemsize,)]:
-        for rep in range(3):  # the first call learns (the general path); the others take the lane
+        for rep in range(4):  # the first call learns (the general path); the others take the lane
             x = random_array(rng, shape, np.float32).astype(dtype)
             before = x.copy()
-            out = None if rep % 2 == 0 else np.full(shape, 99, dtype)
+            # out: none, of x's shape, or of another shape of x's size (allowed: a 2-D out of a 1-D x
+            # once wrote past its end in the lane)
+            out = [None, np.full(shape, 99, dtype), None, np.full((x.size, 1), 99, dtype)][rep]
             y = gflow.allreduce(x, op, out=out)
-            assert y.shape == shape and y.dtype == np.dtype(dtype)
+            assert y.shape == (shape if out is None else out.shape) and y.dtype == np.dtype(dtype)
             assert y is out if out is not None else y is not x
+            y = y.reshape(shape)
             np.testing.assert_array_equal(x.view(np.uint8), before.view(np.uint8))  # x untouched
             if np.dtype(dtype) != ml_dtypes.bfloat16:  # (MPI has no bfloat16: test_bfloat16.py bounds it)
                 on_all_ranks(lambda: assert_close_to_reference(y, x, op))  # noqa: B023 - called at once
