@@ -174,34 +174,28 @@ def test_malformed_stall_settings_are_named():
 
 @pytest.mark.parallel([2, 3])
 def test_after_crossed_waits_no_collective_starts_on_that_communicator():
-    # Rank 0 reduces in a blocking call while the others wait for an async one it has not started:
-    # rank 0 finds the crossed waits and raises; its blocking call's messages stay posted, so every
-    # later collective of any kind on that communicator (here an allgather, which used to meet them
-    # on a peer and hang it) refuses to start on rank 0, naming the failure; async calls work again
-    # after every rank's failed one, on a fresh background context. (A duplicate of WORLD:
-    # the failed communicator is never used again.)
+    # A step in which rank 0 reduces a metric in a blocking call while the others wait for their
+    # async work (a trainer's step), which rank 0 has not started: rank 0 finds the crossed waits and
+    # raises, out of its step; the others, told, raise out of theirs. The blocking call's messages
+    # stay posted, so no blocking collective of any kind starts on that communicator again, on any
+    # rank (here an allgather used to meet them on a peer and hang it), each naming the failure;
+    # async calls work again on every rank, on a fresh background context (rank 0's was dropped as
+    # it raised: its next async call used to wait for messages the peers had abandoned, and hung
+    # at 3 ranks). (A duplicate of WORLD: the failed communicator is never used again.)
     comm = WORLD.Dup()
     x = np.arange(4, dtype=np.float64)
     gflow.allreduce(x, comm=comm)  # (the communicator's contexts made, as in a trainer's later steps)
     gflow.allreduce_async(x, comm=comm).wait()
-    if WORLD.rank == 0:
-        with pytest.raises(gflow.MismatchError, match="crossed waits"):
-            gflow.allreduce(x, comm=comm)
-    # What the others wait for: each peer was told, and raises (there or, not yet waiting then, here);
-    # rank 0's async call raises too, as its peers abandoned theirs (it used to wait for their
-    # messages, and hung at 3 ranks where a peer had left its collective before sending them all).
-    with pytest.raises(gflow.GflowError, match="crossed waits") as raised:
-        gflow.allreduce_async(x, comm=comm).wait()
-    if WORLD.rank == 0:
-        assert "an earlier background collective on this communicator failed" in str(raised.value)
-    else:
-        assert isinstance(raised.value, gflow.MismatchError), raised.value
-    y = np.random.default_rng(WORLD.rank).standard_normal(5)  # a fresh background context: it works
-    want = np.empty_like(y)
-    WORLD.Allreduce(y, want)
-    assert np.allclose(gflow.allreduce_async(y, comm=comm, op="sum").wait(), want)
-    if WORLD.rank == 0:
-        for call in (gflow.allgather, gflow.broadcast, gflow.allreduce):
-            with pytest.raises(gflow.GflowError, match="an earlier collective on this communicator failed"):
-                call(x, comm=comm)
+    with pytest.raises(gflow.MismatchError, match="crossed waits"):
+        if WORLD.rank == 0:
+            gflow.allreduce(x, comm=comm)  # the metric, on rank 0 only
+        gflow.allreduce_async(x, comm=comm).wait()  # the step
+    for _ in range(2):
+        y = np.random.default_rng(WORLD.rank).standard_normal(5)
+        want = np.empty_like(y)
+        WORLD.Allreduce(y, want)
+        assert np.allclose(gflow.allreduce_async(y, comm=comm, op="sum").wait(), want)
+    for call in (gflow.allgather, gflow.broadcast, gflow.allreduce):
+        with pytest.raises(gflow.GflowError, match="an earlier collective on this communicator failed"):
+            call(x, comm=comm)
     WORLD.Barrier()

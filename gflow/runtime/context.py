@@ -158,6 +158,10 @@ class CommContext:
         # context, its collective here)}), and the error of one this rank found itself.
         self.crossed = {}
         self.crossed_here = None
+        # Background contexts made for this one so far; a background context's own number among them
+        # (crossed waits name the one they are about: a peer's fresh one is not the one it was told of)
+        self.backgrounds_made = 0
+        self.generation = 0
         self.parent = None  # for a background context: the context it duplicates (see .comm)
         self.last_sig = None
         self.rank = comm.Get_rank()
@@ -229,6 +233,8 @@ class CommContext:
         Made on first use; that is a collective call, as every rank's first async call is."""
         if self._background is None:
             self._background = CommContext(self._user_comm, background=True)
+            self.backgrounds_made += 1
+            self._background.generation = self.backgrounds_made
             self._background.parent = self
             self._background.gone = self.gone
             self._background.crossed = self.crossed

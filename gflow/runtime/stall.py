@@ -175,9 +175,9 @@ def _answer(ctx) -> None:
         return
     status = MPI.Status()
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_CROSSED, status):  # (before goodbyes: a teller says it first)
-        told = np.empty(2, np.int64)  # the teller's place on its background context, and here
+        told = np.empty(3, np.int64)  # the teller's place on its background context, which one, and here
         comm.Recv(told, status.Get_source(), TAG_CROSSED)
-        ctx.crossed[status.Get_source()] = (int(told[0]), int(told[1]))
+        ctx.crossed[status.Get_source()] = (int(told[0]), int(told[1]), int(told[2]))
         departures.append((ctx, status.Get_source()))
         caller = ctx.parent or ctx  # the teller left a collective unfinished there: its messages stay
         caller.failed = caller.failed or f"crossed waits with rank {status.Get_source()} (see its error)"
@@ -235,6 +235,16 @@ def check_waiting() -> None:
         return
     if ctx.crossed_here is not None or ctx.crossed:
         raise_crossed(ctx, ctx.entered)
+    if ctx.failed is not None and not ctx.is_background:
+        # A peer that found crossed waits told this rank (stall._answer), whose thread waits in a
+        # blocking collective too (the one that peer left unfinished, or one after it): none can
+        # finish. This rank's program leaves it as the finder's does: so does its background context.
+        if _engine_idle():
+            _drop_background(ctx)
+        raise MismatchError(
+            f"{ctx.failed}: the blocking collective #{ctx.entered} gflow rank {ctx.rank} waits in cannot "
+            f"finish. {_CROSSED_CAUSE}"
+        )
     if ctx.departed:
         _raise_departed(ctx, ctx.entered, ctx.last_sig)
 
@@ -247,22 +257,33 @@ def raise_crossed(ctx, number: int) -> None:
         text, ctx.crossed_here = ctx.crossed_here, None
         ctx.failed = text  # its unfinished collective's messages are still posted
         # The peers were told to abandon their async collectives past this rank's place on the
-        # background context (their duplicates, where it has none yet), so this rank's next one there
-        # could never finish: it fails too, and the next async call after it makes a fresh context on
-        # every rank (reset_background). Where there is none yet, one is made, so that its duplicate
-        # meets the one the peers abandoned, as theirs was.
-        ctx.background().failed = f"crossed waits found by gflow rank {ctx.rank}, which told its peers"
+        # background context (their duplicates, where it has none yet): each fails the one it waits in
+        # (the program's step, which this rank's program skips as it raises here) and makes a fresh
+        # context at its next async call. So does this rank: its background context is dropped now
+        # (made first where there is none yet, so that its duplicate meets the one the peers
+        # abandoned), and its next async call, the peers' next one, makes the fresh one with them.
+        _drop_background(ctx)
         raise MismatchError(text)
     if not ctx.is_background:
         return
-    for rank, (position, theirs) in list(ctx.crossed.items()):
-        if position < number:
+    for rank, (position, generation, theirs) in list(ctx.crossed.items()):
+        if generation < ctx.generation:  # about a background context this rank has dropped since
+            del ctx.crossed[rank]
+        elif position < number:
             del ctx.crossed[rank]
             raise MismatchError(
                 f"crossed waits: rank {rank} waits in a blocking collective (#{theirs} on this communicator) "
                 f"that gflow rank {ctx.rank} has not entered, and cannot start the async collective "
                 f"#{number} this rank waits for before that call returns. {_CROSSED_CAUSE}"
             )
+
+
+def _drop_background(ctx) -> None:
+    """Drop ctx's background context (made first where there is none yet, so that its duplicate
+    meets the one the peers abandoned): crossed waits (raise_crossed)."""
+    background = ctx.background()
+    background.failed = f"crossed waits on gflow rank {ctx.rank}'s communicator"
+    ctx.reset_background(background)
 
 
 _CROSSED_CAUSE = (
@@ -525,7 +546,9 @@ def _check_crossed(ctx, making: bool) -> None:
         return
     # Every peer is told, not only those found crossed: one slower to start waiting is in the same
     # place a moment later, and none can finish what this rank now leaves unfinished.
-    told = np.array([position, number], np.int64)
+    # (which background context: the current one, or the first one made from now where none is)
+    generation = ctx.backgrounds_made + (background is None)
+    told = np.array([position, generation, number], np.int64)
     peers = [r for r in range(ctx.size) if r != ctx.rank]
     MPI.Request.Waitall([asked.monitor_comm.Isend(told, r, TAG_CROSSED) for r in peers])
     world = world_ranks(ctx)
