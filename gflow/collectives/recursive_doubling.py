@@ -288,12 +288,9 @@ def _lone_step(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
     recv_mv = plan.recv_mv
     if plan.recv_same != plan.send_same or recv_mv[_RANK_B_BYTES] != _NONE_BYTES:
         return 0, True  # a mismatch, or ranks in join(): _combine's
-    if plan.acc is None:  # (the agreement before a ring: headers only)
-        pass
-    elif step.peer_is_lower:
-        host.reduce(dst, plan.incoming, plan.acc, op)
-    else:
-        host.reduce(dst, plan.acc, plan.incoming, op)
+    if plan.acc is not None:  # (None: the agreement before a ring, headers only)
+        low, high = (plan.incoming, plan.acc) if step.peer_is_lower else (plan.acc, plan.incoming)
+        host.reduce(dst, low, high, op)
     return 1, False
 
 

@@ -423,26 +423,25 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         ctx = context(self._comm).background()
         if self._error is None:
             self._fire()
-        src = dst = None  # the caller's vector to agree on, and where its maximum lands
+        src = step_agreed = None  # the caller's vector to agree on, and where its maximum lands
         if agree is not None:
             src = np.ascontiguousarray(agree, dtype=np.int64).reshape(-1)
-            dst = np.empty_like(src) if src.nbytes <= AGREE_IN_FINAL_BYTES else None
+            step_agreed = np.empty_like(src) if src.nbytes <= AGREE_IN_FINAL_BYTES else None
         if self._error is None and not (self._alone() and not self._fired):
             # the final exchange: one segment count and checksum per rank (none to agree with alone),
             # with the caller's vector as payload (its length in the checksum: lengths must agree)
             op, checksum = None, self._checksum
-            if dst is not None:
+            if step_agreed is not None:
                 op, checksum = "max", zlib.crc32(struct.pack("<q", src.size), checksum)
             count = len(self._fired)
             ends = signature("lazy", "recursive_doubling", count, np.dtype(np.int64), op, extra=checksum)
-            capacity = max(config.small_message_bytes, 0 if dst is None else src.nbytes)
-            payload = (src, dst, op) if dst is not None else (None, None, None)
+            capacity = max(config.small_message_bytes, 0 if step_agreed is None else src.nbytes)
+            payload = (src, step_agreed, op) if step_agreed is not None else (None, None, None)
             # (bound now: allreduce_with_agreement checks that ctx is usable)
             final = functools.partial(allreduce_with_agreement, ctx, ends, capacity, *payload)
             self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx), [], None))
-        elif dst is not None:
-            dst[:] = src  # alone: the maximum over one rank
-        step_agreed = dst
+        elif step_agreed is not None:
+            step_agreed[:] = src  # alone: the maximum over one rank
         tuner = self._tuner
         tuning = tuner is not None and tuner.active and self._pushes and self._error is None
         agreed = None  # the ranks' step times per candidate, summed (the step that settles the threshold)
