@@ -225,6 +225,34 @@ def test_lazy_push_mismatch_fails_every_rank_and_loses_nothing():
             np.testing.assert_array_equal(t, 1.0)
 
 
+@pytest.mark.parallel([2, 3])
+def test_lazy_agree_vectors_that_differ_fail_every_rank_saying_so():
+    """flush(agree=) with another length, or none, on one rank: MismatchError on every rank that names
+    the agree= vector (not the op or the tensors alone); the next step, alike everywhere, works."""
+    last = WORLD.rank == WORLD.size - 1
+    lazy = gflow.LazyAllreduce()
+    seed = WORLD.bcast(int(np.random.SeedSequence().entropy % 2**32))
+    x = random_array(rank_rng(seed), 300, np.float32)
+    for case, vector, said in (
+        ("another length", np.arange(4 if last else 3), "length of the agree= vector"),
+        ("none on one rank", None if last else np.arange(3), "carries an agree= vector"),
+    ):
+        lazy.push(x.copy())
+
+        def check(vector=vector, said=said):
+            with pytest.raises(gflow.MismatchError, match=said):
+                lazy.flush(agree=vector)
+
+        on_all_ranks(check, case)
+    mine = rank_rng(seed + 1).integers(-50, 50, 5)
+    y = x.copy()
+    lazy.push(y)
+    agreed = lazy.flush(agree=mine)
+    np.testing.assert_array_equal(agreed, np.max(WORLD.allgather(mine), axis=0))
+    assert_close_to_reference(y, x, "mean")  # (LazyAllreduce's default op)
+    assert_same_on_all_ranks(y)
+
+
 def test_lazy_alone_needs_no_copy_and_keeps_the_step_rules():
     """One rank, dense, no compression: the gradients are already the result, so no fusion buffer is
     made; a step is still a step (state_dict refuses mid-step), a bad push still fails flush(), and a

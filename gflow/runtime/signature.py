@@ -217,6 +217,10 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
             unit = "elements in a fused segment (a different model, or fusion threshold)"
         return f"the number of {unit}", *(f"passed {s[2]}" for s in (a, b))
     if a[4] != b[4]:
+        if collective == "lazy" and 0 in (a[4], b[4]):  # (a step's final exchange: op max with agree=)
+            what = "whether the step's final exchange carries an agree= vector (flush(agree=), "
+            what += "synchronize(agree=))"
+            return what, *("passed one" if s[4] else "passed none" for s in (a, b))
         return "the op", *(f"op={CODE_OP.get(s[4], '?')}" for s in (a, b))
     if a[1] & 0xFF != b[1] & 0xFF:  # (passed alike, "auto" chooses by gflow.config: say so)
         what = "the algorithm (as passed, or as chosen by gflow.config's settings: small_message_bytes, ...)"
@@ -226,4 +230,6 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
     if collective == "broadcast" and a[5] & 0xFFFFFFFF != b[5] & 0xFFFFFFFF:
         return "the root", *(f"root={s[5] & 0xFFFFFFFF}{world([s[5] & 0xFFFFFFFF])}" for s in (a, b))
     means = _EXTRA_MEANS.get(collective, "the call's extra field")
+    if collective == "lazy" and a[4] == OP_CODE["max"] and a[3] == DTYPE_CODE[np.dtype(np.int64)]:
+        means += ", or the length of the agree= vector in the step's final exchange"
     return means, "passed one", "another"
