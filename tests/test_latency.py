@@ -187,9 +187,13 @@ def test_an_mpi_error_in_the_one_exchange_of_two_ranks(monkeypatch, error):
 
     code = MPI.ERR_TRUNCATE if error == "truncated" else MPI.ERR_OTHER
     x = random_array(rank_rng(6), 10, np.float64)
+    comm = WORLD.Dup()  # (with MPI's messages: two ranks on one host exchange in shared memory)
+    monkeypatch.setattr(gflow.config, "pair_memory", False)
     for _ in range(2):  # (the lane learns, then makes the plan)
-        gflow.allreduce(x)
-    plan = context().small_calls[(x.dtype, x.shape, "sum", "auto", gflow.config.small_message_bytes)].plan
+        gflow.allreduce(x, comm=comm)
+    assert context(comm).pair is False
+    key = (x.dtype, x.shape, "sum", "auto", gflow.config.small_message_bytes)
+    plan = context(comm).small_calls[key].plan
     assert plan is not None and plan.lone
 
     def failing(requests):
@@ -201,10 +205,10 @@ def test_an_mpi_error_in_the_one_exchange_of_two_ranks(monkeypatch, error):
     monkeypatch.setattr(recursive_doubling, "MPI", mpi)
     if error == "truncated":
         with pytest.raises(gflow.MismatchError, match="a message this protocol does not accept"):
-            gflow.allreduce(x)
+            gflow.allreduce(x, comm=comm)
     else:
         with pytest.raises(gflow.GflowError, match="agreement exchange with rank"):
-            gflow.allreduce(x)
+            gflow.allreduce(x, comm=comm)
     monkeypatch.undo()
     if error == "truncated":  # nothing was left in flight
-        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))
+        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x, comm=comm), x, "sum"))

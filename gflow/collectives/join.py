@@ -101,25 +101,33 @@ def _exchange(ctx: CommContext):
     mine[0], mine[1], mine[_RANK_A], mine[_RANK_B] = _MAGIC, JOINED, ctx.rank, 1
     acc = None  # the payload combined so far, once a peer's header said there is one
     room = np.empty(HEADER_BYTES + MAX_SMALL_MESSAGE_BYTES, np.uint8)
+    pair = ctx.pair  # (two ranks on one host: the header's messages in shared memory, pair_memory.py)
     for peer, lower, action, receives, sends in _steps(ctx):
         separate = acc is not None and acc.nbytes >= SEPARATE_PAYLOAD_BYTES
         mine[_FOLLOWS] = acc.nbytes if separate else 0
         requests = []
-        if receives:
+        if receives and not pair:
             header_in = comm.Irecv([room, MPI.BYTE], peer, TAG_AGREE)
         if sends:
             message = mine.tobytes() + (b"" if acc is None or separate else acc.tobytes())
-            requests.append(comm.Isend([message, MPI.BYTE], peer, TAG_AGREE))
+            if pair:
+                pair.post(np.frombuffer(message, np.uint8))
+            else:
+                requests.append(comm.Isend([message, MPI.BYTE], peer, TAG_AGREE))
             if separate:
                 requests.append(comm.Isend([acc, MPI.BYTE], peer, TAG_AGREE))
         theirs = payload = None
         if receives:
-            status = MPI.Status()
-            header_in.Wait(status)
+            if pair:
+                if not pair.arrived():
+                    ctx.wait_until(pair.arrived)
+                count = pair.take(room)
+            else:
+                status = MPI.Status()
+                header_in.Wait(status)
+                count = status.Get_count(MPI.BYTE)
             theirs = np.frombuffer(room[:HEADER_BYTES].tobytes(), np.int64).copy()
-            nbytes = (
-                int(theirs[_FOLLOWS]) if theirs[_FOLLOWS] > 0 else status.Get_count(MPI.BYTE) - HEADER_BYTES
-            )
+            nbytes = int(theirs[_FOLLOWS]) if theirs[_FOLLOWS] > 0 else count - HEADER_BYTES
             if theirs[_FOLLOWS] > 0:
                 comm.Irecv([room[HEADER_BYTES:], MPI.BYTE], peer, TAG_AGREE).Wait()
             if nbytes > 0 and theirs[1] == _OK:

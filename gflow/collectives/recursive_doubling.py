@@ -38,7 +38,7 @@ from ..runtime import stall, timeline
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
 from ..runtime.context import TAG_AGREE, CommContext
 from ..runtime.signature import CODE_COLLECTIVE, SIG_LEN, describe, difference
-from . import native
+from . import native, pair_memory
 
 _MAGIC = 0x67666C6F77  # "gflow"
 _OK, _MISMATCH, JOINED = 0, 1, 2
@@ -63,6 +63,9 @@ _FOLLOWS_BYTES = slice(_FOLLOWS * 8, _FOLLOWS * 8 + 8)
 # Payloads from this size go as a message of their own, straight from the caller's array (measured
 # on MPICH and Open MPI: bench/RESULTS.md, "The cost of a call").
 SEPARATE_PAYLOAD_BYTES = 16 * 1024
+# The largest header's message (a payload below SEPARATE_PAYLOAD_BYTES travels in it): the room of a
+# two-rank context's slots in shared memory (pair_memory.py)
+PAIR_ROOM = HEADER_BYTES + SEPARATE_PAYLOAD_BYTES
 
 
 class _Step:
@@ -114,7 +117,8 @@ class _Plan:
             self.acc = send[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype)
             self.incoming = recv[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype)
             self.acc_bytes = self.send_mv[HEADER_BYTES : HEADER_BYTES + nbytes]
-        message = [send[: HEADER_BYTES + (0 if self.separate else nbytes)], MPI.BYTE]
+        self.message = send[: HEADER_BYTES + (0 if self.separate else nbytes)]
+        message = [self.message, MPI.BYTE]
         whole_recv = [recv, MPI.BYTE]
         payload = [send[HEADER_BYTES : HEADER_BYTES + nbytes], MPI.BYTE]
         payload_room = [recv[HEADER_BYTES:], MPI.BYTE]  # where a combined message's payload lands too
@@ -245,6 +249,8 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
         raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx), passed))
     if send_mv[_RANK_B_BYTES] != _NONE_BYTES:  # some ranks are in join(): they took part with zeros
         _check_joined(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64))
+    elif ctx.pair is None:  # both ranks completed this exchange alike: the set-up's place
+        ctx.pair = (pair_memory.wanted(ctx) and pair_memory.connect(ctx, PAIR_ROOM)) or False
     if acc is not None and not plan.last_into_dst:
         took = plan.steps and plan.steps[0].action == "take"  # (one rank: no steps)
         np.copyto(dst, plan.incoming if took else acc)
@@ -277,14 +283,21 @@ def _lone_step(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
     own and the result is in dst, or an MPI error was recorded as a mismatch (_failed); (0, True)
     where the header that arrived is _combine's to fold (a mismatch, ranks in join())."""
     step = plan.steps[0]
-    requests = step.requests
-    try:
-        MPI.Prequest.Startall(requests)
-        if not MPI.Request.Testall(requests):  # (a watched wait only where there is a wait)
-            ctx.waitall(requests)
-    except MPI.Exception as exc:
-        _failed(plan, step, exc, requests)
-        return 1, False
+    pair = ctx.pair
+    if pair:
+        pair.post(plan.message)
+        if not pair.arrived():  # (a watched wait only where there is a wait)
+            ctx.wait_until(pair.arrived)
+        pair.take(plan.recv)
+    else:
+        requests = step.requests
+        try:
+            MPI.Prequest.Startall(requests)
+            if not MPI.Request.Testall(requests):
+                ctx.waitall(requests)
+        except MPI.Exception as exc:
+            _failed(plan, step, exc, requests)
+            return 1, False
     recv_mv = plan.recv_mv
     if plan.recv_same != plan.send_same or recv_mv[_RANK_B_BYTES] != _NONE_BYTES:
         return 0, True  # a mismatch, or ranks in join(): _combine's
@@ -300,6 +313,8 @@ def _complete(ctx: CommContext, plan: _Plan, step: _Step, own, arrived=False) ->
     mismatch) when the peer's message did not fit: receives have room for any settings, so it came
     from another version of gflow. `arrived`: the header's messages have been exchanged already
     (by the compiled loop, which leaves a plan whose payload goes apart to Python)."""
+    if ctx.pair and not arrived:
+        return _complete_paired(ctx, plan, step, own)
     requests, waitall, recv_mv = step.requests, ctx.waitall, plan.recv_mv
     try:
         if arrived:
@@ -327,6 +342,32 @@ def _complete(ctx: CommContext, plan: _Plan, step: _Step, own, arrived=False) ->
                 requests = [step.payload_in]  # (a peer that sends its payload apart: it disagrees)
                 step.payload_in.Start()
                 waitall(requests)
+    except MPI.Exception as exc:
+        _failed(plan, step, exc, requests)
+        return False
+    return True
+
+
+def _complete_paired(ctx: CommContext, plan: _Plan, step: _Step, own) -> bool:
+    """_complete on a two-rank context whose header's messages travel in shared memory
+    (pair_memory.py); payloads sent apart still go over MPI."""
+    pair, requests = ctx.pair, []
+    try:
+        pair.post(plan.message)
+        if plan.separate:
+            if own is plan.acc:
+                step.payload_out.Start()
+                requests.append(step.payload_out)
+            else:
+                requests.append(plan.comm.Isend([host.buffer(own), MPI.BYTE], step.peer, TAG_AGREE))
+        if not pair.arrived():
+            ctx.wait_until(pair.arrived)
+        pair.take(plan.recv)
+        if plan.recv_mv[_FOLLOWS_BYTES] != _NONE_BYTES and _follows(plan.recv_mv):
+            step.payload_in.Start()
+            requests.insert(0, step.payload_in)
+        if requests:
+            ctx.waitall(requests)
     except MPI.Exception as exc:
         _failed(plan, step, exc, requests)
         return False

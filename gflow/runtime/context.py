@@ -21,6 +21,7 @@ TAG_RING_RS = 12
 TAG_RING_AG = 13
 TAG_ALLTOALL = 14
 TAG_ADASUM = 15
+TAG_PAIR = 16  # collectives/pair_memory.py's set-up
 
 
 def rd_schedule(rank: int, size: int):
@@ -60,6 +61,27 @@ def _caller_waitall(requests) -> None:
         if departures:
             stall.check_waiting()
         pause()
+
+
+def _caller_wait_until(arrived) -> None:
+    """_caller_waitall for a predicate (a peer's message in shared memory: pair_memory.py)."""
+    departures, pause = stall.departures, os.sched_yield
+    while not arrived():
+        if departures:
+            stall.check_waiting()
+        pause()
+
+
+def _polite_wait_until(arrived) -> None:
+    """_polite_waitall for a predicate."""
+    departures = stall.departures
+    pause = config.background_poll_us * 1e-6
+    longest = pause * BACKGROUND_POLL_BACKOFF
+    while not arrived():
+        if departures:
+            stall.check_waiting()
+        time.sleep(pause)
+        pause = min(pause * 2, longest)
 
 
 def _polite_waitall(requests) -> None:
@@ -180,6 +202,10 @@ class CommContext:
         # (lowest latency); the engine thread polls and sleeps in between, so the caller's computation
         # keeps the core. Both notice a peer that has left (stall.check_waiting).
         self.waitall = watched(_polite_waitall if background else _caller_waitall)
+        self.wait_until = watched(_polite_wait_until if background else _caller_wait_until)
+        # The two ranks' slots in shared memory (collectives/pair_memory.py): None until the set-up
+        # after the first exchange, then PairSlots or False (MPI's messages)
+        self.pair = None
 
     def check_usable(self) -> None:
         """Refuse to communicate on a background context after one of its collectives failed.
@@ -278,6 +304,9 @@ class CommContext:
                 self.hierarchy = None
             for plan in self.rd_plans.values():
                 plan.free()
+            if self.pair:
+                self.pair.close()
+            self.pair = None
             self.rd_plans.clear()
             self.small_calls.clear()
             if self._pending is None or self.failed is None:

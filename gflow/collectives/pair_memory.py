@@ -1,0 +1,147 @@
+"""Two ranks on one host exchange the agreement's messages through shared memory instead of MPI.
+
+At p = 2 a recursive-doubling exchange is one message each way, and MPI's point-to-point path is
+most of its time: MPICH's own Allreduce of 256 B took 7.8 us here, gflow's exchange over MPI a few
+more, and the same exchange through a shared slot 2.4 us (bench/pair_exchange.py; bench/RESULTS.md,
+"Two ranks through shared memory"). So a two-rank context whose ranks share a host carries the
+header's message (the header and a payload below SEPARATE_PAYLOAD_BYTES) in slots of a shared file;
+payloads sent apart still go over MPI.
+
+Every exchange of such a context goes this way (the latency path, the agreement before a bandwidth
+algorithm, join()'s), so two ranks whose calls differ still pair message for message and raise.
+
+Slots: each rank writes into its own, two of them used alternately: the message, its length, then
+its sequence number, last. The peer reads a slot once it sees the number it expects. A rank writes
+a slot again two exchanges later, which it cannot begin before the peer has begun the one between,
+so the peer has read it by then. This relies on stores becoming visible in program order: x86-64
+(elsewhere the context keeps MPI).
+
+Set-up (connect): once per context, after its first exchange that succeeded on both ranks alike,
+over MPI in watched waits. The lower rank creates a file in /dev/shm holding a random token and
+sends its name; the other opens it, checks the token and answers; the lower rank then unlinks it
+(the mapping stays). Either rank saying no (GFLOW_PAIR_MEMORY=0, another host, no /dev/shm) keeps
+MPI for that context, on both ranks.
+"""
+
+import mmap
+import os
+import platform
+import secrets
+import tempfile
+
+import numpy as np
+
+from ..runtime.config import config
+from ..runtime.context import TAG_PAIR, CommContext
+
+_HEAD = 64  # per slot: [sequence number, length], padded to a cache line
+_ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+_NAME_BYTES = 240
+
+
+class PairSlots:
+    """The two ranks' slots in one mapping, seen from one rank."""
+
+    def __init__(self, mapping: mmap.mmap, rank: int, room: int):
+        self.mapping = mapping
+        stride = _stride(room)
+        memory = np.frombuffer(mapping, np.uint8, count=4 * stride).reshape(2, 2, stride)
+        self._my_words = [memory[rank, k, :16].view(np.int64) for k in (0, 1)]
+        self._my_data = [memory[rank, k, _HEAD:] for k in (0, 1)]
+        self._their_words = [memory[1 - rank, k, :16].view(np.int64) for k in (0, 1)]
+        self._their_data = [memory[1 - rank, k, _HEAD:] for k in (0, 1)]
+        self.sequence = 0
+        self.exchanges = 0  # (tests count them)
+
+    def post(self, message) -> None:
+        """Write this rank's next message (bytes-like, at most the room) and publish it."""
+        self.sequence += 1
+        k = self.sequence & 1
+        n = len(message)
+        self._my_data[k][:n] = message
+        words = self._my_words[k]
+        words[1] = n
+        words[0] = self.sequence  # last: the peer reads nothing before it sees this
+        self.exchanges += 1
+
+    def arrived(self) -> bool:
+        """Whether the peer's message of this exchange is in its slot."""
+        return self._their_words[self.sequence & 1][0] == self.sequence
+
+    def take(self, room) -> int:
+        """Copy the peer's message (arrived) into room; its length."""
+        k = self.sequence & 1
+        n = int(self._their_words[k][1])
+        room[:n] = self._their_data[k][:n]
+        return n
+
+    def close(self) -> None:
+        try:
+            self.mapping.close()
+        except BufferError:  # (views of it are still alive: the mapping goes with them)
+            pass
+
+
+def _stride(room: int) -> int:
+    return -(-(_HEAD + room) // 64) * 64
+
+
+def wanted(ctx: CommContext) -> bool:
+    """Whether ctx is one whose ranks try to connect (alike on both: size and platform)."""
+    return ctx.size == 2 and _ORDERED_STORES
+
+
+def connect(ctx: CommContext, room: int):
+    """PairSlots for ctx's two ranks, or None where either cannot or will not (both ranks return
+    alike). Collective over ctx: both ranks call it at the same point of their calls."""
+    peer, size = 1 - ctx.rank, 4 * _stride(room)
+    willing = bool(config.pair_memory) and os.path.isdir("/dev/shm")
+    offer = np.zeros(4 + _NAME_BYTES // 8, np.int64)  # [willing, token, name length, ok | name]
+    theirs = np.zeros_like(offer)
+    mapping, path = None, None
+    if ctx.rank == 0 and willing:
+        try:
+            fd, path = tempfile.mkstemp(prefix="gflow-pair-", dir="/dev/shm")
+            try:
+                os.ftruncate(fd, size + 8)
+                mapping = mmap.mmap(fd, size + 8)
+            finally:
+                os.close(fd)
+            token = secrets.randbits(62)
+            np.frombuffer(mapping, np.int64, count=1, offset=size)[0] = token
+            name = path.encode()
+            if len(name) > _NAME_BYTES:
+                raise OSError("name too long")
+            offer[1], offer[2] = token, len(name)
+            offer.view(np.uint8)[32 : 32 + len(name)] = np.frombuffer(name, np.uint8)
+        except OSError:
+            willing = False
+    offer[0] = willing
+    ctx.sendrecv(offer, peer, TAG_PAIR, theirs, peer, TAG_PAIR)
+    if ctx.rank == 1:
+        answer = np.zeros(1, np.int64)
+        if willing and theirs[0]:
+            name = bytes(theirs.view(np.uint8)[32 : 32 + int(theirs[2])]).decode(errors="replace")
+            try:
+                with open(name, "r+b") as file:
+                    mapping = mmap.mmap(file.fileno(), size + 8)
+                if np.frombuffer(mapping, np.int64, count=1, offset=size)[0] == theirs[1]:
+                    answer[0] = 1
+            except (OSError, ValueError):
+                pass
+        ctx.sendrecv(answer, peer, TAG_PAIR, np.zeros(1, np.int64), peer, TAG_PAIR)
+        ok = bool(answer[0])
+    else:
+        answer = np.zeros(1, np.int64)
+        ctx.sendrecv(np.zeros(1, np.int64), peer, TAG_PAIR, answer, peer, TAG_PAIR)
+        ok = bool(answer[0])
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if not ok:
+        if mapping is not None:
+            mapping.close()
+        return None
+    return PairSlots(mapping, ctx.rank, room)

@@ -1,0 +1,103 @@
+"""Two ranks on one host exchange the agreement's messages in shared memory (collectives/pair_memory.py):
+every exchange of such a context goes that way, results stay MPI's, bitwise alike on both ranks, and
+calls that differ still raise on both, whichever side of the payload and latency-path limits each is."""
+
+import numpy as np
+import pytest
+from helpers import (
+    WORLD,
+    assert_close_to_reference,
+    assert_same_on_all_ranks,
+    on_all_ranks,
+    random_array,
+    rank_rng,
+)
+
+import gflow
+from gflow.collectives.recursive_doubling import SEPARATE_PAYLOAD_BYTES
+from gflow.runtime.config import TWO_RANKS_FACTOR
+from gflow.runtime.context import context
+
+SEED = WORLD.bcast(int(np.random.SeedSequence().entropy % 2**32))  # new inputs every run
+
+
+def sizes() -> list:
+    """float32 counts: small, the last inline, the first sent apart, the latency path's last, a ring."""
+    limit = TWO_RANKS_FACTOR * gflow.config.small_message_bytes
+    inline = (SEPARATE_PAYLOAD_BYTES - 1) // 4
+    return [1, 37, inline, inline + 1, limit // 4, limit // 4 + 1000]
+
+
+@pytest.mark.parallel([2])
+@pytest.mark.parametrize("op", ["sum", "max", "mean"])
+def test_results_are_mpis_through_the_slots_sync_and_async(op):
+    comm = WORLD.Dup()
+    for n in sizes():
+        x = random_array(rank_rng(SEED + n), n, np.float32)
+        for _ in range(2):  # (the fast lane's first call, then its own)
+            y = np.full_like(x, np.nan)
+            gflow.allreduce(x, op, comm=comm, out=y)
+            on_all_ranks(lambda y=y, x=x: assert_close_to_reference(y, x, op), f"n={n}")
+            assert_same_on_all_ranks(y)
+        z = gflow.allreduce_async(x, op, comm=comm).wait()
+        np.testing.assert_array_equal(z, y)
+    pair, background = context(comm).pair, context(comm).background().pair
+    assert pair and background, (pair, background)
+    # (each context's first exchange goes over MPI: the set-up follows it)
+    assert pair.exchanges >= 2 * len(sizes()) - 1 and background.exchanges >= len(sizes()) - 1
+
+
+@pytest.mark.parallel([2])
+def test_calls_that_differ_across_the_limits_raise_on_both_ranks():
+    comm = WORLD.Dup()
+    gflow.allreduce(np.ones(3), comm=comm)  # (the set-up follows the first exchange)
+    assert context(comm).pair
+    limit = TWO_RANKS_FACTOR * gflow.config.small_message_bytes
+    inline = (SEPARATE_PAYLOAD_BYTES - 1) // 4
+    last = WORLD.rank == 1
+    for mine, theirs in ((inline, inline + 1), (100, limit // 4 + 1), (inline + 1, limit // 4 + 1)):
+        x = np.ones(theirs if last else mine, np.float32)
+
+        def check(x=x):
+            with pytest.raises(gflow.MismatchError, match="the number of elements"):
+                gflow.allreduce(x, comm=comm)
+
+        on_all_ranks(check, f"{mine} against {theirs}")
+    x = random_array(rank_rng(SEED), 50, np.float64)  # then calls alike work
+    on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x, comm=comm), x, "sum"))
+
+
+@pytest.mark.parallel([2])
+@pytest.mark.parametrize("refusing_rank", [0, 1])
+def test_a_rank_that_turns_it_off_keeps_mpi_on_both(monkeypatch, refusing_rank):
+    if WORLD.rank == refusing_rank:
+        monkeypatch.setattr(gflow.config, "pair_memory", False)
+    comm = WORLD.Dup()
+    x = random_array(rank_rng(SEED + 1), 1000, np.float32)
+    for _ in range(3):
+        y = gflow.allreduce(x, comm=comm)
+        on_all_ranks(lambda y=y: assert_close_to_reference(y, x, "sum"))
+    assert context(comm).pair is False
+
+
+@pytest.mark.parallel([2])
+def test_join_with_uneven_steps_through_the_slots():
+    """The rank that runs out of data first takes part with zeros (collectives/join.py's serve, what
+    gflow.torch's join() runs) through the slots: the other's allreduces are its own values plus
+    zeros, of every size, and serve() returns on both once both are in it."""
+    from gflow.collectives.join import serve
+
+    comm = WORLD.Dup()
+    gflow.allreduce(np.ones(2), comm=comm)
+    assert context(comm).pair
+    counts = [300, SEPARATE_PAYLOAD_BYTES // 8 + 10, 200_000, 400_000, 7]  # inline, apart, a ring
+    if WORLD.rank == 0:
+        gflow.allreduce(random_array(rank_rng(SEED), 9, np.float64), comm=comm)
+        serve(context(comm))
+    else:
+        x = random_array(rank_rng(SEED), 9, np.float64)
+        gflow.allreduce(x, comm=comm)
+        for n in counts:
+            x = random_array(rank_rng(SEED + n), n, np.float64)
+            np.testing.assert_array_equal(gflow.allreduce(x, comm=comm), x)  # (plus rank 0's zeros)
+        serve(context(comm))
