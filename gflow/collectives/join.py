@@ -121,7 +121,7 @@ def _exchange(ctx: CommContext):
             if pair:
                 if not pair.arrived():
                     ctx.wait_until(pair.arrived)
-                count = pair.take(room)
+                count = pair.take(memoryview(room))
             else:
                 status = MPI.Status()
                 header_in.Wait(status)

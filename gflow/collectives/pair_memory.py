@@ -46,15 +46,16 @@ class PairSlots:
         self.mapping = mapping
         stride = _stride(room)
         memory = np.frombuffer(mapping, np.uint8, count=4 * stride).reshape(2, 2, stride)
-        self._my_words = [memory[rank, k, :16].view(np.int64) for k in (0, 1)]
-        self._my_data = [memory[rank, k, _HEAD:] for k in (0, 1)]
-        self._their_words = [memory[1 - rank, k, :16].view(np.int64) for k in (0, 1)]
-        self._their_data = [memory[1 - rank, k, _HEAD:] for k in (0, 1)]
+        # memoryviews: their item reads, writes and copies cost half of NumPy's, per call
+        words = [[memoryview(memory[r, k, :16]).cast("q") for k in (0, 1)] for r in (0, 1)]
+        data = [[memoryview(memory[r, k, _HEAD:]) for k in (0, 1)] for r in (0, 1)]
+        self._my_words, self._their_words = words[rank], words[1 - rank]
+        self._my_data, self._their_data = data[rank], data[1 - rank]
         self.sequence = 0
         self.exchanges = 0  # (tests count them)
 
     def post(self, message) -> None:
-        """Write this rank's next message (bytes-like, at most the room) and publish it."""
+        """Write this rank's next message (bytes-like of bytes, at most the room) and publish it."""
         self.sequence += 1
         k = self.sequence & 1
         n = len(message)
@@ -69,16 +70,19 @@ class PairSlots:
         return self._their_words[self.sequence & 1][0] == self.sequence
 
     def take(self, room) -> int:
-        """Copy the peer's message (arrived) into room; its length."""
+        """Copy the peer's message (arrived) into room (a memoryview of bytes); its length."""
         k = self.sequence & 1
-        n = int(self._their_words[k][1])
+        n = self._their_words[k][1]
         room[:n] = self._their_data[k][:n]
         return n
 
     def close(self) -> None:
+        for views in (self._my_words, self._their_words, self._my_data, self._their_data):
+            for view in views:
+                view.release()
         try:
             self.mapping.close()
-        except BufferError:  # (views of it are still alive: the mapping goes with them)
+        except BufferError:  # (a NumPy view of it is still alive: the mapping goes with it)
             pass
 
 

@@ -288,7 +288,7 @@ def _lone_step(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
         pair.post(plan.message)
         if not pair.arrived():  # (a watched wait only where there is a wait)
             ctx.wait_until(pair.arrived)
-        pair.take(plan.recv)
+        pair.take(plan.recv_mv)
     else:
         requests = step.requests
         try:
@@ -362,7 +362,7 @@ def _complete_paired(ctx: CommContext, plan: _Plan, step: _Step, own) -> bool:
                 requests.append(plan.comm.Isend([host.buffer(own), MPI.BYTE], step.peer, TAG_AGREE))
         if not pair.arrived():
             ctx.wait_until(pair.arrived)
-        pair.take(plan.recv)
+        pair.take(plan.recv_mv)
         if plan.recv_mv[_FOLLOWS_BYTES] != _NONE_BYTES and _follows(plan.recv_mv):
             step.payload_in.Start()
             requests.insert(0, step.payload_in)
