@@ -101,3 +101,31 @@ def test_join_with_uneven_steps_through_the_slots():
             x = random_array(rank_rng(SEED + n), n, np.float64)
             np.testing.assert_array_equal(gflow.allreduce(x, comm=comm), x)  # (plus rank 0's zeros)
         serve(context(comm))
+
+
+@pytest.mark.parallel([2])
+def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call():
+    """Ctrl-C in a wait whose message is in shared memory already: the peer takes that message for its
+    own call (as it would an MPI message sent eagerly), so this rank's next call on the communicator
+    would pair with the peer's next one: it raises instead, and the peer's call completes."""
+    import _thread
+    import threading
+    import time
+
+    comm = WORLD.Dup()
+    for _ in range(2):
+        gflow.allreduce(np.ones(4), comm=comm)
+    assert context(comm).pair
+    x = random_array(rank_rng(SEED + 2), 10, np.float64)
+    everyone = WORLD.allgather(x)
+    if WORLD.rank == 0:
+        threading.Timer(0.3, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            gflow.allreduce(x, comm=comm)  # (the peer sleeps: this wait is interrupted)
+        with pytest.raises(gflow.GflowError, match="was interrupted while its message was with the peer"):
+            gflow.allreduce(x, comm=comm)
+    else:
+        time.sleep(1.0)
+        y = gflow.allreduce(x, comm=comm)
+        np.testing.assert_array_equal(y, everyone[0] + everyone[1])
+    WORLD.Barrier()

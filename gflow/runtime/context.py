@@ -214,10 +214,19 @@ class CommContext:
         each rank fails the rest of its queue here, without talking, instead of waiting for peers
         who will never make those calls. Every rank saw the same failure, at the same position.
         A caller's context fails only where it left a collective unfinished (crossed waits: stall.py):
-        its messages are still posted, so no later collective on it could be trusted."""
+        its messages are still posted, so no later collective on it could be trusted. So does a
+        two-rank context whose wait was interrupted (Ctrl-C, a signal handler's exception) where its
+        message may be in shared memory already (collectives/pair_memory.py): the peer takes it for
+        its own call, and this rank's next call would pair with the peer's next."""
         if self.failed is not None:
             channel = "background " if self.is_background else ""
             raise GflowError(f"an earlier {channel}collective on this communicator failed: {self.failed}")
+        if self.abandoned is not None and self.size == 2 and self.pair is not False:
+            raise GflowError(
+                f"collective #{self.abandoned} on this communicator was interrupted while its message "
+                "was with the peer already (in shared memory): no later collective on it can pair "
+                "with the peer's right one. Use another communicator, or GFLOW_PAIR_MEMORY=0"
+            )
 
     def sendrecv(self, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:
         """Sendrecv, waiting the way this context waits (see waitall)."""
