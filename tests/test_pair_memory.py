@@ -14,7 +14,7 @@ from helpers import (
 )
 
 import gflow
-from gflow.collectives.recursive_doubling import SEPARATE_PAYLOAD_BYTES
+from gflow.collectives.recursive_doubling import PAIR_INLINE_BYTES, SEPARATE_PAYLOAD_BYTES
 from gflow.runtime.config import TWO_RANKS_FACTOR
 from gflow.runtime.context import context
 
@@ -22,10 +22,11 @@ SEED = WORLD.bcast(int(np.random.SeedSequence().entropy % 2**32))  # new inputs 
 
 
 def sizes() -> list:
-    """float32 counts: small, the last inline, the first sent apart, the latency path's last, a ring."""
+    """float32 counts: small, both sides of MPI's and the slots' limits for a payload in the header's
+    message (the first call, before the set-up, is MPI's), the latency path's last, a ring."""
     limit = TWO_RANKS_FACTOR * gflow.config.small_message_bytes
-    inline = (SEPARATE_PAYLOAD_BYTES - 1) // 4
-    return [1, 37, inline, inline + 1, limit // 4, limit // 4 + 1000]
+    mpi, pair = SEPARATE_PAYLOAD_BYTES // 4, PAIR_INLINE_BYTES // 4
+    return [1, mpi - 1, mpi, pair - 1, pair, limit // 4, limit // 4 + 1000]
 
 
 @pytest.mark.parallel([2])
@@ -53,9 +54,10 @@ def test_calls_that_differ_across_the_limits_raise_on_both_ranks():
     gflow.allreduce(np.ones(3), comm=comm)  # (the set-up follows the first exchange)
     assert context(comm).pair
     limit = TWO_RANKS_FACTOR * gflow.config.small_message_bytes
-    inline = (SEPARATE_PAYLOAD_BYTES - 1) // 4
+    inline = (PAIR_INLINE_BYTES - 1) // 4
     last = WORLD.rank == 1
-    for mine, theirs in ((inline, inline + 1), (100, limit // 4 + 1), (inline + 1, limit // 4 + 1)):
+    pairs = ((inline, inline + 1), (100, inline + 1), (100, limit // 4 + 1), (inline + 1, limit // 4 + 1))
+    for mine, theirs in pairs:
         x = np.ones(theirs if last else mine, np.float32)
 
         def check(x=x):

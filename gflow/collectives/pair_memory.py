@@ -4,7 +4,7 @@ At p = 2 a recursive-doubling exchange is one message each way, and MPI's point-
 most of its time: MPICH's own Allreduce of 256 B took 7.8 us here, gflow's exchange over MPI a few
 more, and the same exchange through a shared slot 2.4 us (bench/pair_exchange.py; bench/RESULTS.md,
 "Two ranks through shared memory"). So a two-rank context whose ranks share a host carries the
-header's message (the header and a payload below SEPARATE_PAYLOAD_BYTES) in slots of a shared file;
+header's message (the header and a payload below PAIR_INLINE_BYTES, 64 KiB) in slots of a shared file;
 payloads sent apart still go over MPI.
 
 Every exchange of such a context goes this way (the latency path, the agreement before a bandwidth

@@ -63,9 +63,11 @@ _FOLLOWS_BYTES = slice(_FOLLOWS * 8, _FOLLOWS * 8 + 8)
 # Payloads from this size go as a message of their own, straight from the caller's array (measured
 # on MPICH and Open MPI: bench/RESULTS.md, "The cost of a call").
 SEPARATE_PAYLOAD_BYTES = 16 * 1024
-# The largest header's message (a payload below SEPARATE_PAYLOAD_BYTES travels in it): the room of a
-# two-rank context's slots in shared memory (pair_memory.py)
-PAIR_ROOM = HEADER_BYTES + SEPARATE_PAYLOAD_BYTES
+# Two ranks exchanging in shared memory (pair_memory.py) copy payloads below this into the header's
+# message instead (no MPI message at all); their slots hold the largest such message. (Where the
+# ranks' plans differ on it, each header still says whether a payload follows it.)
+PAIR_INLINE_BYTES = 64 * 1024
+PAIR_ROOM = HEADER_BYTES + PAIR_INLINE_BYTES
 
 
 class _Step:
@@ -105,7 +107,7 @@ class _Plan:
         # must be told it disagrees, and a truncated receive is not safe on every MPI.
         recv = ctx.scratch("rd_recv", HEADER_BYTES + MAX_SMALL_MESSAGE_BYTES, np.uint8, host)
         nbytes = count * np.dtype(dtype).itemsize if dtype is not None else 0
-        self.separate = nbytes >= SEPARATE_PAYLOAD_BYTES
+        self.separate = nbytes >= (PAIR_INLINE_BYTES if ctx.pair else SEPARATE_PAYLOAD_BYTES)
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[0], header[1], header[_SIG_A], header[_RANK_A] = _MAGIC, _OK, sig, ctx.rank
         header[_FOLLOWS] = nbytes if self.separate else 0
