@@ -119,9 +119,7 @@ def _exchange(ctx: CommContext):
         theirs = payload = None
         if receives:
             if pair:
-                if not pair.arrived():
-                    ctx.wait_until(pair.arrived)
-                count = pair.take(memoryview(room))
+                count = pair.receive(ctx, memoryview(room))
             else:
                 status = MPI.Status()
                 header_in.Wait(status)

@@ -51,8 +51,7 @@ class PairSlots:
         data = [[memoryview(memory[r, k, _HEAD:]) for k in (0, 1)] for r in (0, 1)]
         self._my_words, self._their_words = words[rank], words[1 - rank]
         self._my_data, self._their_data = data[rank], data[1 - rank]
-        self.sequence = 0
-        self.exchanges = 0  # (tests count them)
+        self.sequence = 0  # this rank's messages posted so far
 
     def post(self, message) -> None:
         """Write this rank's next message (bytes-like of bytes, at most the room) and publish it."""
@@ -63,14 +62,16 @@ class PairSlots:
         words = self._my_words[k]
         words[1] = n
         words[0] = self.sequence  # last: the peer reads nothing before it sees this
-        self.exchanges += 1
 
     def arrived(self) -> bool:
         """Whether the peer's message of this exchange is in its slot."""
         return self._their_words[self.sequence & 1][0] == self.sequence
 
-    def take(self, room) -> int:
-        """Copy the peer's message (arrived) into room (a memoryview of bytes); its length."""
+    def receive(self, ctx: CommContext, room) -> int:
+        """Wait (watched, as ctx waits) for the peer's message of this exchange and copy it into room
+        (a memoryview of bytes); its length."""
+        if not self.arrived():
+            ctx.wait_until(self.arrived)
         k = self.sequence & 1
         n = self._their_words[k][1]
         room[:n] = self._their_data[k][:n]
@@ -122,8 +123,8 @@ def connect(ctx: CommContext, room: int):
             willing = False
     offer[0] = willing
     ctx.sendrecv(offer, peer, TAG_PAIR, theirs, peer, TAG_PAIR)
+    answer = np.zeros(1, np.int64)  # the other rank's: it opened the file and found the token
     if ctx.rank == 1:
-        answer = np.zeros(1, np.int64)
         if willing and theirs[0]:
             name = bytes(theirs.view(np.uint8)[32 : 32 + int(theirs[2])]).decode(errors="replace")
             try:
@@ -134,17 +135,14 @@ def connect(ctx: CommContext, room: int):
             except (OSError, ValueError):
                 pass
         ctx.sendrecv(answer, peer, TAG_PAIR, np.zeros(1, np.int64), peer, TAG_PAIR)
-        ok = bool(answer[0])
     else:
-        answer = np.zeros(1, np.int64)
         ctx.sendrecv(np.zeros(1, np.int64), peer, TAG_PAIR, answer, peer, TAG_PAIR)
-        ok = bool(answer[0])
         if path is not None:
             try:
                 os.unlink(path)
             except OSError:
                 pass
-    if not ok:
+    if not answer[0]:
         if mapping is not None:
             mapping.close()
         return None

@@ -288,9 +288,7 @@ def _lone_step(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
     pair = ctx.pair
     if pair:
         pair.post(plan.message)
-        if not pair.arrived():  # (a watched wait only where there is a wait)
-            ctx.wait_until(pair.arrived)
-        pair.take(plan.recv_mv)
+        pair.receive(ctx, plan.recv_mv)
     else:
         requests = step.requests
         try:
@@ -325,12 +323,7 @@ def _complete(ctx: CommContext, plan: _Plan, step: _Step, own, arrived=False) ->
             MPI.Prequest.Startall(requests)  # (the header is posted before its payload: it arrives first)
         if plan.separate:
             if step.sends:
-                if own is plan.acc:
-                    step.payload_out.Start()
-                    requests = [*requests, step.payload_out]
-                else:
-                    isend = plan.comm.Isend([host.buffer(own), MPI.BYTE], step.peer, TAG_AGREE)
-                    requests = [*requests, isend]
+                requests = [*requests, _send_payload(plan, step, own)]
             if step.receives:  # the header first: the peer posts the receive of this rank's payload then
                 waitall(requests[:1])
                 requests = requests[1:]
@@ -357,14 +350,8 @@ def _complete_paired(ctx: CommContext, plan: _Plan, step: _Step, own) -> bool:
     try:
         pair.post(plan.message)
         if plan.separate:
-            if own is plan.acc:
-                step.payload_out.Start()
-                requests.append(step.payload_out)
-            else:
-                requests.append(plan.comm.Isend([host.buffer(own), MPI.BYTE], step.peer, TAG_AGREE))
-        if not pair.arrived():
-            ctx.wait_until(pair.arrived)
-        pair.take(plan.recv_mv)
+            requests.append(_send_payload(plan, step, own))
+        pair.receive(ctx, plan.recv_mv)
         if plan.recv_mv[_FOLLOWS_BYTES] != _NONE_BYTES and _follows(plan.recv_mv):
             step.payload_in.Start()
             requests.insert(0, step.payload_in)
@@ -374,6 +361,15 @@ def _complete_paired(ctx: CommContext, plan: _Plan, step: _Step, own) -> bool:
         _failed(plan, step, exc, requests)
         return False
     return True
+
+
+def _send_payload(plan: _Plan, step: _Step, own):
+    """Start sending this rank's payload apart (from the accumulator by its persistent request, or
+    straight from the caller's array before the first combine); the request."""
+    if own is plan.acc:
+        step.payload_out.Start()
+        return step.payload_out
+    return plan.comm.Isend([host.buffer(own), MPI.BYTE], step.peer, TAG_AGREE)
 
 
 def _failed(plan: _Plan, step: _Step, exc: MPI.Exception, requests=None) -> None:
