@@ -17,6 +17,7 @@ import gflow
 from gflow.collectives.recursive_doubling import PAIR_INLINE_BYTES, SEPARATE_PAYLOAD_BYTES
 from gflow.runtime.config import TWO_RANKS_FACTOR
 from gflow.runtime.context import context
+from gflow.runtime.signature import BFLOAT16
 
 SEED = WORLD.bcast(int(np.random.SeedSequence().entropy % 2**32))  # new inputs every run
 
@@ -115,8 +116,8 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call()
     import time
 
     comm = WORLD.Dup()
-    for _ in range(2):
-        gflow.allreduce(np.ones(4), comm=comm)
+    for _ in range(2):  # (the set-up, then a call that makes the compiled exchange: the next is one)
+        gflow.allreduce(np.ones(10), comm=comm)
     assert context(comm).pair
     x = random_array(rank_rng(SEED + 2), 10, np.float64)
     everyone = WORLD.allgather(x)
@@ -131,3 +132,54 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call()
         y = gflow.allreduce(x, comm=comm)
         np.testing.assert_array_equal(y, everyone[0] + everyone[1])
     WORLD.Barrier()
+
+
+@pytest.mark.parallel([2])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64])
+def test_the_compiled_exchange_pairs_with_pythons_and_gives_its_bits(monkeypatch, dtype):
+    """Rank 0 exchanges through the compiled step (native.pair_step, from a shape's second call),
+    rank 1 in Python (GFLOW_NATIVE=0): the messages are the same, so they pair; the results are MPI's
+    and bitwise alike on both, for every dtype and op, read-only, empty and strided arrays; and a call
+    that differs, met by the compiled step, raises on both."""
+    if WORLD.rank == 1:
+        monkeypatch.setattr(gflow.config, "native", False)
+
+    def random(seed, n):
+        if dtype is BFLOAT16:  # (random_array makes NumPy's dtypes)
+            return random_array(rank_rng(seed), n, np.float32).astype(BFLOAT16)
+        return random_array(rank_rng(seed), n, dtype)
+
+    def check(y, x, op):
+        if dtype is not BFLOAT16:
+            return assert_close_to_reference(y, x, op)
+        low, high = (part.astype(np.float32) for part in WORLD.allgather(x))  # (exact in float32,
+        expected = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op](low, high)  # rounded once)
+        np.testing.assert_array_equal(y.view(np.uint16), expected.astype(BFLOAT16).view(np.uint16))
+
+    comm = WORLD.Dup()
+    gflow.allreduce(np.ones(3), comm=comm)  # (the set-up follows the first exchange)
+    for n in (0, 1, 37, 5000):
+        x = random(SEED + n, n)
+        x.setflags(write=False)
+        for op in ("sum", "max", "min"):
+            for _ in range(3):
+                y = gflow.allreduce(x, op, comm=comm)
+                on_all_ranks(lambda y=y, x=x, op=op: check(y, x, op), f"n={n} {op}")
+                assert_same_on_all_ranks(y)
+            out = np.full_like(x, 7)
+            gflow.allreduce(np.ascontiguousarray(x), op, comm=comm, out=out)
+            np.testing.assert_array_equal(out.view(np.uint8), y.view(np.uint8))
+    wide = random(SEED, 80)[::2]  # (not contiguous: Python's copy, then the slot)
+    for _ in range(3):
+        on_all_ranks(lambda: check(gflow.allreduce(wide, comm=comm), wide, "sum"))
+    compiled = [plan.pair_step is not None for plan in context(comm).rd_plans.values()]
+    assert any(compiled) == (WORLD.rank == 0), compiled
+    x = random(SEED, 37)
+    op = "max" if WORLD.rank == 1 else "sum"  # (rank 0's plan for sum is compiled)
+
+    def differs():
+        with pytest.raises(gflow.MismatchError, match="op"):
+            gflow.allreduce(x, op, comm=comm)
+
+    on_all_ranks(differs)
+    on_all_ranks(lambda: check(gflow.allreduce(x, comm=comm), x, "sum"))

@@ -45,7 +45,7 @@ from ..runtime.signature import BFLOAT16
 
 # What a compiled loop returns (a negative number: -(the MPI error code)); ASK_PYTHON: recursive
 # doubling met a header that is not this rank's
-_DONE, _PENDING, ASK_PYTHON = 0, 1, 2
+DONE, _PENDING, ASK_PYTHON = 0, 1, 2
 POLLS_PER_VISIT = 2000  # polls between visits to Python, yielding (a few ms: departures, Ctrl-C)
 SLEEPING_VISIT_S = 0.005  # ... and, sleeping between polls (the engine thread), at most this long
 _HALVES = {np.dtype(np.float16): 1, BFLOAT16: 2}  # 2-byte floats, reduced as their bits
@@ -257,7 +257,7 @@ _NO_PAYLOAD = np.zeros(0, np.uint8)
 
 def recursive_doubling(ctx: CommContext, rd: RecursiveDoubling, acc, incoming, dst, send, recv, op) -> tuple:
     """Run a plan's steps compiled while every peer's header is this rank's own (see
-    native_loops.recursive_doubling). Returns (step, status): status _DONE (step: the number of
+    native_loops.recursive_doubling). Returns (step, status): status DONE (step: the number of
     steps), ASK_PYTHON (that step's messages arrived; the caller folds them and goes on) or
     -(an MPI error code) of that step."""
     loops = _compiled
@@ -274,3 +274,45 @@ def recursive_doubling(ctx: CommContext, rd: RecursiveDoubling, acc, incoming, d
     _compiled_for(loops.recursive_doubling, args)
     status = _visit(loops.recursive_doubling, args)
     return int(ints[loops.RD_PARAMS]), status
+
+
+class PairStep:
+    """A plan's one exchange through pair_memory.py's slots for the compiled loop
+    (native_loops.pair_step): its integers and header in one array, made once per plan. In Python the
+    exchange's own work (posting the header and payload, comparing the header, folding the payload)
+    costs about 5 us here; compiled, the call into it (Numba's dispatch of four arrays) is most of
+    what remains. `header`: this rank's (bytes, 8-byte words); `layout`: (rank_a's byte offset, the
+    slots' message offset)."""
+
+    def __init__(self, ctx: CommContext, header: bytes, layout, lower: bool, op: str, dtype):
+        loops = _compiled
+        self.half = _HALVES.get(np.dtype(dtype), 0)
+        self.ints = np.zeros(loops.PAIR_PARAMS + len(header) // 8, np.int64)
+        self.ints[loops.PAIR_PARAMS :] = np.frombuffer(header, np.int64)
+        self.ints[: loops.PAIR_PARAMS] = (
+            ctx.rank, 0, 1, layout[0], _OPS[op], self.half, int(lower), *_budget(ctx), layout[1]
+        )  # fmt: skip
+        self.ready = set()  # (whether src is writeable) compiled for
+
+
+def pair_step(ctx: CommContext, step: PairStep, pair, src, dst) -> int:
+    """Exchange and fold through pair's slots, compiled (see native_loops.pair_step): DONE, or
+    ASK_PYTHON where the peer's message is there and not this rank's header or length (the caller
+    reads it from the slot). Waits the loop's budget did not finish are the context's watched wait."""
+    loops, ints = _compiled, step.ints
+    pair.sequence += 1
+    ints[loops.PAIR_SEQUENCE] = pair.sequence
+    if step.half:
+        src, dst = src.view(np.uint16), dst.view(np.uint16)
+    args = (src, dst, pair.memory, ints)
+    writeable = src.flags.writeable
+    if writeable not in step.ready:
+        _compiled_for(loops.pair_step, args)
+        step.ready.add(writeable)
+    status = loops.pair_step(*args)
+    if status == _PENDING:
+        ctx.wait_until(pair.arrived)
+        ints[loops.PAIR_POST] = 0
+        status = loops.pair_step(*args)
+        ints[loops.PAIR_POST] = 1
+    return status

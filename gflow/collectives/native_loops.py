@@ -12,7 +12,7 @@ ring.allreduce's fixed cost). Handles and pointers travel as 64-bit integers (se
 
 import numpy as np
 from numba import njit, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from ..arrays.half_kernels import _combine, _from_bf16, _from_half, _to_bf16, _to_half
 from ..runtime.config import BACKGROUND_POLL_BACKOFF
@@ -313,4 +313,92 @@ def recursive_doubling(acc, incoming, dst, send, recv, ints, steps, space):
                     send[k] = recv[k]
         i += 1
     state[0], state[1] = i, 0
+    return _DONE
+
+
+# Two ranks' one exchange through shared memory (pair_memory.py's slots; recursive_doubling's
+# _paired_step). `slots`: the mapping as (2 ranks, 2 slots, stride) bytes, each slot [sequence number,
+# length, ... | message from PAIR_DATA_AT]; `ints`: the PAIR_* words, then this rank's header as int64
+# words (its rank_a word at PAIR_RANK_A is not compared: the peer's holds the peer's rank).
+PAIR_RANK, PAIR_SEQUENCE, PAIR_POST, PAIR_RANK_A, PAIR_OP, PAIR_HALF, PAIR_LOWER = 0, 1, 2, 3, 4, 5, 6
+PAIR_BUDGET, PAIR_SLEEP, PAIR_DATA_AT = 7, 8, 9
+PAIR_PARAMS = 10
+
+
+@intrinsic
+def _store_release(typingctx, words, value):
+    """words[0] = value, after every store before it (the compiler keeps them first; x86-64 keeps
+    stores in order in hardware: pair_memory.py's condition)."""
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        builder.store_atomic(args[1], array.data, "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(words, types.int64), codegen
+
+
+@intrinsic
+def _load_acquire(typingctx, words):
+    """words[0], read from memory every time (another process writes it) and before any load after it."""
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.load_atomic(array.data, "acquire", 8)
+
+    return types.int64(words), codegen
+
+
+@njit(inline="always")
+def _wait_for(words, sequence, budget, sleep_us):
+    """Poll words[0] for sequence as _wait_on polls requests: 0 there, _PENDING not yet."""
+    if sleep_us <= 0:
+        for _ in range(budget):
+            if _load_acquire(words) == sequence:
+                return 0
+            sched_yield()
+        return _PENDING
+    pause, slept, longest = sleep_us, 0, longest_pause(sleep_us, budget)
+    while _load_acquire(words) != sequence:
+        if slept >= budget:
+            return _PENDING
+        usleep(pause)
+        slept += pause
+        pause = min(pause * 2, longest)
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def pair_step(src, dst, slots, ints):
+    """Post this rank's [header | src] in its slot of exchange ints[PAIR_SEQUENCE] (unless
+    ints[PAIR_POST] is 0: posted by an earlier visit), wait for the peer's, and where its header and
+    length are this rank's, fold its payload with src into dst (lower rank's operand first) from where
+    it lies. Returns _DONE, _PENDING (not there within the budget: wait, then call again without
+    posting) or _ASK_PYTHON (there, but not this rank's header: recursive_doubling.py's)."""
+    rank, sequence, at = ints[PAIR_RANK], ints[PAIR_SEQUENCE], ints[PAIR_DATA_AT]
+    header = ints[PAIR_PARAMS:].view(np.uint8)
+    k = sequence & 1
+    mine, theirs = slots[rank, k], slots[1 - rank, k]
+    h = header.size
+    n = h + src.size * src.itemsize
+    if ints[PAIR_POST] != 0:
+        mine[at : at + h] = header
+        mine[at + h : at + n] = src.view(np.uint8)
+        words = mine[:16].view(np.int64)
+        words[1] = n
+        _store_release(words, sequence)
+    their_words = theirs[:16].view(np.int64)
+    if _wait_for(their_words, sequence, ints[PAIR_BUDGET], ints[PAIR_SLEEP]) != 0:
+        return _PENDING
+    if their_words[1] != n:
+        return _ASK_PYTHON
+    rank_a = ints[PAIR_RANK_A]
+    for b in range(h):
+        if theirs[at + b] != header[b] and not rank_a <= b < rank_a + 8:
+            return _ASK_PYTHON
+    incoming = theirs[at + h : at + n].view(dst.dtype)
+    if ints[PAIR_LOWER] != 0:
+        reduce_into(dst, incoming, src, ints[PAIR_OP], ints[PAIR_HALF])
+    else:
+        reduce_into(dst, src, incoming, ints[PAIR_OP], ints[PAIR_HALF])
     return _DONE

@@ -34,7 +34,7 @@ import numpy as np
 from ..runtime.config import config
 from ..runtime.context import TAG_PAIR, CommContext
 
-_HEAD = 64  # per slot: [sequence number, length], padded to a cache line
+DATA_AT = 64  # per slot: [sequence number, length], padded to a cache line, then the message
 _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 _NAME_BYTES = 240
 
@@ -46,19 +46,24 @@ class PairSlots:
         self.mapping = mapping
         stride = _stride(room)
         memory = np.frombuffer(mapping, np.uint8, count=4 * stride).reshape(2, 2, stride)
+        self.memory = memory  # (the compiled exchange's view: native_loops.pair_step)
         # memoryviews: their item reads, writes and copies cost half of NumPy's, per call
         words = [[memoryview(memory[r, k, :16]).cast("q") for k in (0, 1)] for r in (0, 1)]
-        data = [[memoryview(memory[r, k, _HEAD:]) for k in (0, 1)] for r in (0, 1)]
+        data = [[memoryview(memory[r, k, DATA_AT:]) for k in (0, 1)] for r in (0, 1)]
         self._my_words, self._their_words = words[rank], words[1 - rank]
         self._my_data, self._their_data = data[rank], data[1 - rank]
         self.sequence = 0  # this rank's messages posted so far
 
-    def post(self, message) -> None:
-        """Write this rank's next message (bytes-like of bytes, at most the room) and publish it."""
+    def post(self, *parts) -> None:
+        """Write this rank's next message (bytes-likes of bytes, one after another, at most the room
+        together) and publish it."""
         self.sequence += 1
         k = self.sequence & 1
-        n = len(message)
-        self._my_data[k][:n] = message
+        data, n = self._my_data[k], 0
+        for part in parts:
+            m = len(part)
+            data[n : n + m] = part
+            n += m
         words = self._my_words[k]
         words[1] = n
         words[0] = self.sequence  # last: the peer reads nothing before it sees this
@@ -67,14 +72,20 @@ class PairSlots:
         """Whether the peer's message of this exchange is in its slot."""
         return self._their_words[self.sequence & 1][0] == self.sequence
 
-    def receive(self, ctx: CommContext, room) -> int:
-        """Wait (watched, as ctx waits) for the peer's message of this exchange and copy it into room
-        (a memoryview of bytes); its length."""
+    def wait(self, ctx: CommContext) -> memoryview:
+        """Wait (watched, as ctx waits) for the peer's message of this exchange; the message where it
+        lies, in the peer's slot. It stays there, unchanged, until this rank posts again: the peer
+        writes that slot next two exchanges later."""
         if not self.arrived():
             ctx.wait_until(self.arrived)
         k = self.sequence & 1
-        n = self._their_words[k][1]
-        room[:n] = self._their_data[k][:n]
+        return self._their_data[k][: self._their_words[k][1]]
+
+    def receive(self, ctx: CommContext, room) -> int:
+        """wait, then copy the message into room (a memoryview of bytes); its length."""
+        message = self.wait(ctx)
+        n = len(message)
+        room[:n] = message
         return n
 
     def close(self) -> None:
@@ -88,7 +99,7 @@ class PairSlots:
 
 
 def _stride(room: int) -> int:
-    return -(-(_HEAD + room) // 64) * 64
+    return -(-(DATA_AT + room) // 64) * 64
 
 
 def wanted(ctx: CommContext) -> bool:
@@ -108,7 +119,7 @@ def connect(ctx: CommContext, room: int):
         try:
             fd, path = tempfile.mkstemp(prefix="gflow-pair-", dir="/dev/shm")
             try:
-                os.ftruncate(fd, size + 8)
+                os.posix_fallocate(fd, 0, size + 8)  # (ENOSPC here, not SIGBUS on a write later)
                 mapping = mmap.mmap(fd, size + 8)
             finally:
                 os.close(fd)

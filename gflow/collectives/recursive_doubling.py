@@ -60,13 +60,15 @@ _MAGIC_BYTES = np.array([_MAGIC], dtype=np.int64).tobytes()
 _NONE_BYTES = bytes(8)
 _STATE_BYTES = slice(8, 16)
 _FOLLOWS_BYTES = slice(_FOLLOWS * 8, _FOLLOWS * 8 + 8)
+_TAIL = slice(_RANK_B * 8, HEADER_BYTES)  # rank_b and follows: zero in a header of the OK state without
+_TAIL_NONE = bytes(16)  # ranks in join() and without a payload sent apart
 # Payloads from this size go as a message of their own, straight from the caller's array (measured
 # on MPICH and Open MPI: bench/RESULTS.md, "The cost of a call").
 SEPARATE_PAYLOAD_BYTES = 16 * 1024
 # Two ranks exchanging in shared memory (pair_memory.py) copy payloads below this into the header's
 # message instead (no MPI message at all); their slots hold the largest such message. (Where the
 # ranks' plans differ on it, each header still says whether a payload follows it.)
-PAIR_INLINE_BYTES = 64 * 1024
+PAIR_INLINE_BYTES = 2 * 1024 * 1024
 PAIR_ROOM = HEADER_BYTES + PAIR_INLINE_BYTES
 
 
@@ -107,11 +109,12 @@ class _Plan:
         # must be told it disagrees, and a truncated receive is not safe on every MPI.
         recv = ctx.scratch("rd_recv", HEADER_BYTES + MAX_SMALL_MESSAGE_BYTES, np.uint8, host)
         nbytes = count * np.dtype(dtype).itemsize if dtype is not None else 0
-        self.separate = nbytes >= (PAIR_INLINE_BYTES if ctx.pair else SEPARATE_PAYLOAD_BYTES)
+        self.separate = nbytes > PAIR_INLINE_BYTES if ctx.pair else nbytes >= SEPARATE_PAYLOAD_BYTES
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[0], header[1], header[_SIG_A], header[_RANK_A] = _MAGIC, _OK, sig, ctx.rank
         header[_FOLLOWS] = nbytes if self.separate else 0
         self.header = header.tobytes()
+        self.header_same = self.header[_SAME]
         self.send_mv, self.recv_mv = memoryview(send), memoryview(recv)
         self.send_same, self.recv_same = self.send_mv[_SAME], self.recv_mv[_SAME]
         self.acc = self.incoming = self.acc_bytes = None
@@ -152,6 +155,7 @@ class _Plan:
         self.send, self.recv = send, recv
         self.uses = 0
         self.compiled = None  # the steps for native.py's loop, from the plan's second use (_compiled)
+        self.pair_step = None  # ... and a paired exchange's (paired_compiled)
 
     def _compiled(self):
         """native.py's form of these steps, or None where they run in Python: one step (a call into
@@ -164,6 +168,16 @@ class _Plan:
             layout = (_RANK_A * 8, _RANK_A * 8, _RANK_B * 8, _FOLLOWS * 8, HEADER_BYTES)
             self.compiled = native.RecursiveDoubling(steps, layout, self.last_into_dst)
         return self.compiled
+
+    def paired_compiled(self, ctx: CommContext, op):
+        """native.py's form of the paired exchange (_paired_step), from the plan's second use (as
+        _compiled), or None where it runs in Python."""
+        self.uses += 1
+        if self.uses == 2 and native.usable(host):
+            layout = (_RANK_A * 8, pair_memory.DATA_AT)
+            lower = self.steps[0].peer_is_lower
+            self.pair_step = native.PairStep(ctx, self.header, layout, lower, op, self.acc.dtype)
+        return self.pair_step
 
     def free(self) -> None:
         for step in self.steps:
@@ -178,12 +192,16 @@ def plan_for(ctx: CommContext, sig: tuple, capacity: int, src) -> _Plan:
     plan = ctx.rd_plans.get(key)
     if plan is None:
         if len(ctx.rd_plans) >= 256:  # bounded: a trainer uses a handful of shapes
-            for old in ctx.rd_plans.values():
-                old.free()
-            ctx.rd_plans.clear()
-            ctx.small_calls.clear()  # (they hold plans just freed)
+            _forget_plans(ctx)
         plan = ctx.rd_plans[key] = _Plan(ctx, sig, capacity, dtype, 0 if src is None else src.size)
     return plan
+
+
+def _forget_plans(ctx: CommContext) -> None:
+    for plan in ctx.rd_plans.values():
+        plan.free()
+    ctx.rd_plans.clear()
+    ctx.small_calls.clear()  # (they hold plans just freed)
 
 
 # What the call this thread is in passed, in words (operations.annotated sets it): after a mismatch
@@ -217,10 +235,13 @@ def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, about: str) -> 
 
 
 def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
+    paired = plan.lone and ctx.pair  # (its one exchange through shared memory)
+    if paired and _paired_step(ctx, plan, src, dst, op):
+        return  # (the peer's header was this rank's own: nothing below applies)
     send_mv, acc = plan.send_mv, plan.acc
     send_mv[:HEADER_BYTES] = plan.header
     own = acc  # what this rank contributes: src itself until the first combine, where it can be sent as is
-    if acc is not None:
+    if acc is not None and not paired:  # (_paired_step copied src into acc where it did not finish)
         if plan.separate and src.flags.c_contiguous:
             own = src
         elif src.flags.c_contiguous:
@@ -228,7 +249,9 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
         else:
             np.copyto(acc, src)
     last = len(plan.steps) - 1
-    if plan.lone:
+    if paired:
+        first, arrived = 0, True  # (what arrived is _complete's and _combine's)
+    elif plan.lone:
         first, arrived = _lone_step(ctx, plan, dst, op)
     else:
         first, arrived = _compiled_steps(ctx, plan, dst, op)  # (compiled only where own is acc already)
@@ -249,13 +272,16 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
             about = getattr(calling, "about", None)
         passed = share_what_passed(ctx, header, about)
         raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx), passed))
-    if send_mv[_RANK_B_BYTES] != _NONE_BYTES:  # some ranks are in join(): they took part with zeros
+    joined = send_mv[_RANK_B_BYTES] != _NONE_BYTES
+    if joined:  # some ranks are in join(): they took part with zeros
         _check_joined(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64))
-    elif ctx.pair is None:  # both ranks completed this exchange alike: the set-up's place
-        ctx.pair = (pair_memory.wanted(ctx) and pair_memory.connect(ctx, PAIR_ROOM)) or False
     if acc is not None and not plan.last_into_dst:
         took = plan.steps and plan.steps[0].action == "take"  # (one rank: no steps)
         np.copyto(dst, plan.incoming if took else acc)
+    if ctx.pair is None and not joined:  # both ranks completed this exchange alike: the set-up's place
+        ctx.pair = (pair_memory.wanted(ctx) and pair_memory.connect(ctx, PAIR_ROOM)) or False
+        if ctx.pair:  # the plans made so far send payloads apart from SEPARATE_PAYLOAD_BYTES: remade
+            _forget_plans(ctx)
 
 
 def _compiled_steps(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
@@ -278,6 +304,43 @@ def _compiled_steps(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
     return step, False
 
 
+def _paired_step(ctx: CommContext, plan: _Plan, src, dst, op) -> bool:
+    """_lone_step through shared memory (pair_memory.py) without copies of its own: this rank's
+    payload goes into its slot straight from src, and the peer's is folded from where it lies,
+    compiled where it can be (native.pair_step). True when done: the peer's header was this rank's
+    own and the result is in dst. False where what arrived is _complete's and _combine's (a mismatch,
+    ranks in join(), a payload the peer sends apart): the peer's message is then copied into the
+    plan's receive buffer and this rank's payload into the accumulator, where they read them."""
+    pair = ctx.pair
+    contiguous = src is not None and src.flags.c_contiguous
+    compiled = plan.paired_compiled(ctx, op) if contiguous else None
+    if compiled is not None and dst.flags.c_contiguous and dst.flags.writeable and dst.flags.aligned:
+        if native.pair_step(ctx, compiled, pair, src, dst) == native.DONE:
+            return True
+        theirs = pair.wait(ctx)  # (there already: not this rank's header)
+    else:
+        if src is None:
+            pair.post(plan.header)
+        elif contiguous:
+            pair.post(plan.header, memoryview(host.buffer(src)).cast("B"))
+        else:
+            np.copyto(plan.acc, src)
+            pair.post(plan.header, plan.acc_bytes)
+        theirs = pair.wait(ctx)
+        alike = len(theirs) == len(plan.message) and theirs[_TAIL] == _TAIL_NONE
+        if alike and theirs[_SAME] == plan.header_same:
+            if src is not None:
+                incoming = np.frombuffer(theirs, plan.acc.dtype, plan.acc.size, HEADER_BYTES)
+                own = src if contiguous else plan.acc
+                low, high = (incoming, own) if plan.steps[0].peer_is_lower else (own, incoming)
+                host.reduce(dst, low, high, op)
+            return True
+    plan.recv_mv[: len(theirs)] = theirs
+    if contiguous:
+        plan.acc_bytes[:] = memoryview(host.buffer(src)).cast("B")
+    return False
+
+
 def _lone_step(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
     """A plan's one exchange (p = 2, the payload in the header's message), inline: _complete and
     _combine's generality cost about as much as MPI's own allreduce of a few KB at p = 2
@@ -285,19 +348,14 @@ def _lone_step(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
     own and the result is in dst, or an MPI error was recorded as a mismatch (_failed); (0, True)
     where the header that arrived is _combine's to fold (a mismatch, ranks in join())."""
     step = plan.steps[0]
-    pair = ctx.pair
-    if pair:
-        pair.post(plan.message)
-        pair.receive(ctx, plan.recv_mv)
-    else:
-        requests = step.requests
-        try:
-            MPI.Prequest.Startall(requests)
-            if not MPI.Request.Testall(requests):
-                ctx.waitall(requests)
-        except MPI.Exception as exc:
-            _failed(plan, step, exc, requests)
-            return 1, False
+    requests = step.requests
+    try:
+        MPI.Prequest.Startall(requests)
+        if not MPI.Request.Testall(requests):
+            ctx.waitall(requests)
+    except MPI.Exception as exc:
+        _failed(plan, step, exc, requests)
+        return 1, False
     recv_mv = plan.recv_mv
     if plan.recv_same != plan.send_same or recv_mv[_RANK_B_BYTES] != _NONE_BYTES:
         return 0, True  # a mismatch, or ranks in join(): _combine's
