@@ -116,8 +116,8 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call()
     import time
 
     comm = WORLD.Dup()
-    for _ in range(2):  # (the set-up, then a call that makes the compiled exchange: the next is one)
-        gflow.allreduce(np.ones(10), comm=comm)
+    for _ in range(3):  # (the set-up, which remakes the plans; then calls that make the compiled
+        gflow.allreduce(np.ones(10), comm=comm)  # exchange: the next is one)
     assert context(comm).pair
     x = random_array(rank_rng(SEED + 2), 10, np.float64)
     everyone = WORLD.allgather(x)

@@ -67,7 +67,7 @@ def _bind():
         libc = ctypes.CDLL(None)
         for name in _ENTRY_POINTS:
             llvm.add_symbol(name, ctypes.cast(getattr(library, name), ctypes.c_void_p).value)
-        for name in ("sched_yield", "usleep"):
+        for name in ("sched_yield", "usleep", "memcpy"):
             llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
         from . import native_loops
 
@@ -300,15 +300,15 @@ def pair_step(ctx: CommContext, step: PairStep, pair, src, dst) -> int:
     ASK_PYTHON where the peer's message is there and not this rank's header or length (the caller
     reads it from the slot). Waits the loop's budget did not finish are the context's watched wait."""
     loops, ints = _compiled, step.ints
-    pair.sequence += 1
-    ints[loops.PAIR_SEQUENCE] = pair.sequence
     if step.half:
         src, dst = src.view(np.uint16), dst.view(np.uint16)
     args = (src, dst, pair.memory, ints)
     writeable = src.flags.writeable
-    if writeable not in step.ready:
-        _compiled_for(loops.pair_step, args)
+    if writeable not in step.ready:  # (before this exchange counts: a compile takes seconds, and
+        _compiled_for(loops.pair_step, args)  # Ctrl-C in it must leave the exchange not begun)
         step.ready.add(writeable)
+    pair.sequence += 1
+    ints[loops.PAIR_SEQUENCE] = pair.sequence
     status = loops.pair_step(*args)
     if status == _PENDING:
         ctx.wait_until(pair.arrived)
