@@ -107,10 +107,13 @@ def test_join_with_uneven_steps_through_the_slots():
 
 
 @pytest.mark.parallel([2])
-def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call():
+@pytest.mark.parametrize("when", ["in the wait", "as soon as posted"])
+def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(when):
     """Ctrl-C in a wait whose message is in shared memory already: the peer takes that message for its
     own call (as it would an MPI message sent eagerly), so this rank's next call on the communicator
-    would pair with the peer's next one: it raises instead, and the peer's call completes."""
+    would pair with the peer's next one: it raises instead, and the peer's call completes. "As soon
+    as posted": while the compiled exchange spins (the interrupt is raised as it returns, outside
+    the watched wait)."""
     import _thread
     import threading
     import time
@@ -121,8 +124,20 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call()
     assert context(comm).pair
     x = random_array(rank_rng(SEED + 2), 10, np.float64)
     everyone = WORLD.allgather(x)
-    if WORLD.rank == 0:
+    if WORLD.rank == 0 and when == "in the wait":
         threading.Timer(0.3, _thread.interrupt_main).start()
+    elif WORLD.rank == 0:
+        pair = context(comm).pair
+        sequence = pair.sequence + 1
+        posted = pair.memory[0, sequence & 1, :8].view(np.int64)
+
+        def interrupt():
+            while posted[0] != sequence:
+                time.sleep(0)
+            _thread.interrupt_main()
+
+        threading.Thread(target=interrupt, daemon=True).start()
+    if WORLD.rank == 0:
         with pytest.raises(KeyboardInterrupt):
             gflow.allreduce(x, comm=comm)  # (the peer sleeps: this wait is interrupted)
         with pytest.raises(gflow.GflowError, match="was interrupted while its message was with the peer"):

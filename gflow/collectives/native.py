@@ -309,10 +309,12 @@ def pair_step(ctx: CommContext, step: PairStep, pair, src, dst) -> int:
         step.ready.add(writeable)
     pair.sequence += 1
     ints[loops.PAIR_SEQUENCE] = pair.sequence
-    status = loops.pair_step(*args)
-    if status == _PENDING:
-        ctx.wait_until(pair.arrived)
-        ints[loops.PAIR_POST] = 0
+    try:
         status = loops.pair_step(*args)
+        if status == _PENDING:
+            ctx.wait_until(pair.arrived)
+            ints[loops.PAIR_POST] = 0
+            status = loops.pair_step(*args)
+    finally:  # (Ctrl-C is raised as a compiled visit returns: the next exchange posts again)
         ints[loops.PAIR_POST] = 1
     return status

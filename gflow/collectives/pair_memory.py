@@ -4,8 +4,11 @@ At p = 2 a recursive-doubling exchange is one message each way, and MPI's point-
 most of its time: MPICH's own Allreduce of 256 B took 7.8 us here, gflow's exchange over MPI a few
 more, and the same exchange through a shared slot 2.4 us (bench/pair_exchange.py; bench/RESULTS.md,
 "Two ranks through shared memory"). So a two-rank context whose ranks share a host carries the
-header's message (the header and a payload below PAIR_INLINE_BYTES, 64 KiB) in slots of a shared file;
-payloads sent apart still go over MPI.
+header's message (the header and a payload up to recursive_doubling.PAIR_INLINE_BYTES, 2 MiB: all
+the latency path carries at p = 2 by default) in slots of a shared file; larger payloads still go
+apart over MPI. The latency path writes its payload into the slot straight from the caller's array
+and folds the peer's from where it lies, and from a plan's second use it does the whole exchange in
+one compiled call (native_loops.pair_step): one copy in, none out, where MPI copies in and out.
 
 Every exchange of such a context goes this way (the latency path, the agreement before a bandwidth
 algorithm, join()'s), so two ranks whose calls differ still pair message for message and raise.
@@ -13,21 +16,24 @@ algorithm, join()'s), so two ranks whose calls differ still pair message for mes
 Slots: each rank writes into its own, two of them used alternately: the message, its length, then
 its sequence number, last. The peer reads a slot once it sees the number it expects. A rank writes
 a slot again two exchanges later, which it cannot begin before the peer has begun the one between,
-so the peer has read it by then. This relies on stores becoming visible in program order: x86-64
-(elsewhere the context keeps MPI).
+so the peer has read it by then (and folded it: a message is read in place until the reader posts
+again). This relies on stores becoming visible in program order: x86-64 (elsewhere the context
+keeps MPI); the compiled exchange publishes the number with a release store, so the compiler keeps
+that order too.
 
 Set-up (connect): once per context, after its first exchange that succeeded on both ranks alike,
-over MPI in watched waits. The lower rank creates a file in /dev/shm holding a random token and
-sends its name; the other opens it, checks the token and answers; the lower rank then unlinks it
-(the mapping stays). Either rank saying no (GFLOW_PAIR_MEMORY=0, another host, no /dev/shm) keeps
-MPI for that context, on both ranks.
+over MPI in watched waits. The lower rank makes an anonymous memory file (memfd_create) holding a
+random token and sends its process id and descriptor; the other opens it through /proc, checks the
+token and answers. No name is ever made, so nothing is left behind whichever rank dies when: the
+memory goes with the last mapping. The file holds four slots (8 MiB per two-rank communicator),
+reserved when it is made. Either rank saying no (GFLOW_PAIR_MEMORY=0, another host, no memfd or no
+room for it, /proc not open to it) keeps MPI for that context, on both ranks.
 """
 
 import mmap
 import os
 import platform
 import secrets
-import tempfile
 
 import numpy as np
 
@@ -36,7 +42,6 @@ from ..runtime.context import TAG_PAIR, CommContext
 
 DATA_AT = 64  # per slot: [sequence number, length], padded to a cache line, then the message
 _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
-_NAME_BYTES = 240
 
 
 class PairSlots:
@@ -111,48 +116,39 @@ def connect(ctx: CommContext, room: int):
     """PairSlots for ctx's two ranks, or None where either cannot or will not (both ranks return
     alike). Collective over ctx: both ranks call it at the same point of their calls."""
     peer, size = 1 - ctx.rank, 4 * _stride(room)
-    willing = bool(config.pair_memory) and os.path.isdir("/dev/shm")
-    offer = np.zeros(4 + _NAME_BYTES // 8, np.int64)  # [willing, token, name length, ok | name]
+    willing = bool(config.pair_memory) and hasattr(os, "memfd_create")
+    offer = np.zeros(4, np.int64)  # [willing, token, process id, file descriptor]
     theirs = np.zeros_like(offer)
-    mapping, path = None, None
+    mapping, fd = None, -1
     if ctx.rank == 0 and willing:
         try:
-            fd, path = tempfile.mkstemp(prefix="gflow-pair-", dir="/dev/shm")
-            try:
-                os.posix_fallocate(fd, 0, size + 8)  # (ENOSPC here, not SIGBUS on a write later)
-                mapping = mmap.mmap(fd, size + 8)
-            finally:
-                os.close(fd)
+            fd = os.memfd_create("gflow-pair")
+            os.posix_fallocate(fd, 0, size + 8)  # (ENOSPC here, not SIGBUS on a write later)
+            mapping = mmap.mmap(fd, size + 8)
             token = secrets.randbits(62)
             np.frombuffer(mapping, np.int64, count=1, offset=size)[0] = token
-            name = path.encode()
-            if len(name) > _NAME_BYTES:
-                raise OSError("name too long")
-            offer[1], offer[2] = token, len(name)
-            offer.view(np.uint8)[32 : 32 + len(name)] = np.frombuffer(name, np.uint8)
+            offer[1:] = token, os.getpid(), fd
         except OSError:
             willing = False
     offer[0] = willing
-    ctx.sendrecv(offer, peer, TAG_PAIR, theirs, peer, TAG_PAIR)
     answer = np.zeros(1, np.int64)  # the other rank's: it opened the file and found the token
-    if ctx.rank == 1:
-        if willing and theirs[0]:
-            name = bytes(theirs.view(np.uint8)[32 : 32 + int(theirs[2])]).decode(errors="replace")
-            try:
-                with open(name, "r+b") as file:
-                    mapping = mmap.mmap(file.fileno(), size + 8)
-                if np.frombuffer(mapping, np.int64, count=1, offset=size)[0] == theirs[1]:
-                    answer[0] = 1
-            except (OSError, ValueError):
-                pass
-        ctx.sendrecv(answer, peer, TAG_PAIR, np.zeros(1, np.int64), peer, TAG_PAIR)
-    else:
-        ctx.sendrecv(np.zeros(1, np.int64), peer, TAG_PAIR, answer, peer, TAG_PAIR)
-        if path is not None:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+    try:
+        ctx.sendrecv(offer, peer, TAG_PAIR, theirs, peer, TAG_PAIR)
+        if ctx.rank == 1:
+            if willing and theirs[0]:
+                try:
+                    with open(f"/proc/{int(theirs[2])}/fd/{int(theirs[3])}", "r+b") as file:
+                        mapping = mmap.mmap(file.fileno(), size + 8)
+                    if np.frombuffer(mapping, np.int64, count=1, offset=size)[0] == theirs[1]:
+                        answer[0] = 1
+                except (OSError, ValueError):
+                    pass
+            ctx.sendrecv(answer, peer, TAG_PAIR, np.zeros(1, np.int64), peer, TAG_PAIR)
+        else:
+            ctx.sendrecv(np.zeros(1, np.int64), peer, TAG_PAIR, answer, peer, TAG_PAIR)
+    finally:
+        if fd >= 0:  # (once the peer has opened its own: the mappings keep the memory)
+            os.close(fd)
     if not answer[0]:
         if mapping is not None:
             mapping.close()

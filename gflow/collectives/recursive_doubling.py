@@ -236,8 +236,15 @@ def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, about: str) -> 
 
 def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
     paired = plan.lone and ctx.pair  # (its one exchange through shared memory)
-    if paired and _paired_step(ctx, plan, src, dst, op):
-        return  # (the peer's header was this rank's own: nothing below applies)
+    if paired:
+        try:
+            if _paired_step(ctx, plan, src, dst, op):
+                return  # (the peer's header was this rank's own: nothing below applies)
+        except GflowError:  # (on every rank alike, or a peer has left)
+            raise
+        except BaseException:  # Ctrl-C, a signal handler's exception, wherever it came (in a
+            stall.abandoned(stall.mark())  # compiled visit, around the watched wait): this rank's
+            raise  # message may be with the peer, so the context refuses its next call (check_usable)
     send_mv, acc = plan.send_mv, plan.acc
     send_mv[:HEADER_BYTES] = plan.header
     own = acc  # what this rank contributes: src itself until the first combine, where it can be sent as is
