@@ -80,10 +80,13 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
     ctx.check_usable()
     flat = x.ndim == 1 and result.ndim == 1  # (a reshape costs 0.3 us: a tenth of what this lane adds)
     dst = result if flat else result.reshape(-1)
+    plan = small.plan
     try:
-        recursive_doubling.run(
-            ctx, small.plan, small.sig, x if flat else x.reshape(-1), dst, small.op, small.about
-        )
+        if plan.pair_step is not None and flat and ctx.pair and dst.flags.aligned:
+            recursive_doubling.run_compiled_pair(ctx, plan, small.sig, x, dst, small.op, small.about)
+        else:
+            src = x if flat else x.reshape(-1)
+            recursive_doubling.run(ctx, plan, small.sig, src, dst, small.op, small.about)
     except MismatchError as exc:
         raise MismatchError(f"{exc}.\nThis rank passed {small.about}") from exc
     if small.mean:
