@@ -241,30 +241,39 @@ def run_compiled_pair(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, a
     1.5 us at p = 2 here, as much as Open MPI's whole Allreduce of 1 KB)."""
     stall.entered(ctx, sig)
     try:
-        if native.pair_step(ctx, plan.pair_step, ctx.pair, src, dst) == native.DONE:
-            return
+        if native.pair_step(ctx, plan.pair_step, ctx.pair, src, dst) != native.DONE:
+            _run_plan(ctx, plan, src, dst, op, about, exchanged=True)  # (not this rank's header)
     except GflowError:
         raise
     except BaseException:  # (as in _exchange)
         stall.abandoned(stall.mark())
         raise
-    _exchange(ctx, plan, src, dst, op, about, exchanged=True)  # (not this rank's header: the general code's)
 
 
-def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None, exchanged=False) -> None:
-    """The agreement and payload exchange of one call with its plan. `exchanged`: a paired plan whose
-    messages have been exchanged already (run_compiled_pair) and whose peer's header was not this
-    rank's own."""
+def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
+    """The agreement and payload exchange of one call with its plan (_run_plan). On a context whose
+    messages go through shared memory, an exception of the program's (Ctrl-C, a signal handler's)
+    anywhere in it, in a compiled visit, around the watched wait or while folding, may leave this
+    rank's message with the peer, which takes it for its own call: the call is marked abandoned, so
+    the context refuses its next one (check_usable), which would pair with the peer's next."""
+    if not ctx.pair:
+        _run_plan(ctx, plan, src, dst, op, about)
+        return
+    try:
+        _run_plan(ctx, plan, src, dst, op, about)
+    except GflowError:  # (on every rank alike, or a peer has left)
+        raise
+    except BaseException:
+        stall.abandoned(stall.mark())
+        raise
+
+
+def _run_plan(ctx: CommContext, plan: _Plan, src, dst, op, about=None, exchanged=False) -> None:
+    """_exchange's work. `exchanged`: a paired plan whose messages have been exchanged already
+    (run_compiled_pair) and whose peer's header was not this rank's own."""
     paired = plan.lone and ctx.pair  # (its one exchange through shared memory)
-    if paired:
-        try:
-            if _paired_step(ctx, plan, src, dst, op, exchanged):
-                return  # (the peer's header was this rank's own: nothing below applies)
-        except GflowError:  # (on every rank alike, or a peer has left)
-            raise
-        except BaseException:  # Ctrl-C, a signal handler's exception, wherever it came (in a
-            stall.abandoned(stall.mark())  # compiled visit, around the watched wait): this rank's
-            raise  # message may be with the peer, so the context refuses its next call (check_usable)
+    if paired and _paired_step(ctx, plan, src, dst, op, exchanged):
+        return  # (the peer's header was this rank's own: nothing below applies)
     send_mv, acc = plan.send_mv, plan.acc
     send_mv[:HEADER_BYTES] = plan.header
     own = acc  # what this rank contributes: src itself until the first combine, where it can be sent as is
