@@ -200,3 +200,34 @@ def test_the_compiled_exchange_pairs_with_pythons_and_gives_its_bits(monkeypatch
 
     on_all_ranks(differs)
     on_all_ranks(lambda: check(gflow.allreduce(x, comm=comm), x, "sum"))
+
+
+@pytest.mark.parallel([2])
+def test_an_interrupt_as_the_compiled_exchange_hands_over_refuses_the_next_call(monkeypatch):
+    """The fast lane's compiled exchange meets a header that is not the rank's own (the peer is in
+    join()) and hands it to Python's general code; a Ctrl-C that lands there still marks the call
+    abandoned (its message is with the peer), so the next call raises instead of pairing with the
+    peer's next exchange (which would fold zeros into it, silently)."""
+    from gflow.collectives import recursive_doubling
+    from gflow.collectives.join import serve
+
+    comm = WORLD.Dup()
+    x = random_array(rank_rng(SEED + 3), 16, np.float64)
+    for _ in range(4):  # (the set-up, then the plan's compiled exchange)
+        gflow.allreduce(x, comm=comm)
+    if WORLD.rank == 0:
+        general = recursive_doubling._run_plan
+
+        def interrupted(*args, **kwargs):
+            if kwargs.get("exchanged"):  # (where a pending SIGINT would be raised)
+                raise KeyboardInterrupt
+            return general(*args, **kwargs)
+
+        monkeypatch.setattr(recursive_doubling, "_run_plan", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            gflow.allreduce(x, comm=comm)
+        monkeypatch.setattr(recursive_doubling, "_run_plan", general)
+        with pytest.raises(gflow.GflowError, match="was interrupted while its message was with the peer"):
+            gflow.allreduce(x, comm=comm)
+    serve(context(comm))  # (rank 1 took the interrupted call's message and serves until both are in it)
+    WORLD.Barrier()
