@@ -76,6 +76,22 @@ def timed(comm, fn) -> float:
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
+def alternated_medians_us(comm, runs: dict, calls: int, rounds: int = 15) -> dict:
+    """For each named function of runs, the median over rounds of the slowest rank's microseconds per
+    call; each round runs every contender once, `calls` times back to back, so drift hits all alike."""
+    from mpi4py import MPI
+
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append(comm.allreduce((time.perf_counter() - start) / calls * 1e6, op=MPI.MAX))
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
 def write_json(path: str, data) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -17,7 +17,6 @@ x86-64 only.
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -101,17 +100,9 @@ def worker() -> None:
             "MPI Allreduce": lambda x=x, out=out: comm.Allreduce(x, out),
             "node slots": lambda x=x, out=out: shared(x, out),
         }
-        calls = 200 if n <= 16384 else 20
-        times = {name: [] for name in runs}
-        for _ in range(15):
-            for name, fn in runs.items():
-                comm.Barrier()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                times[name].append(comm.allreduce((time.perf_counter() - start) / calls * 1e6, op=MPI.MAX))
+        medians = _common.alternated_medians_us(comm, runs, calls=200 if n <= 16384 else 20)
         if rank == 0:
-            mpi, slots_us = np.median(times["MPI Allreduce"]), np.median(times["node slots"])
+            mpi, slots_us = medians["MPI Allreduce"], medians["node slots"]
             print(
                 f"p={k} {_common.human_bytes(n):>7}: MPI Allreduce {mpi:7.1f}  node slots {slots_us:7.1f}"
                 f"  ({mpi / slots_us:4.2f}x MPI)",

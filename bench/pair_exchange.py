@@ -17,7 +17,6 @@ Medians of the slowest rank's time per call over rounds, in microseconds.
 
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -109,17 +108,9 @@ def worker() -> None:
             "two calls polled": lambda x=x, out=out: two_calls_polled(x, out),
             "shared memory": lambda x=x, out=out: shared(x, out),
         }
-        calls = 400 if n <= 16384 else 100
-        times = {name: [] for name in runs}
-        for _ in range(15):
-            for name, fn in runs.items():
-                comm.Barrier()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                times[name].append(comm.allreduce((time.perf_counter() - start) / calls * 1e6, op=MPI.MAX))
+        medians = _common.alternated_medians_us(comm, runs, calls=400 if n <= 16384 else 100)
         if rank == 0:
-            cells = "  ".join(f"{name} {np.median(t):6.1f}" for name, t in times.items())
+            cells = "  ".join(f"{name} {t:6.1f}" for name, t in medians.items())
             print(f"{_common.human_bytes(n):>7}: {cells}", flush=True)
     node.Barrier()
     win.Free()
