@@ -111,7 +111,7 @@ def _exchange(ctx: CommContext):
         if sends:
             message = mine.tobytes() + (b"" if acc is None or separate else acc.tobytes())
             if pair:
-                pair.post(np.frombuffer(message, np.uint8))
+                pair.post(message)
             else:
                 requests.append(comm.Isend([message, MPI.BYTE], peer, TAG_AGREE))
             if separate:

@@ -7,6 +7,7 @@ private duplicate can never match the user's own messages.
 
 import os
 import time
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
@@ -51,20 +52,11 @@ def rd_schedule(rank: int, size: int):
     return fold, rounds
 
 
-def _caller_waitall(requests) -> None:
-    """The caller's thread: poll, yielding the core between polls as MPICH's own Waitall does (a
-    rank whose peer shares its core must let it run: without the yield, 4 ranks on 2 cores took 80x
-    longer for a 4 KB allreduce). It comes back to Python between polls, so that a peer that has
-    left the job is noticed (stall.check_waiting) and signal handlers (Ctrl-C) run."""
-    test, departures, pause = MPI.Request.Testall, stall.departures, os.sched_yield
-    while not test(requests):
-        if departures:
-            stall.check_waiting()
-        pause()
-
-
 def _caller_wait_until(arrived) -> None:
-    """_caller_waitall for a predicate (a peer's message in shared memory: pair_memory.py)."""
+    """The caller's thread: poll arrived(), yielding the core between polls as MPICH's own Waitall
+    does (a rank whose peer shares its core must let it run: without the yield, 4 ranks on 2 cores
+    took 80x longer for a 4 KB allreduce). It comes back to Python between polls, so that a peer that
+    has left the job is noticed (stall.check_waiting) and signal handlers (Ctrl-C) run."""
     departures, pause = stall.departures, os.sched_yield
     while not arrived():
         if departures:
@@ -73,7 +65,11 @@ def _caller_wait_until(arrived) -> None:
 
 
 def _polite_wait_until(arrived) -> None:
-    """_polite_waitall for a predicate."""
+    """Poll arrived(), sleeping between polls. MPI progresses only while polled, but a busy-polling
+    background thread would take the core from the computation it is meant to overlap with; socket
+    and shared-memory buffers hold far more than what moves in one sleep, so bandwidth is kept. The
+    pause doubles while the wait lasts (up to BACKGROUND_POLL_BACKOFF times background_poll_us): on a
+    slow link the thread wakes seldom, on shared memory as often as before (native_loops.py alike)."""
     departures = stall.departures
     pause = config.background_poll_us * 1e-6
     longest = pause * BACKGROUND_POLL_BACKOFF
@@ -84,20 +80,15 @@ def _polite_wait_until(arrived) -> None:
         pause = min(pause * 2, longest)
 
 
+def _caller_waitall(requests) -> None:
+    """_caller_wait_until for MPI requests (a peer's message in shared memory is the other case:
+    pair_memory.py)."""
+    _caller_wait_until(partial(MPI.Request.Testall, requests))
+
+
 def _polite_waitall(requests) -> None:
-    """Waitall that sleeps between polls. MPI progresses only while polled, but a busy-polling
-    background thread would take the core from the computation it is meant to overlap with; socket
-    and shared-memory buffers hold far more than what moves in one sleep, so bandwidth is kept. The
-    pause doubles while the wait lasts (up to BACKGROUND_POLL_BACKOFF times background_poll_us): on a
-    slow link the thread wakes seldom, on shared memory as often as before (native_loops.py alike)."""
-    test, departures = MPI.Request.Testall, stall.departures
-    pause = config.background_poll_us * 1e-6
-    longest = pause * BACKGROUND_POLL_BACKOFF
-    while not test(requests):
-        if departures:
-            stall.check_waiting()
-        time.sleep(pause)
-        pause = min(pause * 2, longest)
+    """_polite_wait_until for MPI requests."""
+    _polite_wait_until(partial(MPI.Request.Testall, requests))
 
 
 def watched(wait):
