@@ -1,4 +1,4 @@
-"""Whether the two-rank slots (gflow/collectives/pair_memory.py) would pay for every rank of one host
+"""Whether the two-rank slots (gflow/collectives/shared_slots.py) would pay for every rank of one host
 (issue 27 at p = 3 and 4): k ranks exchange [header | payload] through one shared window, measured
 against MPI's own Allreduce, alternated, in plain mpi4py and Numba.
 

@@ -38,6 +38,7 @@ from .recursive_doubling import (
     SEPARATE_PAYLOAD_BYTES,
     SERVED_WHILE_JOINED,
     _merge,
+    node_verdict,
     share_what_passed,
 )
 
@@ -100,8 +101,10 @@ def _exchange(ctx: CommContext):
     mine = np.zeros(HEADER_WORDS, np.int64)
     mine[0], mine[1], mine[_RANK_A], mine[_RANK_B] = _MAGIC, JOINED, ctx.rank, 1
     acc = None  # the payload combined so far, once a peer's header said there is one
+    if ctx.slots and ctx.size > 2:
+        return _node_exchange(ctx, mine)
     room = np.empty(HEADER_BYTES + MAX_SMALL_MESSAGE_BYTES, np.uint8)
-    pair = ctx.pair  # (two ranks on one host: the header's messages in shared memory, pair_memory.py)
+    pair = ctx.slots  # (two ranks on one host: the header's messages in shared memory, shared_slots.py)
     for peer, lower, action, receives, sends in _steps(ctx):
         separate = acc is not None and acc.nbytes >= SEPARATE_PAYLOAD_BYTES
         mine[_FOLLOWS] = acc.nbytes if separate else 0
@@ -137,6 +140,22 @@ def _exchange(ctx: CommContext):
         elif action == "combine":
             mine, acc = _combine(mine, acc, theirs, payload, lower)
     return mine
+
+
+def _node_exchange(ctx: CommContext, mine):
+    """_exchange through the slots of a context of three ranks or more on one host
+    (recursive_doubling._node_step): the verdict every rank folds from every rank's header. Where a
+    latency-path payload was too large for the slots, the others reduce it by the ring after the
+    headers agree: this rank takes part with zeros."""
+    slots = ctx.slots
+    slots.post(mine.tobytes())
+    verdict = node_verdict([np.frombuffer(m, np.int64, HEADER_WORDS) for m in slots.wait(ctx)])
+    served = CODE_COLLECTIVE.get(int(verdict[_SIG_A][0])) in SERVED_WHILE_JOINED
+    if verdict[1] == _OK and verdict[_FOLLOWS] and served:
+        dtype, op = _payload_spec(verdict)
+        zeros = np.zeros(int(verdict[_SIG_A][2]), dtype)
+        ring.allreduce(ctx, zeros, zeros, host, op)
+    return verdict
 
 
 def _combine(mine, acc, theirs, payload, peer_is_lower: bool):

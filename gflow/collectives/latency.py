@@ -82,8 +82,8 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
     dst = result if flat else result.reshape(-1)
     plan = small.plan
     try:
-        if plan.pair_step is not None and flat and ctx.pair and dst.flags.aligned:
-            recursive_doubling.run_compiled_pair(ctx, plan, small.sig, x, dst, small.op, small.about)
+        if plan.slots_step is not None and flat and ctx.slots and dst.flags.aligned:
+            recursive_doubling.run_compiled_slots(ctx, plan, small.sig, x, dst, small.op, small.about)
         else:
             src = x if flat else x.reshape(-1)
             recursive_doubling.run(ctx, plan, small.sig, src, dst, small.op, small.about)

@@ -276,45 +276,46 @@ def recursive_doubling(ctx: CommContext, rd: RecursiveDoubling, acc, incoming, d
     return int(ints[loops.RD_PARAMS]), status
 
 
-class PairStep:
-    """A plan's one exchange through pair_memory.py's slots for the compiled loop
-    (native_loops.pair_step): its integers and header in one array, made once per plan. In Python the
-    exchange's own work (posting the header and payload, comparing the header, folding the payload)
-    costs about 5 us here; compiled, the call into it (Numba's dispatch of four arrays) is most of
-    what remains. `header`: this rank's (bytes, 8-byte words); `layout`: (rank_a's byte offset, the
-    slots' message offset)."""
+class SlotsStep:
+    """A plan's one exchange through shared_slots.py's slots for the compiled loop
+    (native_loops.slots_step): its integers and header in one array, made once per plan. In Python the
+    exchange's own work (posting the header and payload, comparing the headers, folding the payloads)
+    costs about 5 us at p = 2 here; compiled, the call into it (Numba's dispatch of four arrays) is
+    most of what remains. `header`: this rank's (bytes, 8-byte words); `layout`: (rank_a's byte
+    offset, the slots' message offset)."""
 
-    def __init__(self, ctx: CommContext, header: bytes, layout, lower: bool, op: str, dtype):
+    def __init__(self, ctx: CommContext, header: bytes, layout, op: str, dtype):
         loops = _compiled
         self.half = _HALVES.get(np.dtype(dtype), 0)
-        self.ints = np.zeros(loops.PAIR_PARAMS + len(header) // 8, np.int64)
-        self.ints[loops.PAIR_PARAMS :] = np.frombuffer(header, np.int64)
-        self.ints[: loops.PAIR_PARAMS] = (
-            ctx.rank, 0, 1, layout[0], _OPS[op], self.half, int(lower), *_budget(ctx), layout[1]
+        self.ints = np.zeros(loops.SLOT_PARAMS + len(header) // 8, np.int64)
+        self.ints[loops.SLOT_PARAMS :] = np.frombuffer(header, np.int64)
+        self.ints[: loops.SLOT_PARAMS] = (
+            ctx.rank, 0, 1, layout[0], _OPS[op], self.half, *_budget(ctx), layout[1]
         )  # fmt: skip
         self.ready = set()  # (whether src is writeable) compiled for
 
 
-def pair_step(ctx: CommContext, step: PairStep, pair, src, dst) -> int:
-    """Exchange and fold through pair's slots, compiled (see native_loops.pair_step): DONE, or
-    ASK_PYTHON where the peer's message is there and not this rank's header or length (the caller
-    reads it from the slot). Waits the loop's budget did not finish are the context's watched wait."""
+def slots_step(ctx: CommContext, step: SlotsStep, slots, src, dst) -> int:
+    """Exchange and fold through the slots, compiled (see native_loops.slots_step): DONE, or
+    ASK_PYTHON where every rank's message is there and not all of them this rank's header and length
+    (the caller reads them from the slots). Waits the loop's budget did not finish are the context's
+    watched wait."""
     loops, ints = _compiled, step.ints
     if step.half:
         src, dst = src.view(np.uint16), dst.view(np.uint16)
-    args = (src, dst, pair.memory, ints)
+    args = (src, dst, slots.memory, ints)
     writeable = src.flags.writeable
     if writeable not in step.ready:  # (before this exchange counts: a compile takes seconds, and
-        _compiled_for(loops.pair_step, args)  # Ctrl-C in it must leave the exchange not begun)
+        _compiled_for(loops.slots_step, args)  # Ctrl-C in it must leave the exchange not begun)
         step.ready.add(writeable)
-    pair.sequence += 1
-    ints[loops.PAIR_SEQUENCE] = pair.sequence
+    slots.sequence += 1
+    ints[loops.SLOT_SEQUENCE] = slots.sequence
     try:
-        status = loops.pair_step(*args)
+        status = loops.slots_step(*args)
         if status == _PENDING:
-            ctx.wait_until(pair.arrived)
-            ints[loops.PAIR_POST] = 0
-            status = loops.pair_step(*args)
+            ctx.wait_until(slots.arrived)
+            ints[loops.SLOT_POST] = 0
+            status = loops.slots_step(*args)
     finally:  # (Ctrl-C is raised as a compiled visit returns: the next exchange posts again)
-        ints[loops.PAIR_POST] = 1
+        ints[loops.SLOT_POST] = 1
     return status

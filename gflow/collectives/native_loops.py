@@ -319,19 +319,20 @@ def recursive_doubling(acc, incoming, dst, send, recv, ints, steps, space):
     return _DONE
 
 
-# Two ranks' one exchange through shared memory (pair_memory.py's slots; recursive_doubling's
-# _paired_step). `slots`: the mapping as (2 ranks, 2 slots, stride) bytes, each slot [sequence number,
-# length, ... | message from PAIR_DATA_AT]; `ints`: the PAIR_* words, then this rank's header as int64
-# words (its rank_a word at PAIR_RANK_A is not compared: the peer's holds the peer's rank).
-PAIR_RANK, PAIR_SEQUENCE, PAIR_POST, PAIR_RANK_A, PAIR_OP, PAIR_HALF, PAIR_LOWER = 0, 1, 2, 3, 4, 5, 6
-PAIR_BUDGET, PAIR_SLEEP, PAIR_DATA_AT = 7, 8, 9
-PAIR_PARAMS = 10
+# The ranks of one host exchange through shared memory (shared_slots.py's slots; recursive_doubling's
+# _paired_step and _node_step). `slots`: the mapping as (ranks, 2 slots, stride) bytes, each slot
+# [sequence number, length, ... | message from SLOT_DATA_AT]; `ints`: the SLOT_* words, then this
+# rank's header as int64 words (its rank_a word at SLOT_RANK_A is not compared: each rank's holds
+# its own rank).
+SLOT_RANK, SLOT_SEQUENCE, SLOT_POST, SLOT_RANK_A, SLOT_OP, SLOT_HALF = 0, 1, 2, 3, 4, 5
+SLOT_BUDGET, SLOT_SLEEP, SLOT_DATA_AT = 6, 7, 8
+SLOT_PARAMS = 9
 
 
 @intrinsic
 def _store_release(typingctx, words, value):
     """words[0] = value, after every store before it (the compiler keeps them first; x86-64 keeps
-    stores in order in hardware: pair_memory.py's condition)."""
+    stores in order in hardware: shared_slots.py's condition)."""
 
     def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
@@ -372,36 +373,42 @@ def _wait_for(words, sequence, budget, sleep_us):
 
 
 @njit(nogil=True, cache=True)
-def pair_step(src, dst, slots, ints):
-    """Post this rank's [header | src] in its slot of exchange ints[PAIR_SEQUENCE] (unless
-    ints[PAIR_POST] is 0: posted by an earlier visit), wait for the peer's, and where its header and
-    length are this rank's, fold its payload with src into dst (lower rank's operand first) from where
-    it lies. Returns _DONE, _PENDING (not there within the budget: wait, then call again without
-    posting) or _ASK_PYTHON (there, but not this rank's header: recursive_doubling.py's)."""
-    rank, sequence, at = ints[PAIR_RANK], ints[PAIR_SEQUENCE], ints[PAIR_DATA_AT]
-    header = ints[PAIR_PARAMS:].view(np.uint8)
-    k = sequence & 1
-    mine, theirs = slots[rank, k], slots[1 - rank, k]
+def slots_step(src, dst, slots, ints):
+    """Post this rank's [header | src] in its slot of exchange ints[SLOT_SEQUENCE] (unless
+    ints[SLOT_POST] is 0: posted by an earlier visit), wait for every other rank's, and where all
+    their headers and lengths are this rank's, fold all payloads into dst in rank order from where
+    they lie (so every rank computes the same bits; dst may be src). Returns _DONE, _PENDING (not all
+    there within the budget: wait, then call again without posting) or _ASK_PYTHON (all there, but
+    not all of them this rank's header: recursive_doubling.py's)."""
+    rank, sequence, at = ints[SLOT_RANK], ints[SLOT_SEQUENCE], ints[SLOT_DATA_AT]
+    header = ints[SLOT_PARAMS:].view(np.uint8)
+    k, ranks = sequence & 1, slots.shape[0]
+    mine = slots[rank, k]
     h = header.size
     n = h + src.size * src.itemsize
-    if ints[PAIR_POST] != 0:
+    if ints[SLOT_POST] != 0:
         memcpy(mine.ctypes.data + at, header.ctypes.data, h)
         memcpy(mine.ctypes.data + at + h, src.ctypes.data, n - h)
         words = mine[:16].view(np.int64)
         words[1] = n
         _store_release(words, sequence)
-    their_words = theirs[:16].view(np.int64)
-    if _wait_for(their_words, sequence, ints[PAIR_BUDGET], ints[PAIR_SLEEP]) != 0:
-        return _PENDING
-    if their_words[1] != n:
-        return _ASK_PYTHON
-    rank_a = ints[PAIR_RANK_A]
-    for b in range(h):
-        if theirs[at + b] != header[b] and not rank_a <= b < rank_a + 8:
+    budget, sleep_us = ints[SLOT_BUDGET], ints[SLOT_SLEEP]
+    for r in range(ranks):
+        if r != rank and _wait_for(slots[r, k, :16].view(np.int64), sequence, budget, sleep_us) != 0:
+            return _PENDING
+    rank_a = ints[SLOT_RANK_A]
+    for r in range(ranks):
+        if r == rank:
+            continue
+        theirs = slots[r, k]
+        if theirs[:16].view(np.int64)[1] != n:
             return _ASK_PYTHON
-    incoming = theirs[at + h : at + n].view(dst.dtype)
-    if ints[PAIR_LOWER] != 0:
-        reduce_into(dst, incoming, src, ints[PAIR_OP], ints[PAIR_HALF])
-    else:
-        reduce_into(dst, src, incoming, ints[PAIR_OP], ints[PAIR_HALF])
+        for b in range(h):
+            if theirs[at + b] != header[b] and not rank_a <= b < rank_a + 8:
+                return _ASK_PYTHON
+    op, half = ints[SLOT_OP], ints[SLOT_HALF]
+    first, second = slots[0, k, at + h : at + n].view(dst.dtype), slots[1, k, at + h : at + n].view(dst.dtype)
+    reduce_into(dst, first, second, op, half)
+    for r in range(2, ranks):
+        reduce_into(dst, dst, slots[r, k, at + h : at + n].view(dst.dtype), op, half)
     return _DONE

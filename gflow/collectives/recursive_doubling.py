@@ -38,7 +38,7 @@ from ..runtime import stall, timeline
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
 from ..runtime.context import TAG_AGREE, CommContext
 from ..runtime.signature import CODE_COLLECTIVE, SIG_LEN, describe, difference
-from . import native, pair_memory
+from . import native, ring, shared_slots
 
 _MAGIC = 0x67666C6F77  # "gflow"
 _OK, _MISMATCH, JOINED = 0, 1, 2
@@ -65,11 +65,22 @@ _TAIL_NONE = bytes(16)  # ranks in join() and without a payload sent apart
 # Payloads from this size go as a message of their own, straight from the caller's array (measured
 # on MPICH and Open MPI: bench/RESULTS.md, "The cost of a call").
 SEPARATE_PAYLOAD_BYTES = 16 * 1024
-# Two ranks exchanging in shared memory (pair_memory.py) copy payloads below this into the header's
+# Two ranks exchanging in shared memory (shared_slots.py) copy payloads below this into the header's
 # message instead (no MPI message at all); their slots hold the largest such message. (Where the
 # ranks' plans differ on it, each header still says whether a payload follows it.)
 PAIR_INLINE_BYTES = 2 * 1024 * 1024
-PAIR_ROOM = HEADER_BYTES + PAIR_INLINE_BYTES
+# From three ranks every rank reads every rank's payload from the slots: k payloads of n bytes, where
+# recursive doubling reads log2(k) of them. Measured against MPICH's Allreduce (bench/node_exchange.py,
+# bench/RESULTS.md "Every rank of one host through one window"): 1.3-1.6x at p = 4 and 64 KB, 0.6-0.8x
+# from 256 KB. So a slot holds payloads up to this many bytes over the ranks (128 KiB at p = 4: the
+# latency path's default limit); a larger one is reduced by the ring after the slots' agreement.
+NODE_READ_BYTES = 512 * 1024
+
+
+def slot_room(ranks: int) -> int:
+    """The message a slot holds on a context of `ranks` (alike on every rank: no setting changes it)."""
+    inline = PAIR_INLINE_BYTES if ranks == 2 else NODE_READ_BYTES // ranks // 64 * 64
+    return HEADER_BYTES + inline
 
 
 class _Step:
@@ -109,7 +120,8 @@ class _Plan:
         # must be told it disagrees, and a truncated receive is not safe on every MPI.
         recv = ctx.scratch("rd_recv", HEADER_BYTES + MAX_SMALL_MESSAGE_BYTES, np.uint8, host)
         nbytes = count * np.dtype(dtype).itemsize if dtype is not None else 0
-        self.separate = nbytes > PAIR_INLINE_BYTES if ctx.pair else nbytes >= SEPARATE_PAYLOAD_BYTES
+        inline = ctx.slots.room - HEADER_BYTES if ctx.slots else SEPARATE_PAYLOAD_BYTES - 1
+        self.separate = nbytes > inline  # (through the slots from three ranks: reduced by the ring)
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[0], header[1], header[_SIG_A], header[_RANK_A] = _MAGIC, _OK, sig, ctx.rank
         header[_FOLLOWS] = nbytes if self.separate else 0
@@ -155,7 +167,7 @@ class _Plan:
         self.send, self.recv = send, recv
         self.uses = 0
         self.compiled = None  # the steps for native.py's loop, from the plan's second use (_compiled)
-        self.pair_step = None  # ... and a paired exchange's (paired_compiled)
+        self.slots_step = None  # ... and an exchange's through the slots (slots_compiled)
 
     def _compiled(self):
         """native.py's form of these steps, or None where they run in Python: one step (a call into
@@ -169,15 +181,14 @@ class _Plan:
             self.compiled = native.RecursiveDoubling(steps, layout, self.last_into_dst)
         return self.compiled
 
-    def paired_compiled(self, ctx: CommContext, op):
-        """native.py's form of the paired exchange (_paired_step), from the plan's second use (as
-        _compiled), or None where it runs in Python."""
+    def slots_compiled(self, ctx: CommContext, op):
+        """native.py's form of the exchange through the slots (_paired_step, _node_step), from the
+        plan's second use (as _compiled), or None where it runs in Python."""
         self.uses += 1
         if self.uses == 2 and native.usable(host):
-            layout = (_RANK_A * 8, pair_memory.DATA_AT)
-            lower = self.steps[0].peer_is_lower
-            self.pair_step = native.PairStep(ctx, self.header, layout, lower, op, self.acc.dtype)
-        return self.pair_step
+            layout = (_RANK_A * 8, shared_slots.DATA_AT)
+            self.slots_step = native.SlotsStep(ctx, self.header, layout, op, self.acc.dtype)
+        return self.slots_step
 
     def free(self) -> None:
         for step in self.steps:
@@ -234,14 +245,14 @@ def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, about: str) -> 
     _exchange(ctx, plan, src, dst, op, about)
 
 
-def run_compiled_pair(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, about: str) -> None:
-    """run, for a plan whose one exchange is compiled through shared memory (plan.pair_step, on a
+def run_compiled_slots(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, about: str) -> None:
+    """run, for a plan whose one exchange is compiled through shared memory (plan.slots_step, on a
     context whose pair is connected), with src and dst flat and contiguous, dst writable and
     aligned: the fast lane's way, without _exchange's generality (the layers between cost about
     1.5 us at p = 2 here, as much as Open MPI's whole Allreduce of 1 KB)."""
     stall.entered(ctx, sig)
     try:
-        if native.pair_step(ctx, plan.pair_step, ctx.pair, src, dst) != native.DONE:
+        if native.slots_step(ctx, plan.slots_step, ctx.slots, src, dst) != native.DONE:
             _run_plan(ctx, plan, src, dst, op, about, exchanged=True)  # (not this rank's header)
     except GflowError:
         raise
@@ -256,7 +267,7 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
     anywhere in it, in a compiled visit, around the watched wait or while folding, may leave this
     rank's message with the peer, which takes it for its own call: the call is marked abandoned, so
     the context refuses its next one (check_usable), which would pair with the peer's next."""
-    if not ctx.pair:
+    if not ctx.slots:
         _run_plan(ctx, plan, src, dst, op, about)
         return
     try:
@@ -270,8 +281,11 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
 
 def _run_plan(ctx: CommContext, plan: _Plan, src, dst, op, about=None, exchanged=False) -> None:
     """_exchange's work. `exchanged`: a paired plan whose messages have been exchanged already
-    (run_compiled_pair) and whose peer's header was not this rank's own."""
-    paired = plan.lone and ctx.pair  # (its one exchange through shared memory)
+    (run_compiled_slots) and whose peer's header was not this rank's own."""
+    if ctx.slots and ctx.size > 2:
+        _node_step(ctx, plan, src, dst, op, about, exchanged)
+        return
+    paired = plan.lone and ctx.slots  # (its one exchange through shared memory)
     if paired and _paired_step(ctx, plan, src, dst, op, exchanged):
         return  # (the peer's header was this rank's own: nothing below applies)
     send_mv, acc = plan.send_mv, plan.acc
@@ -302,22 +316,105 @@ def _run_plan(ctx: CommContext, plan: _Plan, src, dst, op, about=None, exchanged
             own = acc
         elif step.action == "take":  # the partner's verdict and result, as they are
             send_mv[:HEADER_BYTES] = plan.recv_mv[:HEADER_BYTES]
-    if send_mv[_STATE_BYTES] != _OK_BYTES:
-        header = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64).copy()
+    joined = _conclude(ctx, np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64), about)
+    if acc is not None and not plan.last_into_dst:
+        took = plan.steps and plan.steps[0].action == "take"  # (one rank: no steps)
+        np.copyto(dst, plan.incoming if took else acc)
+    if ctx.slots is None and not joined:  # every rank completed this exchange alike: the set-up's place
+        room = slot_room(ctx.size)
+        ctx.slots = (shared_slots.wanted(ctx) and shared_slots.connect(ctx, room)) or False
+        if ctx.slots:  # the plans made so far send payloads apart from SEPARATE_PAYLOAD_BYTES: remade
+            _forget_plans(ctx)
+
+
+def _conclude(ctx: CommContext, header, about) -> bool:
+    """Raise MismatchError (on every rank alike) where the verdict `header` (int64 words) records
+    ranks that disagree; else whether ranks in join() took part (with zeros), checking that they may."""
+    if header[1] != _OK:
+        header = np.array(header)
         if about is None:
             about = getattr(calling, "about", None)
         passed = share_what_passed(ctx, header, about)
         raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx), passed))
-    joined = send_mv[_RANK_B_BYTES] != _NONE_BYTES
-    if joined:  # some ranks are in join(): they took part with zeros
-        _check_joined(np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64))
-    if acc is not None and not plan.last_into_dst:
-        took = plan.steps and plan.steps[0].action == "take"  # (one rank: no steps)
-        np.copyto(dst, plan.incoming if took else acc)
-    if ctx.pair is None and not joined:  # both ranks completed this exchange alike: the set-up's place
-        ctx.pair = (pair_memory.wanted(ctx) and pair_memory.connect(ctx, PAIR_ROOM)) or False
-        if ctx.pair:  # the plans made so far send payloads apart from SEPARATE_PAYLOAD_BYTES: remade
-            _forget_plans(ctx)
+    joined = header[_RANK_B] != 0
+    if joined:
+        _check_joined(header)
+    return joined
+
+
+def _node_step(ctx: CommContext, plan: _Plan, src, dst, op, about, exchanged=False) -> None:
+    """The whole exchange of a context of three ranks or more whose ranks share one host: every rank
+    posts [header | payload] in its slot (shared_slots.py), waits for every other rank's, and folds
+    all payloads in rank order from where they lie, compiled where it can be (native.slots_step), so
+    every rank holds the same bits after one step instead of log2(p) rounds. Where not every header
+    is this rank's own, every rank folds the same headers into the same verdict (node_verdict): a
+    mismatch raises on every rank, ranks in join() count as zeros. A payload larger than a slot
+    (slot_room: only with a raised small_message_bytes) travels by the ring after the headers
+    agree. `exchanged`: posted and arrived already (run_compiled_slots)."""
+    slots = ctx.slots
+    if not exchanged:
+        contiguous = src is not None and src.flags.c_contiguous
+        compiled = plan.slots_compiled(ctx, op) if contiguous and not plan.separate else None
+        if compiled is not None and dst.flags.c_contiguous and dst.flags.writeable and dst.flags.aligned:
+            if native.slots_step(ctx, compiled, slots, src, dst) == native.DONE:
+                return
+        elif src is None or plan.separate:
+            slots.post(plan.header)
+        elif contiguous:
+            slots.post(plan.header, memoryview(host.buffer(src)).cast("B"))
+        else:
+            np.copyto(plan.acc, src)
+            slots.post(plan.header, plan.acc_bytes)
+    messages = slots.wait(ctx)
+    n, same = len(plan.message), plan.header_same
+    if all(len(m) == n and m[_SAME] == same and m[_TAIL] == _TAIL_NONE for m in messages):
+        if src is not None:
+            _fold_in_rank_order(dst, messages, plan.acc, op, [False] * len(messages))
+        return
+    headers = [np.frombuffer(m, np.int64, HEADER_WORDS) for m in messages]
+    verdict = node_verdict(headers)
+    _conclude(ctx, verdict, about)
+    if src is None:
+        return
+    if verdict[_FOLLOWS]:  # (every rank's payload is this size: the same signature)
+        if not src.flags.c_contiguous:
+            np.copyto(plan.acc, src)
+            src = plan.acc
+        ring.allreduce(ctx, src, dst, host, op)
+        return
+    _fold_in_rank_order(dst, messages, plan.acc, op, [h[1] == JOINED for h in headers])
+
+
+def _fold_in_rank_order(dst, messages, like, op, zeros) -> None:
+    """dst = the payloads of every rank's message (arrays like `like`) folded in rank order, where
+    zeros[r] says rank r's counts as zeros (a rank in join())."""
+    operands = [
+        np.zeros_like(like) if zero else np.frombuffer(m, like.dtype, like.size, HEADER_BYTES)
+        for m, zero in zip(messages, zeros, strict=True)
+    ]
+    host.reduce(dst, operands[0], operands[1], op)
+    for operand in operands[2:]:
+        host.reduce(dst, dst, operand, op)
+
+
+def node_verdict(headers) -> np.ndarray:
+    """Every rank's header of one exchange (int64 words, in rank order) folded into the verdict every
+    rank then holds, as recursive doubling's rounds fold them two at a time: all agree (the lowest
+    such rank as rank_a, the count of ranks in join() as rank_b), or the record of two that
+    disagree (_merge). JOINED headers count as zeros; where every rank is in join(), a JOINED one."""
+    verdict, joined = None, 0
+    for theirs in headers:
+        if theirs[0] == _MAGIC and theirs[1] == JOINED:
+            joined += 1
+        elif verdict is None:
+            verdict = np.array(theirs)
+        elif not (verdict[1] == _OK == theirs[1] and np.array_equal(verdict[_SIG_A], theirs[_SIG_A])):
+            _merge(verdict, theirs, peer_is_lower=False)
+    if verdict is None:
+        verdict = np.array(headers[0])
+    if verdict[1] != _MISMATCH:
+        verdict[_RANK_B] = joined
+    return verdict
 
 
 def _compiled_steps(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
@@ -341,21 +438,21 @@ def _compiled_steps(ctx: CommContext, plan: _Plan, dst, op) -> tuple:
 
 
 def _paired_step(ctx: CommContext, plan: _Plan, src, dst, op, exchanged=False) -> bool:
-    """_lone_step through shared memory (pair_memory.py) without copies of its own: this rank's
+    """_lone_step through shared memory (shared_slots.py) without copies of its own: this rank's
     payload goes into its slot straight from src, and the peer's is folded from where it lies,
-    compiled where it can be (native.pair_step). True when done: the peer's header was this rank's
+    compiled where it can be (native.slots_step). True when done: the peer's header was this rank's
     own and the result is in dst. False where what arrived is _complete's and _combine's (a mismatch,
     ranks in join(), a payload the peer sends apart): the peer's message is then copied into the
     plan's receive buffer and this rank's payload into the accumulator, where they read them."""
-    pair = ctx.pair
+    pair = ctx.slots
     contiguous = src is not None and src.flags.c_contiguous
-    compiled = plan.paired_compiled(ctx, op) if contiguous and not exchanged else None
+    compiled = plan.slots_compiled(ctx, op) if contiguous and not exchanged else None
     if exchanged:
-        theirs = pair.wait(ctx)  # (there already: not this rank's header)
+        theirs = pair.wait(ctx)[1 - ctx.rank]  # (there already: not this rank's header)
     elif compiled is not None and dst.flags.c_contiguous and dst.flags.writeable and dst.flags.aligned:
-        if native.pair_step(ctx, compiled, pair, src, dst) == native.DONE:
+        if native.slots_step(ctx, compiled, pair, src, dst) == native.DONE:
             return True
-        theirs = pair.wait(ctx)
+        theirs = pair.wait(ctx)[1 - ctx.rank]
     else:
         if src is None:
             pair.post(plan.header)
@@ -364,7 +461,7 @@ def _paired_step(ctx: CommContext, plan: _Plan, src, dst, op, exchanged=False) -
         else:
             np.copyto(plan.acc, src)
             pair.post(plan.header, plan.acc_bytes)
-        theirs = pair.wait(ctx)
+        theirs = pair.wait(ctx)[1 - ctx.rank]
         alike = len(theirs) == len(plan.message) and theirs[_TAIL] == _TAIL_NONE
         if alike and theirs[_SAME] == plan.header_same:
             if src is not None:
@@ -409,7 +506,7 @@ def _complete(ctx: CommContext, plan: _Plan, step: _Step, own, arrived=False) ->
     mismatch) when the peer's message did not fit: receives have room for any settings, so it came
     from another version of gflow. `arrived`: the header's messages have been exchanged already
     (by the compiled loop, which leaves a plan whose payload goes apart to Python)."""
-    if ctx.pair and not arrived:
+    if ctx.slots and not arrived:
         return _complete_paired(ctx, plan, step, own)
     requests, waitall, recv_mv = step.requests, ctx.waitall, plan.recv_mv
     try:
@@ -441,8 +538,8 @@ def _complete(ctx: CommContext, plan: _Plan, step: _Step, own, arrived=False) ->
 
 def _complete_paired(ctx: CommContext, plan: _Plan, step: _Step, own) -> bool:
     """_complete on a two-rank context whose header's messages travel in shared memory
-    (pair_memory.py); payloads sent apart still go over MPI."""
-    pair, requests = ctx.pair, []
+    (shared_slots.py); payloads sent apart still go over MPI."""
+    pair, requests = ctx.slots, []
     try:
         pair.post(plan.message)
         if plan.separate:

@@ -132,9 +132,10 @@ class Config:
             default 0: never).
         native: the ring's steps run in compiled loops that call the MPI library's C functions
             (GFLOW_NATIVE, default on; gflow/collectives/native.py); off, in Python.
-        pair_memory: two ranks on one host exchange the agreement's messages through shared memory
-            (GFLOW_PAIR_MEMORY, default on; gflow/collectives/pair_memory.py); off on either rank,
-            MPI's messages. Read when a two-rank communicator is first used.
+        shared_slots: the ranks of a communicator that all share one host exchange the agreement's
+            messages through shared memory (GFLOW_SHARED_SLOTS, default on;
+            gflow/collectives/shared_slots.py); off on any rank, MPI's messages. Read when a
+            communicator is first used.
         abort_on_exception: an exception that nothing catches ends the whole job with MPI_Abort,
             naming this rank, instead of leaving the other ranks waiting for it
             (GFLOW_ABORT_ON_EXCEPTION, default on; gflow/runtime/failures.py).
@@ -152,7 +153,7 @@ class Config:
     stall_abort_s: float = 0.0
     abort_on_exception: bool = True
     native: bool = True
-    pair_memory: bool = True
+    shared_slots: bool = True
 
     def __setattr__(self, name, value):
         if name == "small_message_bytes":
@@ -180,7 +181,7 @@ class Config:
             stall_abort_s=_env_seconds("GFLOW_STALL_ABORT_S", 0.0),
             abort_on_exception=_env_switch("GFLOW_ABORT_ON_EXCEPTION", True),
             native=_env_flag("GFLOW_NATIVE", True),
-            pair_memory=_env_flag("GFLOW_PAIR_MEMORY", True),
+            shared_slots=_env_flag("GFLOW_SHARED_SLOTS", True),
         )
 
 

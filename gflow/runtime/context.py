@@ -22,7 +22,6 @@ TAG_RING_RS = 12
 TAG_RING_AG = 13
 TAG_ALLTOALL = 14
 TAG_ADASUM = 15
-TAG_PAIR = 16  # collectives/pair_memory.py's set-up
 
 
 def rd_schedule(rank: int, size: int):
@@ -82,7 +81,7 @@ def _polite_wait_until(arrived) -> None:
 
 def _caller_waitall(requests) -> None:
     """_caller_wait_until for MPI requests (a peer's message in shared memory is the other case:
-    pair_memory.py)."""
+    shared_slots.py)."""
     _caller_wait_until(partial(MPI.Request.Testall, requests))
 
 
@@ -194,9 +193,9 @@ class CommContext:
         # keeps the core. Both notice a peer that has left (stall.check_waiting).
         self.waitall = watched(_polite_waitall if background else _caller_waitall)
         self.wait_until = watched(_polite_wait_until if background else _caller_wait_until)
-        # The two ranks' slots in shared memory (collectives/pair_memory.py): None until the set-up
-        # after the first exchange, then PairSlots or False (MPI's messages)
-        self.pair = None
+        # The ranks' slots in shared memory (collectives/shared_slots.py): None until the set-up
+        # after the first exchange, then SharedSlots or False (MPI's messages)
+        self.slots = None
 
     def check_usable(self) -> None:
         """Refuse to communicate on a background context after one of its collectives failed.
@@ -206,17 +205,18 @@ class CommContext:
         who will never make those calls. Every rank saw the same failure, at the same position.
         A caller's context fails only where it left a collective unfinished (crossed waits: stall.py):
         its messages are still posted, so no later collective on it could be trusted. So does a
-        two-rank context whose wait was interrupted (Ctrl-C, a signal handler's exception) where its
-        message may be in shared memory already (collectives/pair_memory.py): the peer takes it for
-        its own call, and this rank's next call would pair with the peer's next."""
+        context whose wait was interrupted (Ctrl-C, a signal handler's exception) where its message
+        may be in shared memory already (collectives/shared_slots.py): the others take it for their
+        own call, and this rank's next call would meet their next."""
         if self.failed is not None:
             channel = "background " if self.is_background else ""
             raise GflowError(f"an earlier {channel}collective on this communicator failed: {self.failed}")
-        if self.abandoned is not None and self.size == 2 and self.pair is not False:
+        in_slots = self.slots is not False if self.size == 2 else bool(self.slots)
+        if self.abandoned is not None and in_slots:
             raise GflowError(
                 f"collective #{self.abandoned} on this communicator was interrupted while its message "
-                "was with the peer already (in shared memory): no later collective on it can pair "
-                "with the peer's right one. Use another communicator, or GFLOW_PAIR_MEMORY=0"
+                "was with the other ranks already (in shared memory): no later collective on it can "
+                "meet theirs. Use another communicator, or GFLOW_SHARED_SLOTS=0"
             )
 
     def sendrecv(self, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:
@@ -304,9 +304,9 @@ class CommContext:
                 self.hierarchy = None
             for plan in self.rd_plans.values():
                 plan.free()
-            if self.pair:
-                self.pair.close()
-            self.pair = None
+            if self.slots:
+                self.slots.close()
+            self.slots = None
             self.rd_plans.clear()
             self.small_calls.clear()
             if self._pending is None or self.failed is None:

@@ -1,4 +1,4 @@
-"""Two ranks on one host exchange the agreement's messages in shared memory (collectives/pair_memory.py):
+"""Two ranks on one host exchange the agreement's messages in shared memory (collectives/shared_slots.py):
 every exchange of such a context goes that way, results stay MPI's, bitwise alike on both ranks, and
 calls that differ still raise on both, whichever side of the payload and latency-path limits each is."""
 
@@ -43,7 +43,7 @@ def test_results_are_mpis_through_the_slots_sync_and_async(op):
             assert_same_on_all_ranks(y)
         z = gflow.allreduce_async(x, op, comm=comm).wait()
         np.testing.assert_array_equal(z, y)
-    pair, background = context(comm).pair, context(comm).background().pair
+    pair, background = context(comm).slots, context(comm).background().slots
     assert pair and background, (pair, background)
     # (each context's first exchange goes over MPI: the set-up follows it)
     assert pair.sequence >= 2 * len(sizes()) - 1 and background.sequence >= len(sizes()) - 1
@@ -53,7 +53,7 @@ def test_results_are_mpis_through_the_slots_sync_and_async(op):
 def test_calls_that_differ_across_the_limits_raise_on_both_ranks():
     comm = WORLD.Dup()
     gflow.allreduce(np.ones(3), comm=comm)  # (the set-up follows the first exchange)
-    assert context(comm).pair
+    assert context(comm).slots
     limit = TWO_RANKS_FACTOR * gflow.config.small_message_bytes
     inline = (PAIR_INLINE_BYTES - 1) // 4
     last = WORLD.rank == 1
@@ -74,13 +74,13 @@ def test_calls_that_differ_across_the_limits_raise_on_both_ranks():
 @pytest.mark.parametrize("refusing_rank", [0, 1])
 def test_a_rank_that_turns_it_off_keeps_mpi_on_both(monkeypatch, refusing_rank):
     if WORLD.rank == refusing_rank:
-        monkeypatch.setattr(gflow.config, "pair_memory", False)
+        monkeypatch.setattr(gflow.config, "shared_slots", False)
     comm = WORLD.Dup()
     x = random_array(rank_rng(SEED + 1), 1000, np.float32)
     for _ in range(3):
         y = gflow.allreduce(x, comm=comm)
         on_all_ranks(lambda y=y: assert_close_to_reference(y, x, "sum"))
-    assert context(comm).pair is False
+    assert context(comm).slots is False
 
 
 @pytest.mark.parallel([2])
@@ -92,7 +92,7 @@ def test_join_with_uneven_steps_through_the_slots():
 
     comm = WORLD.Dup()
     gflow.allreduce(np.ones(2), comm=comm)
-    assert context(comm).pair
+    assert context(comm).slots
     counts = [300, SEPARATE_PAYLOAD_BYTES // 8 + 10, 200_000, 400_000, 7]  # inline, apart, a ring
     x = random_array(rank_rng(SEED), 9, np.float64)
     for _ in range(4):  # (a shape whose exchange is compiled by now: it meets the joined rank's header)
@@ -123,13 +123,13 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(w
     comm = WORLD.Dup()
     for _ in range(3):  # (the set-up, which remakes the plans; then calls that make the compiled
         gflow.allreduce(np.ones(10), comm=comm)  # exchange: the next is one)
-    assert context(comm).pair
+    assert context(comm).slots
     x = random_array(rank_rng(SEED + 2), 10, np.float64)
     everyone = WORLD.allgather(x)
     if WORLD.rank == 0 and when == "in the wait":
         threading.Timer(0.3, _thread.interrupt_main).start()
     elif WORLD.rank == 0:
-        pair = context(comm).pair
+        pair = context(comm).slots
         sequence = pair.sequence + 1
         posted = pair.memory[0, sequence & 1, :8].view(np.int64)
 
@@ -142,7 +142,7 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(w
     if WORLD.rank == 0:
         with pytest.raises(KeyboardInterrupt):
             gflow.allreduce(x, comm=comm)  # (the peer sleeps: this wait is interrupted)
-        with pytest.raises(gflow.GflowError, match="was interrupted while its message was with the peer"):
+        with pytest.raises(gflow.GflowError, match="interrupted while its message was with the other ranks"):
             gflow.allreduce(x, comm=comm)
     else:
         time.sleep(1.0)
@@ -154,7 +154,7 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(w
 @pytest.mark.parallel([2])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64])
 def test_the_compiled_exchange_pairs_with_pythons_and_gives_its_bits(monkeypatch, dtype):
-    """Rank 0 exchanges through the compiled step (native.pair_step, from a shape's second call),
+    """Rank 0 exchanges through the compiled step (native.slots_step, from a shape's second call),
     rank 1 in Python (GFLOW_NATIVE=0): the messages are the same, so they pair; the results are MPI's
     and bitwise alike on both, for every dtype and op, read-only, empty and strided arrays; and a call
     that differs, met by the compiled step, raises on both."""
@@ -189,7 +189,7 @@ def test_the_compiled_exchange_pairs_with_pythons_and_gives_its_bits(monkeypatch
     wide = random(SEED, 80)[::2]  # (not contiguous: Python's copy, then the slot)
     for _ in range(3):
         on_all_ranks(lambda: check(gflow.allreduce(wide, comm=comm), wide, "sum"))
-    compiled = [plan.pair_step is not None for plan in context(comm).rd_plans.values()]
+    compiled = [plan.slots_step is not None for plan in context(comm).rd_plans.values()]
     assert any(compiled) == (WORLD.rank == 0), compiled
     x = random(SEED, 37)
     op = "max" if WORLD.rank == 1 else "sum"  # (rank 0's plan for sum is compiled)
@@ -227,7 +227,7 @@ def test_an_interrupt_as_the_compiled_exchange_hands_over_refuses_the_next_call(
         with pytest.raises(KeyboardInterrupt):
             gflow.allreduce(x, comm=comm)
         monkeypatch.setattr(recursive_doubling, "_run_plan", general)
-        with pytest.raises(gflow.GflowError, match="was interrupted while its message was with the peer"):
+        with pytest.raises(gflow.GflowError, match="interrupted while its message was with the other ranks"):
             gflow.allreduce(x, comm=comm)
     serve(context(comm))  # (rank 1 took the interrupted call's message and serves until both are in it)
     WORLD.Barrier()

@@ -1,0 +1,181 @@
+"""The ranks of a communicator that all share one host exchange the agreement's messages through
+shared memory instead of MPI.
+
+At p = 2 a recursive-doubling exchange is one message each way, and MPI's point-to-point path is
+most of its time: MPICH's own Allreduce of 256 B took 7.8 us here, gflow's exchange over MPI a few
+more, and the same exchange through a shared slot 2.4 us (bench/pair_exchange.py; bench/RESULTS.md,
+"Two ranks through shared memory"). At p = 3 and 4, log2(p) rounds of MPI messages become one
+step: every rank posts [header | payload] in its slot, waits for every other rank's, and folds all
+payloads in rank order from where they lie, so every rank holds the same bits (bench/node_exchange.py:
+2.4-4.4x MPICH's Allreduce up to 16 KB; bench/RESULTS.md, "Every rank of one host through one window").
+recursive_doubling.py decides what a slot carries (slot_room) and what goes apart, and reads the
+slots; native_loops.slots_step is the same exchange in one compiled call.
+
+Every exchange of such a context goes this way (the latency path, the agreement before a bandwidth
+algorithm, join()'s), so ranks whose calls differ still meet message for message and raise.
+
+Slots: each rank writes into its own, two of them used alternately: the message, its length, then
+its sequence number, last. The others read a slot once they see the number they expect. A rank
+writes a slot again two exchanges later, which it cannot begin before every other rank has begun
+the one between, so each has read it by then (and folded it: a message is read in place until the
+reader posts again). This relies on stores becoming visible in program order: x86-64 (elsewhere the
+context keeps MPI); the compiled exchange publishes the number with a release store, so the
+compiler keeps that order too.
+
+Set-up (connect): once per context, after its first exchange that succeeded on every rank alike,
+collective over MPI in watched waits. The ranks first check that they are all on one host (a hash
+of its name and boot id, compared by an allreduce), so a communicator across hosts allocates
+nothing. Rank 0 then makes an anonymous memory file (memfd_create) holding a random token and
+broadcasts its process id and descriptor; every other rank opens it through /proc, checks the
+token, and an allreduce combines the answers. No name is ever made, so nothing is left behind
+whichever rank dies when: the memory goes with the last mapping. It is reserved when it is made.
+Any rank saying no (GFLOW_SHARED_SLOTS=0, another host, no memfd or no room for it, /proc not open
+to it) keeps MPI for that context, on every rank. (So from three ranks a context's first exchange
+folds in recursive doubling's order, ((r0 + r1) + (r2 + r3)) at p = 4, and the later ones in rank
+order: each bitwise alike on every rank, and the same inputs may differ in their last bits between
+the two.)
+"""
+
+import hashlib
+import mmap
+import os
+import platform
+import secrets
+import socket
+
+import numpy as np
+from mpi4py import MPI
+
+from ..runtime.config import config
+from ..runtime.context import CommContext
+
+DATA_AT = 64  # per slot: [sequence number, length], padded to a cache line, then the message
+_ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+
+
+class SharedSlots:
+    """Every rank's two slots in one mapping, seen from one rank."""
+
+    def __init__(self, mapping: mmap.mmap, rank: int, size: int, room: int):
+        self.mapping, self.rank, self.size, self.room = mapping, rank, size, room
+        stride = _stride(room)
+        memory = np.frombuffer(mapping, np.uint8, count=2 * size * stride).reshape(size, 2, stride)
+        self.memory = memory  # (the compiled exchange's view: native_loops.slots_step)
+        # memoryviews: their item reads, writes and copies cost half of NumPy's, per call
+        self._words = [[memoryview(memory[r, k, :16]).cast("q") for k in (0, 1)] for r in range(size)]
+        self._data = [[memoryview(memory[r, k, DATA_AT:]) for k in (0, 1)] for r in range(size)]
+        self._others = [r for r in range(size) if r != rank]
+        self.sequence = 0  # this rank's messages posted so far
+
+    def post(self, *parts) -> None:
+        """Write this rank's next message (bytes-likes of bytes, one after another, at most the room
+        together) and publish it."""
+        self.sequence += 1
+        k = self.sequence & 1
+        data, n = self._data[self.rank][k], 0
+        for part in parts:
+            m = len(part)
+            data[n : n + m] = part
+            n += m
+        words = self._words[self.rank][k]
+        words[1] = n
+        words[0] = self.sequence  # last: the others read nothing before they see this
+
+    def arrived(self) -> bool:
+        """Whether every other rank's message of this exchange is in its slot."""
+        sequence, k, words = self.sequence, self.sequence & 1, self._words
+        return all(words[r][k][0] == sequence for r in self._others)
+
+    def wait(self, ctx: CommContext) -> list:
+        """Wait (watched, as ctx waits) for every other rank's message of this exchange; every rank's
+        message (this rank's too) where it lies, in rank order. They stay there, unchanged, until
+        this rank posts again: no rank writes that slot before its next exchange but one."""
+        if not self.arrived():
+            ctx.wait_until(self.arrived)
+        k = self.sequence & 1
+        return [self._data[r][k][: self._words[r][k][1]] for r in range(self.size)]
+
+    def receive(self, ctx: CommContext, room) -> int:
+        """At two ranks: wait, then copy the peer's message into room (a memoryview of bytes); its
+        length."""
+        message = self.wait(ctx)[1 - self.rank]
+        n = len(message)
+        room[:n] = message
+        return n
+
+    def close(self) -> None:
+        for views in (*self._words, *self._data):
+            for view in views:
+                view.release()
+        try:
+            self.mapping.close()
+        except BufferError:  # (a NumPy view of it is still alive: the mapping goes with it)
+            pass
+
+
+def _stride(room: int) -> int:
+    return -(-(DATA_AT + room) // 64) * 64
+
+
+def wanted(ctx: CommContext) -> bool:
+    """Whether ctx is one whose ranks try to connect (alike on all: size and platform)."""
+    return ctx.size >= 2 and _ORDERED_STORES
+
+
+def _host_id() -> int:
+    """This host's name and boot, hashed to 56 bits: alike on the ranks of one host, else almost
+    surely not (the token check decides; this only spares a communicator across hosts the file)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as file:
+            boot = file.read()
+    except OSError:
+        boot = b""
+    digest = hashlib.blake2b(socket.gethostname().encode() + boot, digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def connect(ctx: CommContext, room: int):
+    """SharedSlots for ctx's ranks, each slot with room for a message of `room` bytes, or None where
+    any rank cannot or will not (every rank returns alike). Collective over ctx: every rank calls it
+    at the same point of its calls, with the same room."""
+    comm, size = ctx.comm, 2 * ctx.size * _stride(room)
+    willing = bool(config.shared_slots) and hasattr(os, "memfd_create")
+    host = _host_id()
+    # [willing, host, -host] at their minimum: all willing, and all on one host where host == --host
+    agreed = np.array([willing, host, -host], np.int64)
+    ctx.waitall([comm.Iallreduce(MPI.IN_PLACE, [agreed, MPI.INT64_T], op=MPI.MIN)])
+    if not agreed[0] or agreed[1] != -agreed[2]:
+        return None
+    offer = np.zeros(4, np.int64)  # rank 0's: [able, token, process id, file descriptor]
+    mapping, fd = None, -1
+    try:
+        if ctx.rank == 0:
+            try:
+                fd = os.memfd_create("gflow-slots")
+                os.posix_fallocate(fd, 0, size + 8)  # (ENOSPC here, not SIGBUS on a write later)
+                mapping = mmap.mmap(fd, size + 8)
+                token = secrets.randbits(62)
+                np.frombuffer(mapping, np.int64, count=1, offset=size)[0] = token
+                offer[:] = 1, token, os.getpid(), fd
+            except OSError:
+                pass
+        ctx.waitall([comm.Ibcast([offer, MPI.INT64_T], root=0)])
+        answer = np.array([offer[0]], np.int64)  # every rank's: it opened the file and found the token
+        if ctx.rank != 0 and offer[0]:
+            answer[0] = 0
+            try:
+                with open(f"/proc/{int(offer[2])}/fd/{int(offer[3])}", "r+b") as file:
+                    mapping = mmap.mmap(file.fileno(), size + 8)
+                if np.frombuffer(mapping, np.int64, count=1, offset=size)[0] == offer[1]:
+                    answer[0] = 1
+            except (OSError, ValueError):
+                pass
+        ctx.waitall([comm.Iallreduce(MPI.IN_PLACE, [answer, MPI.INT64_T], op=MPI.MIN)])
+    finally:
+        if fd >= 0:  # (once every rank has opened its own: the mappings keep the memory)
+            os.close(fd)
+    if not answer[0]:
+        if mapping is not None:
+            mapping.close()
+        return None
+    return SharedSlots(mapping, ctx.rank, ctx.size, room)
