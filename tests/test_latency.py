@@ -42,9 +42,6 @@ CASES = [  # every dtype with every op it takes ("mean" of integers is a TypeErr
 @pytest.mark.parametrize(("dtype", "op"), CASES)
 def test_warm_calls_match_mpi_with_and_without_out(dtype, op):
     rng = rank_rng(7)
-    # (a context's first exchange goes over MPI, recursive doubling's order of operands; from three
-    # ranks of one host every later one folds in rank order through the slots: shared_slots.py)
-    gflow.allreduce(np.ones(2))
     for shape in [(1,), (5, 3), (257,), (gflow.config.small_message_bytes // np.dtype(dtype).itemsize,)]:
         for rep in range(4):  # the first call learns (the general path); the others take the lane
             x = random_array(rng, shape, np.float32).astype(dtype)

@@ -176,6 +176,13 @@ def compiled_here() -> bool:
     return steps >= 2
 
 
+def mpi_messages(monkeypatch):
+    """A communicator whose exchanges are MPI's messages (as across hosts), not shared memory's slots
+    (collectives/shared_slots.py: every rank of one host, which replace recursive doubling's steps)."""
+    monkeypatch.setattr(gflow.config, "shared_slots", False)
+    return WORLD.Dup()
+
+
 def spy_on_compiled_steps(monkeypatch) -> list:
     """The (step, status) of every compiled recursive-doubling run in this process from now on."""
     runs, real = [], native.recursive_doubling
@@ -191,6 +198,7 @@ def spy_on_compiled_steps(monkeypatch) -> list:
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_compiled_recursive_doubling_gives_the_python_loops_bits(monkeypatch, dtype):
+    comm = mpi_messages(monkeypatch)
     runs = spy_on_compiled_steps(monkeypatch)
     for n in (1, 7, 1000):
         for op in ("sum", "max", "min", "mean") if np.dtype(dtype).kind != "i" else ("sum", "max", "min"):
@@ -201,7 +209,7 @@ def test_compiled_recursive_doubling_gives_the_python_loops_bits(monkeypatch, dt
                 for out in (None, "given"):  # the fast lane's own result, and the caller's array
                     for _ in range(3):  # (a plan runs compiled from its second use)
                         poisoned = None if out is None else np.full(x.shape, 7, x.dtype)
-                        y = gflow.allreduce(x, op, out=poisoned)
+                        y = gflow.allreduce(x, op, out=poisoned, comm=comm)
                     results.append(y.tobytes())
             label = f"n={n} {op}"
             assert results[0] == results[1] == results[2] == results[3], label
@@ -215,10 +223,11 @@ def test_compiled_recursive_doubling_gives_the_python_loops_bits(monkeypatch, dt
 
 @pytest.mark.parallel(MULTI)
 def test_the_agreement_before_a_ring_runs_compiled(monkeypatch):
+    comm = mpi_messages(monkeypatch)
     runs = spy_on_compiled_steps(monkeypatch)
     x = random_array(rank_rng(5), 300_001, np.float32)  # (above the latency path: agreement, then ring)
     for _ in range(3):
-        y = gflow.allreduce(x, algorithm="ring")
+        y = gflow.allreduce(x, algorithm="ring", comm=comm)
     on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))
     assert_same_on_all_ranks(y)
     assert len(runs) == (2 if compiled_here() else 0) and all(status == 0 for _, status in runs), runs
@@ -228,18 +237,19 @@ def test_the_agreement_before_a_ring_runs_compiled(monkeypatch):
 def test_a_header_not_this_ranks_is_handed_to_python(monkeypatch):
     # Warm plans on every rank, then one rank passes another length: the compiled loop meets a header
     # that is not its own, hands the step to Python, and every rank raises.
+    comm = mpi_messages(monkeypatch)
     runs = spy_on_compiled_steps(monkeypatch)
     for theirs in (11, SEPARATE_PAYLOAD_BYTES // 8 + 5):  # (the latter: a payload sent apart)
         mine = np.ones(10)
         for _ in range(2):
-            gflow.allreduce(mine)
-            gflow.allreduce(np.ones(theirs))
+            gflow.allreduce(mine, comm=comm)
+            gflow.allreduce(np.ones(theirs), comm=comm)
         x = np.ones(theirs) if WORLD.rank == 0 else mine
         for _ in range(2):
             with pytest.raises(gflow.MismatchError, match="ranks disagree"):
-                gflow.allreduce(x)
+                gflow.allreduce(x, comm=comm)
         y = random_array(rank_rng(3), 9, np.float64)  # nothing left in flight
-        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(y), y, "sum"))  # noqa: B023
+        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(y, comm=comm), y, "sum"))  # noqa: B023
     asked = [step for step, status in runs if status == native.ASK_PYTHON]
     assert asked or WORLD.rank == 0 or not compiled_here(), runs  # (rank 0's long one: sent apart)
 
@@ -247,6 +257,7 @@ def test_a_header_not_this_ranks_is_handed_to_python(monkeypatch):
 @pytest.mark.parallel([3, 4])
 def test_compiled_recursive_doubling_resumes_after_a_visit(monkeypatch):
     # One poll per visit and a late rank: the waits return to Python many times between steps.
+    comm = mpi_messages(monkeypatch)
     monkeypatch.setattr(native, "POLLS_PER_VISIT", 1)
     visits = []
     visit = native._visit
@@ -259,12 +270,12 @@ def test_compiled_recursive_doubling_resumes_after_a_visit(monkeypatch):
         return visit(once, args)
 
     x = random_array(rank_rng(8), 100, np.float32)
-    gflow.allreduce(x)
+    gflow.allreduce(x, comm=comm)
     monkeypatch.setattr(native, "_visit", counted)
     for late in range(WORLD.size):
         if WORLD.rank == late:
             time.sleep(0.1)
-        y = gflow.allreduce(x)
+        y = gflow.allreduce(x, comm=comm)
         on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))  # noqa: B023
         assert_same_on_all_ranks(y)
     assert len(visits) > WORLD.size or not compiled_here(), len(visits)
@@ -277,15 +288,16 @@ def test_an_mpi_error_in_compiled_recursive_doubling(monkeypatch, error):
     # replaced): a receive that did not fit is a message from another protocol, on every rank; any
     # other error names the peer.
     code = MPI.ERR_TRUNCATE if error == "truncated" else MPI.ERR_OTHER
+    comm = mpi_messages(monkeypatch)
     x = random_array(rank_rng(6), 10, np.float64)
-    gflow.allreduce(x)
+    gflow.allreduce(x, comm=comm)
     monkeypatch.setattr(native, "recursive_doubling", lambda *args: (0, -code))
     if error == "truncated":
         with pytest.raises(gflow.MismatchError, match="a message this protocol does not accept"):
-            gflow.allreduce(x)
+            gflow.allreduce(x, comm=comm)
     else:
         with pytest.raises(gflow.GflowError, match=f"agreement exchange with rank {WORLD.rank ^ 1}"):
-            gflow.allreduce(x)
+            gflow.allreduce(x, comm=comm)
     monkeypatch.undo()
     if error == "truncated":  # nothing was left in flight
-        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))
+        on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x, comm=comm), x, "sum"))

@@ -1,6 +1,7 @@
-"""Two ranks on one host exchange the agreement's messages in shared memory (collectives/shared_slots.py):
-every exchange of such a context goes that way, results stay MPI's, bitwise alike on both ranks, and
-calls that differ still raise on both, whichever side of the payload and latency-path limits each is."""
+"""The ranks of one host exchange the agreement's messages in shared memory (collectives/shared_slots.py):
+every exchange of such a context goes that way, results stay MPI's, bitwise alike on every rank (from
+three ranks: folded in rank order), and calls that differ still raise on every rank, whichever side of
+the payload and latency-path limits each is."""
 
 import numpy as np
 import pytest
@@ -12,14 +13,36 @@ from helpers import (
     random_array,
     rank_rng,
 )
+from mpi4py import MPI
 
 import gflow
-from gflow.collectives.recursive_doubling import PAIR_INLINE_BYTES, SEPARATE_PAYLOAD_BYTES
+from gflow.arrays import host_ops
+from gflow.collectives.recursive_doubling import (
+    HEADER_BYTES,
+    PAIR_INLINE_BYTES,
+    SEPARATE_PAYLOAD_BYTES,
+    slot_room,
+)
 from gflow.runtime.config import TWO_RANKS_FACTOR
 from gflow.runtime.context import context
 from gflow.runtime.signature import BFLOAT16
 
 SEED = WORLD.bcast(int(np.random.SeedSequence().entropy % 2**32))  # new inputs every run
+
+
+def in_rank_order(parts: list, op: str = "sum") -> np.ndarray:
+    """((parts[0] op parts[1]) op parts[2]) ...: what the slots give from three ranks (host_ops' own
+    reduction, so 2-byte floats round as gflow's do)."""
+    out = np.empty_like(parts[0])
+    host_ops.reduce(out, parts[0], parts[1], op)
+    for part in parts[2:]:
+        host_ops.reduce(out, out, part, op)
+    return out
+
+
+def slot_payload_bytes() -> int:
+    """The largest payload a slot carries at this world size."""
+    return slot_room(WORLD.size) - HEADER_BYTES
 
 
 def sizes() -> list:
@@ -45,14 +68,14 @@ def test_results_are_mpis_through_the_slots_sync_and_async(op):
         np.testing.assert_array_equal(z, y)
     pair, background = context(comm).slots, context(comm).background().slots
     assert pair and background, (pair, background)
-    # (each context's first exchange goes over MPI: the set-up follows it)
-    assert pair.sequence >= 2 * len(sizes()) - 1 and background.sequence >= len(sizes()) - 1
+    # (each context's slots are set up in its first exchange, before it)
+    assert pair.sequence >= 2 * len(sizes()) and background.sequence >= len(sizes())
 
 
 @pytest.mark.parallel([2])
 def test_calls_that_differ_across_the_limits_raise_on_both_ranks():
     comm = WORLD.Dup()
-    gflow.allreduce(np.ones(3), comm=comm)  # (the set-up follows the first exchange)
+    gflow.allreduce(np.ones(3), comm=comm)  # (the set-up, in the first exchange)
     assert context(comm).slots
     limit = TWO_RANKS_FACTOR * gflow.config.small_message_bytes
     inline = (PAIR_INLINE_BYTES - 1) // 4
@@ -70,10 +93,10 @@ def test_calls_that_differ_across_the_limits_raise_on_both_ranks():
     on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x, comm=comm), x, "sum"))
 
 
-@pytest.mark.parallel([2])
-@pytest.mark.parametrize("refusing_rank", [0, 1])
-def test_a_rank_that_turns_it_off_keeps_mpi_on_both(monkeypatch, refusing_rank):
-    if WORLD.rank == refusing_rank:
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("refusing", ["first", "last"])
+def test_a_rank_that_turns_it_off_keeps_mpi_on_all(monkeypatch, refusing):
+    if WORLD.rank == (0 if refusing == "first" else WORLD.size - 1):
         monkeypatch.setattr(gflow.config, "shared_slots", False)
     comm = WORLD.Dup()
     x = random_array(rank_rng(SEED + 1), 1000, np.float32)
@@ -108,12 +131,12 @@ def test_join_with_uneven_steps_through_the_slots():
         serve(context(comm))
 
 
-@pytest.mark.parallel([2])
+@pytest.mark.parallel([2, 3, 4])
 @pytest.mark.parametrize("when", ["in the wait", "as soon as posted"])
 def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(when):
-    """Ctrl-C in a wait whose message is in shared memory already: the peer takes that message for its
-    own call (as it would an MPI message sent eagerly), so this rank's next call on the communicator
-    would pair with the peer's next one: it raises instead, and the peer's call completes. "As soon
+    """Ctrl-C in a wait whose message is in shared memory already: the others take that message for
+    their own call (as they would an MPI message sent eagerly), so this rank's next call on the
+    communicator would meet their next one: it raises instead, and their call completes. "As soon
     as posted": while the compiled exchange spins (the interrupt is raised as it returns, outside
     the watched wait)."""
     import _thread
@@ -147,17 +170,18 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(w
     else:
         time.sleep(1.0)
         y = gflow.allreduce(x, comm=comm)
-        np.testing.assert_array_equal(y, everyone[0] + everyone[1])
+        np.testing.assert_array_equal(y, in_rank_order(everyone))
     WORLD.Barrier()
 
 
-@pytest.mark.parallel([2])
+@pytest.mark.parallel([2, 3, 4])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64])
-def test_the_compiled_exchange_pairs_with_pythons_and_gives_its_bits(monkeypatch, dtype):
-    """Rank 0 exchanges through the compiled step (native.slots_step, from a shape's second call),
-    rank 1 in Python (GFLOW_NATIVE=0): the messages are the same, so they pair; the results are MPI's
-    and bitwise alike on both, for every dtype and op, read-only, empty and strided arrays; and a call
-    that differs, met by the compiled step, raises on both."""
+def test_the_compiled_exchange_meets_pythons_and_gives_its_bits(monkeypatch, dtype):
+    """Rank 1 exchanges in Python (GFLOW_NATIVE=0), the others through the compiled step
+    (native.slots_step, from a shape's second call): the messages are the same, so they meet; the
+    results are MPI's and bitwise alike on every rank (from three ranks, the rank-order fold), for
+    every dtype and op, read-only, empty and strided arrays; and a call that differs, met by the
+    compiled step, raises on every rank."""
     if WORLD.rank == 1:
         monkeypatch.setattr(gflow.config, "native", False)
 
@@ -169,12 +193,11 @@ def test_the_compiled_exchange_pairs_with_pythons_and_gives_its_bits(monkeypatch
     def check(y, x, op):
         if dtype is not BFLOAT16:
             return assert_close_to_reference(y, x, op)
-        low, high = (part.astype(np.float32) for part in WORLD.allgather(x))  # (exact in float32,
-        expected = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op](low, high)  # rounded once)
-        np.testing.assert_array_equal(y.view(np.uint16), expected.astype(BFLOAT16).view(np.uint16))
+        expected = in_rank_order(WORLD.allgather(x), op)  # (each step in float32, rounded once)
+        np.testing.assert_array_equal(y.view(np.uint16), expected.view(np.uint16))
 
     comm = WORLD.Dup()
-    gflow.allreduce(np.ones(3), comm=comm)  # (the set-up follows the first exchange)
+    gflow.allreduce(np.ones(3), comm=comm)  # (the set-up, in the first exchange)
     for n in (0, 1, 37, 5000):
         x = random(SEED + n, n)
         x.setflags(write=False)
@@ -183,6 +206,10 @@ def test_the_compiled_exchange_pairs_with_pythons_and_gives_its_bits(monkeypatch
                 y = gflow.allreduce(x, op, comm=comm)
                 on_all_ranks(lambda y=y, x=x, op=op: check(y, x, op), f"n={n} {op}")
                 assert_same_on_all_ranks(y)
+                if WORLD.size > 2 and n:
+                    np.testing.assert_array_equal(
+                        y.view(np.uint8), in_rank_order(WORLD.allgather(x), op).view(np.uint8)
+                    )
             out = np.full_like(x, 7)
             gflow.allreduce(np.ascontiguousarray(x), op, comm=comm, out=out)
             np.testing.assert_array_equal(out.view(np.uint8), y.view(np.uint8))
@@ -190,9 +217,9 @@ def test_the_compiled_exchange_pairs_with_pythons_and_gives_its_bits(monkeypatch
     for _ in range(3):
         on_all_ranks(lambda: check(gflow.allreduce(wide, comm=comm), wide, "sum"))
     compiled = [plan.slots_step is not None for plan in context(comm).rd_plans.values()]
-    assert any(compiled) == (WORLD.rank == 0), compiled
+    assert any(compiled) == (WORLD.rank != 1), compiled
     x = random(SEED, 37)
-    op = "max" if WORLD.rank == 1 else "sum"  # (rank 0's plan for sum is compiled)
+    op = "max" if WORLD.rank == 1 else "sum"  # (the others' plans for sum are compiled)
 
     def differs():
         with pytest.raises(gflow.MismatchError, match="op"):
@@ -202,12 +229,12 @@ def test_the_compiled_exchange_pairs_with_pythons_and_gives_its_bits(monkeypatch
     on_all_ranks(lambda: check(gflow.allreduce(x, comm=comm), x, "sum"))
 
 
-@pytest.mark.parallel([2])
+@pytest.mark.parallel([2, 3, 4])
 def test_an_interrupt_as_the_compiled_exchange_hands_over_refuses_the_next_call(monkeypatch):
-    """The fast lane's compiled exchange meets a header that is not the rank's own (the peer is in
-    join()) and hands it to Python's general code; a Ctrl-C that lands there still marks the call
-    abandoned (its message is with the peer), so the next call raises instead of pairing with the
-    peer's next exchange (which would fold zeros into it, silently)."""
+    """The fast lane's compiled exchange meets headers that are not the rank's own (the others are in
+    join()) and hands them to Python's general code; a Ctrl-C that lands there still marks the call
+    abandoned (its message is with the others), so the next call raises instead of meeting their
+    next exchange (which would fold zeros into it, silently)."""
     from gflow.collectives import recursive_doubling
     from gflow.collectives.join import serve
 
@@ -229,5 +256,106 @@ def test_an_interrupt_as_the_compiled_exchange_hands_over_refuses_the_next_call(
         monkeypatch.setattr(recursive_doubling, "_run_plan", general)
         with pytest.raises(gflow.GflowError, match="interrupted while its message was with the other ranks"):
             gflow.allreduce(x, comm=comm)
-    serve(context(comm))  # (rank 1 took the interrupted call's message and serves until both are in it)
+    serve(context(comm))  # (the others took the interrupted call's message and serve until all are in it)
     WORLD.Barrier()
+
+
+@pytest.mark.parallel([3, 4])
+@pytest.mark.parametrize("op", ["sum", "max", "mean"])
+def test_every_rank_of_one_host_folds_in_rank_order(op):
+    """From three ranks, one step through the slots instead of recursive doubling's rounds: results
+    are MPI's, and every rank holds the rank-order fold, bitwise, from a communicator's first call
+    on (the set-up comes before its exchange), sync and async, on both sides of a slot's room and at
+    the latency path's end; the ring's sizes keep the ring."""
+    comm = WORLD.Dup()
+    inline, latency = slot_payload_bytes() // 4, gflow.config.small_message_bytes // 4
+    for n in [1, 37, inline - 1, inline, latency, latency + 1000]:
+        x = random_array(rank_rng(SEED + n), n, np.float32)
+        for _ in range(3):  # (the general path, then the fast lane, then its compiled call)
+            y = np.full_like(x, np.nan)
+            gflow.allreduce(x, op, comm=comm, out=y)
+            on_all_ranks(lambda y=y, x=x: assert_close_to_reference(y, x, op), f"n={n}")
+            assert_same_on_all_ranks(y)
+            if n <= latency:
+                expected = in_rank_order(WORLD.allgather(x), "sum" if op == "mean" else op)
+                if op == "mean":
+                    expected /= np.float32(WORLD.size)
+                np.testing.assert_array_equal(y, expected)
+        z = gflow.allreduce_async(x, op, comm=comm).wait()
+        np.testing.assert_array_equal(z, y)
+    slots = context(comm).slots
+    assert slots.size == WORLD.size and slots.sequence == 3 * 6  # (the ring's agreement too)
+
+
+@pytest.mark.parallel([3, 4])
+def test_payloads_over_a_slot_go_by_the_ring_and_calls_that_differ_raise(monkeypatch):
+    """With small_message_bytes raised past a slot's room, the latency path's payload cannot ride in
+    the slot: every rank posts its header alone, and once the headers agree the ring reduces the
+    payloads (bitwise alike, MPI's results). Calls that differ across that limit, or across the
+    latency path's end, still raise on every rank."""
+    monkeypatch.setattr(gflow.config, "small_message_bytes", 1024 * 1024)
+    comm = WORLD.Dup()
+    gflow.allreduce(np.ones(3), comm=comm)
+    assert context(comm).slots
+    inline, latency = slot_payload_bytes() // 4, gflow.config.small_message_bytes // 4
+    for n in (inline + 1, latency):
+        x = random_array(rank_rng(SEED + n), n, np.float32)
+        for _ in range(2):
+            y = gflow.allreduce(x, comm=comm)
+            on_all_ranks(lambda y=y, x=x: assert_close_to_reference(y, x, "sum"), f"n={n}")
+            assert_same_on_all_ranks(y)
+    last = WORLD.rank == WORLD.size - 1
+    for mine, theirs in ((inline, inline + 1), (100, inline + 1), (inline + 1, latency + 1)):
+        x = np.ones(theirs if last else mine, np.float32)
+
+        def check(x=x):
+            with pytest.raises(gflow.MismatchError, match="the number of elements"):
+                gflow.allreduce(x, comm=comm)
+
+        on_all_ranks(check, f"{mine} against {theirs}")
+    x = random_array(rank_rng(SEED), 50, np.float64)  # then calls alike work
+    on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x, comm=comm), x, "sum"))
+
+
+@pytest.mark.parallel([3, 4])
+@pytest.mark.parametrize("small_message_bytes", ["default", "raised"])
+def test_join_through_the_slots_of_every_rank(monkeypatch, small_message_bytes):
+    """Rank 0 runs out of data first and takes part with zeros (join's serve) through the slots: the
+    others' allreduces are their own sums (in rank order, bitwise, where the slots fold them), at
+    every size: in the slot, past it by the ring (with a raised small_message_bytes), and a ring
+    after the slots' agreement; then a second rank joins, and serve returns everywhere once all are
+    in it."""
+    from gflow.collectives.join import serve
+
+    if small_message_bytes == "raised":
+        monkeypatch.setattr(gflow.config, "small_message_bytes", 1024 * 1024)
+    comm = WORLD.Dup()
+    gflow.allreduce(np.ones(2), comm=comm)
+    assert context(comm).slots
+    x = random_array(rank_rng(SEED), 9, np.float64)
+    for _ in range(4):  # (compiled by now: its exchange meets the joined rank's header)
+        gflow.allreduce(x, comm=comm)
+    inline = slot_payload_bytes() // 8
+    counts = [9, 300, inline, inline + 1, 200_000, 3]
+    others = WORLD.Split(1 if WORLD.rank else MPI.UNDEFINED, WORLD.rank)  # (ranks 1..: what they passed)
+    if WORLD.rank == 0:
+        serve(context(comm))
+        return
+    for n in counts:
+        x = random_array(rank_rng(SEED + n), n, np.float64)
+        y = gflow.allreduce(x, comm=comm)
+        parts = others.allgather(x)
+        expected = in_rank_order(parts) if len(parts) > 1 else parts[0]
+        if n <= inline:
+            np.testing.assert_array_equal(y, expected)
+        else:
+            np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)
+        blobs = others.allgather(y.tobytes())
+        assert all(b == blobs[0] for b in blobs)
+    others.Free()
+    if WORLD.rank == 1:
+        serve(context(comm))
+        return
+    y = gflow.allreduce(x, comm=comm)  # (ranks 0 and 1 in join() now)
+    assert y.shape == x.shape
+    serve(context(comm))

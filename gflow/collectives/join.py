@@ -38,6 +38,7 @@ from .recursive_doubling import (
     SEPARATE_PAYLOAD_BYTES,
     SERVED_WHILE_JOINED,
     _merge,
+    connect_slots,
     node_verdict,
     share_what_passed,
 )
@@ -101,6 +102,8 @@ def _exchange(ctx: CommContext):
     mine = np.zeros(HEADER_WORDS, np.int64)
     mine[0], mine[1], mine[_RANK_A], mine[_RANK_B] = _MAGIC, JOINED, ctx.rank, 1
     acc = None  # the payload combined so far, once a peer's header said there is one
+    if ctx.slots is None:  # (this rank's first exchange on ctx: the others' begins so too)
+        connect_slots(ctx)
     if ctx.slots and ctx.size > 2:
         return _node_exchange(ctx, mine)
     room = np.empty(HEADER_BYTES + MAX_SMALL_MESSAGE_BYTES, np.uint8)

@@ -234,7 +234,22 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     # (crossed waits), which a peer's next collective would otherwise take for its own.
     ctx.check_usable()
     stall.entered(ctx, sig)  # (before the plan: making it may wait for the context's duplicates)
+    if ctx.slots is None:
+        connect_slots(ctx)  # (before the plan: it sizes its messages by the slots)
     _exchange(ctx, plan_for(ctx, sig, capacity, src), src, dst, op)
+
+
+def connect_slots(ctx: CommContext) -> None:
+    """Set up ctx's slots in shared memory, or settle on MPI's messages (shared_slots.connect), in
+    the context's first exchange, before it: every rank's first gflow collective on a context begins
+    with one (or, in join(), with join's), whatever it was called with. Before it, not after: from
+    three ranks the slots fold in rank order, MPI's recursive doubling in pairs, and the same inputs
+    must give the same bits on a context's first call as on every later one (a twin, a run resumed
+    from a checkpoint)."""
+    room = slot_room(ctx.size)
+    ctx.slots = (shared_slots.wanted(ctx) and shared_slots.connect(ctx, room)) or False
+    if ctx.slots:  # (plans made before would send payloads apart from SEPARATE_PAYLOAD_BYTES)
+        _forget_plans(ctx)
 
 
 def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, about: str) -> None:
@@ -316,15 +331,10 @@ def _run_plan(ctx: CommContext, plan: _Plan, src, dst, op, about=None, exchanged
             own = acc
         elif step.action == "take":  # the partner's verdict and result, as they are
             send_mv[:HEADER_BYTES] = plan.recv_mv[:HEADER_BYTES]
-    joined = _conclude(ctx, np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64), about)
+    _conclude(ctx, np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64), about)
     if acc is not None and not plan.last_into_dst:
         took = plan.steps and plan.steps[0].action == "take"  # (one rank: no steps)
         np.copyto(dst, plan.incoming if took else acc)
-    if ctx.slots is None and not joined:  # every rank completed this exchange alike: the set-up's place
-        room = slot_room(ctx.size)
-        ctx.slots = (shared_slots.wanted(ctx) and shared_slots.connect(ctx, room)) or False
-        if ctx.slots:  # the plans made so far send payloads apart from SEPARATE_PAYLOAD_BYTES: remade
-            _forget_plans(ctx)
 
 
 def _conclude(ctx: CommContext, header, about) -> bool:

@@ -22,18 +22,15 @@ reader posts again). This relies on stores becoming visible in program order: x8
 context keeps MPI); the compiled exchange publishes the number with a release store, so the
 compiler keeps that order too.
 
-Set-up (connect): once per context, after its first exchange that succeeded on every rank alike,
-collective over MPI in watched waits. The ranks first check that they are all on one host (a hash
-of its name and boot id, compared by an allreduce), so a communicator across hosts allocates
-nothing. Rank 0 then makes an anonymous memory file (memfd_create) holding a random token and
-broadcasts its process id and descriptor; every other rank opens it through /proc, checks the
+Set-up (connect): once per context, in its first exchange, before it (recursive_doubling's
+connect_slots), collective over MPI in watched waits. The ranks first check that they are all on
+one host (a hash of its name and boot id, compared by an allreduce), so a communicator across hosts
+allocates nothing. Rank 0 then makes an anonymous memory file (memfd_create) holding a random token
+and broadcasts its process id and descriptor; every other rank opens it through /proc, checks the
 token, and an allreduce combines the answers. No name is ever made, so nothing is left behind
 whichever rank dies when: the memory goes with the last mapping. It is reserved when it is made.
 Any rank saying no (GFLOW_SHARED_SLOTS=0, another host, no memfd or no room for it, /proc not open
-to it) keeps MPI for that context, on every rank. (So from three ranks a context's first exchange
-folds in recursive doubling's order, ((r0 + r1) + (r2 + r3)) at p = 4, and the later ones in rank
-order: each bitwise alike on every rank, and the same inputs may differ in their last bits between
-the two.)
+to it) keeps MPI for that context, on every rank.
 """
 
 import hashlib

@@ -193,8 +193,8 @@ class CommContext:
         # keeps the core. Both notice a peer that has left (stall.check_waiting).
         self.waitall = watched(_polite_waitall if background else _caller_waitall)
         self.wait_until = watched(_polite_wait_until if background else _caller_wait_until)
-        # The ranks' slots in shared memory (collectives/shared_slots.py): None until the set-up
-        # after the first exchange, then SharedSlots or False (MPI's messages)
+        # The ranks' slots in shared memory (collectives/shared_slots.py): None until the set-up in
+        # the first exchange, then SharedSlots or False (MPI's messages)
         self.slots = None
 
     def check_usable(self) -> None:
