@@ -1,6 +1,7 @@
-"""Whether the two-rank slots (gflow/collectives/shared_slots.py) would pay for every rank of one host
-(issue 27 at p = 3 and 4): k ranks exchange [header | payload] through one shared window, measured
-against MPI's own Allreduce, alternated, in plain mpi4py and Numba.
+"""The prototype behind gflow's slots for every rank of one host (gflow/collectives/shared_slots.py at
+p = 3 and 4, issue 27): k ranks exchange [header | payload] through one shared window, measured
+against MPI's own Allreduce, alternated, in plain mpi4py and Numba. It sized what a slot carries
+(recursive_doubling.NODE_READ_BYTES); bench/latency.py measures gflow itself.
 
     python bench/node_exchange.py                  # p = 3 and 4, the MPI under .venv
     python bench/node_exchange.py --procs 2 3 4 8

@@ -165,7 +165,7 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(w
     if WORLD.rank == 0:
         with pytest.raises(KeyboardInterrupt):
             gflow.allreduce(x, comm=comm)  # (the peer sleeps: this wait is interrupted)
-        with pytest.raises(gflow.GflowError, match="interrupted while its message was with the other ranks"):
+        with pytest.raises(gflow.GflowError, match="interrupted after its message may have reached"):
             gflow.allreduce(x, comm=comm)
     else:
         time.sleep(1.0)
@@ -254,7 +254,7 @@ def test_an_interrupt_as_the_compiled_exchange_hands_over_refuses_the_next_call(
         with pytest.raises(KeyboardInterrupt):
             gflow.allreduce(x, comm=comm)
         monkeypatch.setattr(recursive_doubling, "_run_plan", general)
-        with pytest.raises(gflow.GflowError, match="interrupted while its message was with the other ranks"):
+        with pytest.raises(gflow.GflowError, match="interrupted after its message may have reached"):
             gflow.allreduce(x, comm=comm)
     serve(context(comm))  # (the others took the interrupted call's message and serve until all are in it)
     WORLD.Barrier()
@@ -359,3 +359,51 @@ def test_join_through_the_slots_of_every_rank(monkeypatch, small_message_bytes):
     y = gflow.allreduce(x, comm=comm)  # (ranks 0 and 1 in join() now)
     assert y.shape == x.shape
     serve(context(comm))
+
+
+INTERRUPTED_SET_UP = """
+import _thread, os, sys, threading, time
+import numpy as np
+from mpi4py import MPI
+import gflow
+
+where, rank = sys.argv[1], MPI.COMM_WORLD.rank
+victim = 1 if where == "in a wait" else 0
+comm = MPI.COMM_WORLD.Dup()
+if where == "outside a wait" and rank == 0:  # (rank 0 makes the file: slowly, so the others wait for it)
+    make = os.memfd_create
+    os.memfd_create = lambda *args: (time.sleep(3), make(*args))[1]
+if rank == victim:
+    threading.Timer(0.5, _thread.interrupt_main).start()
+elif where == "in a wait":
+    time.sleep(2)  # (rank 1 is in the set-up's first wait by then)
+try:
+    gflow.allreduce(np.ones(10), comm=comm)
+except KeyboardInterrupt:
+    for _ in range(2):
+        try:
+            gflow.allreduce(np.ones(10), comm=comm)
+        except gflow.GflowError as exc:
+            sys.stdout.write(f"[{rank} refused: {exc}]\\n")
+    sys.stdout.flush()  # (then it leaves; the others, waiting for its part of the set-up, name it)
+"""
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("where", ["in a wait", "outside a wait"])
+def test_an_interrupted_set_up_refuses_the_next_call_and_nothing_hangs(size, where):
+    """Ctrl-C on one rank during a communicator's set-up of its slots (its first call), in a wait or
+    between (making the file): the set-up is out of step with the others', so that rank's next calls
+    on the communicator raise instead of starting another one (which met the others' next steps and
+    hung every rank); the others name the rank as gone once it leaves."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        ["mpiexec", "-n", str(size), sys.executable, "-c", INTERRUPTED_SET_UP, where],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    refused = "refused: collective #1 on this communicator was interrupted"
+    assert done.stdout.count(refused) == 2, done.stdout + done.stderr
+    assert "has left the job" in done.stdout + done.stderr, done.stdout + done.stderr

@@ -246,8 +246,14 @@ def connect_slots(ctx: CommContext) -> None:
     three ranks the slots fold in rank order, MPI's recursive doubling in pairs, and the same inputs
     must give the same bits on a context's first call as on every later one (a twin, a run resumed
     from a checkpoint)."""
-    room = slot_room(ctx.size)
-    ctx.slots = (shared_slots.wanted(ctx) and shared_slots.connect(ctx, room)) or False
+    try:
+        slots = shared_slots.wanted(ctx) and shared_slots.connect(ctx, slot_room(ctx.size))
+    except GflowError:  # (on every rank alike, or a peer has left)
+        raise
+    except BaseException:  # (Ctrl-C, a signal handler's exception: the set-up is out of step with
+        stall.abandoned(stall.mark())  # the others', so the context refuses its next call)
+        raise
+    ctx.slots = slots or False
     if ctx.slots:  # (plans made before would send payloads apart from SEPARATE_PAYLOAD_BYTES)
         _forget_plans(ctx)
 

@@ -205,18 +205,18 @@ class CommContext:
         who will never make those calls. Every rank saw the same failure, at the same position.
         A caller's context fails only where it left a collective unfinished (crossed waits: stall.py):
         its messages are still posted, so no later collective on it could be trusted. So does a
-        context whose wait was interrupted (Ctrl-C, a signal handler's exception) where its message
-        may be in shared memory already (collectives/shared_slots.py): the others take it for their
-        own call, and this rank's next call would meet their next."""
+        context whose collective was interrupted (Ctrl-C, a signal handler's exception) in a wait or
+        an exchange through shared memory (stall.abandoned): its message may be with the others
+        already (an MPI message sent eagerly, a slot of collectives/shared_slots.py), which take it
+        for their own call, and this rank's next call would meet their next, silently."""
         if self.failed is not None:
             channel = "background " if self.is_background else ""
             raise GflowError(f"an earlier {channel}collective on this communicator failed: {self.failed}")
-        in_slots = self.slots is not False if self.size == 2 else bool(self.slots)
-        if self.abandoned is not None and in_slots:
+        if self.abandoned is not None and self.size > 1:
             raise GflowError(
-                f"collective #{self.abandoned} on this communicator was interrupted while its message "
-                "was with the other ranks already (in shared memory): no later collective on it can "
-                "meet theirs. Use another communicator, or GFLOW_SHARED_SLOTS=0"
+                f"collective #{self.abandoned} on this communicator was interrupted after its message "
+                "may have reached the other ranks (they take it for their own call): no later "
+                "collective on it can meet theirs. Use another communicator"
             )
 
     def sendrecv(self, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:
