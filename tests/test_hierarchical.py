@@ -401,6 +401,7 @@ def test_lazy_gradient_pool_lives_in_shared_memory(monkeypatch, reduce_in_place)
     it is reduced straight from every rank's pool: no copy into the node phase's window."""
     from gflow.collectives import hierarchical
 
+    monkeypatch.setattr(gflow.config, "shared_memory_min_bytes", 256 * 1024)  # (the segments take it)
     copies = []
     real_copy_in = hierarchical._copy_in
     monkeypatch.setattr(hierarchical, "_copy_in", lambda *a: (copies.append(a[2].size), real_copy_in(*a)))
