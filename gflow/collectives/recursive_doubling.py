@@ -268,7 +268,7 @@ def run(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, about: str) -> 
 
 def run_compiled_slots(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, about: str) -> None:
     """run, for a plan whose one exchange is compiled through shared memory (plan.slots_step, on a
-    context whose pair is connected), with src and dst flat and contiguous, dst writable and
+    context whose slots are connected), with src and dst flat and contiguous, dst writable and
     aligned: the fast lane's way, without _exchange's generality (the layers between cost about
     1.5 us at p = 2 here, as much as Open MPI's whole Allreduce of 1 KB)."""
     stall.entered(ctx, sig)
@@ -301,8 +301,8 @@ def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
 
 
 def _run_plan(ctx: CommContext, plan: _Plan, src, dst, op, about=None, exchanged=False) -> None:
-    """_exchange's work. `exchanged`: a paired plan whose messages have been exchanged already
-    (run_compiled_slots) and whose peer's header was not this rank's own."""
+    """_exchange's work. `exchanged`: a plan whose exchange through the slots is done already
+    (run_compiled_slots), where not every header was this rank's own."""
     if ctx.slots and ctx.size > 2:
         _node_step(ctx, plan, src, dst, op, about, exchanged)
         return
@@ -343,19 +343,17 @@ def _run_plan(ctx: CommContext, plan: _Plan, src, dst, op, about=None, exchanged
         np.copyto(dst, plan.incoming if took else acc)
 
 
-def _conclude(ctx: CommContext, header, about) -> bool:
+def _conclude(ctx: CommContext, header, about) -> None:
     """Raise MismatchError (on every rank alike) where the verdict `header` (int64 words) records
-    ranks that disagree; else whether ranks in join() took part (with zeros), checking that they may."""
+    ranks that disagree; where ranks in join() took part (with zeros), check that they may."""
     if header[1] != _OK:
         header = np.array(header)
         if about is None:
             about = getattr(calling, "about", None)
         passed = share_what_passed(ctx, header, about)
         raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx), passed))
-    joined = header[_RANK_B] != 0
-    if joined:
+    if header[_RANK_B] != 0:
         _check_joined(header)
-    return joined
 
 
 def _node_step(ctx: CommContext, plan: _Plan, src, dst, op, about, exchanged=False) -> None:
