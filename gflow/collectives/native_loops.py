@@ -407,7 +407,10 @@ def slots_step(src, dst, slots, ints):
             if theirs[at + b] != header[b] and not rank_a <= b < rank_a + 8:
                 return _ASK_PYTHON
     op, half = ints[SLOT_OP], ints[SLOT_HALF]
-    first, second = slots[0, k, at + h : at + n].view(dst.dtype), slots[1, k, at + h : at + n].view(dst.dtype)
+    # The first fold reads this rank's own operand from src (the same bits as its slot, and faster
+    # to read); the later ones from its slot, since dst may be src by then.
+    first = src if rank == 0 else slots[0, k, at + h : at + n].view(dst.dtype)
+    second = src if rank == 1 else slots[1, k, at + h : at + n].view(dst.dtype)
     reduce_into(dst, first, second, op, half)
     for r in range(2, ranks):
         reduce_into(dst, dst, slots[r, k, at + h : at + n].view(dst.dtype), op, half)
