@@ -368,12 +368,22 @@ from mpi4py import MPI
 import gflow
 
 where, rank = sys.argv[1], MPI.COMM_WORLD.rank
-victim = 1 if where == "in a wait" else 0
+victim = 0 if where == "outside a wait" else 1
 comm = MPI.COMM_WORLD.Dup()
 if where == "outside a wait" and rank == 0:  # (rank 0 makes the file: slowly, so the others wait for it)
     make = os.memfd_create
     os.memfd_create = lambda *args: (time.sleep(3), make(*args))[1]
-if rank == victim:
+if where == "in an exchange over MPI":  # (a later call, its messages MPI's: set up, then interrupted)
+    gflow.config.shared_slots = False
+    gflow.allreduce(np.ones(10), comm=comm)
+    if rank == victim:
+        from gflow.collectives import recursive_doubling
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt  # (where a compile, a fold or a signal handler may raise one)
+
+        recursive_doubling._run_plan = interrupted
+elif rank == victim:
     threading.Timer(0.5, _thread.interrupt_main).start()
 elif where == "in a wait":
     time.sleep(2)  # (rank 1 is in the set-up's first wait by then)
@@ -390,12 +400,14 @@ except KeyboardInterrupt:
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
-@pytest.mark.parametrize("where", ["in a wait", "outside a wait"])
-def test_an_interrupted_set_up_refuses_the_next_call_and_nothing_hangs(size, where):
+@pytest.mark.parametrize("where", ["in a wait", "outside a wait", "in an exchange over MPI"])
+def test_an_interrupted_call_refuses_the_next_and_nothing_hangs(size, where):
     """Ctrl-C on one rank during a communicator's set-up of its slots (its first call), in a wait or
     between (making the file): the set-up is out of step with the others', so that rank's next calls
     on the communicator raise instead of starting another one (which met the others' next steps and
-    hung every rank); the others name the rank as gone once it leaves."""
+    hung every rank); the others name the rank as gone once it leaves. So too for a later call whose
+    messages are MPI's, interrupted outside a wait (in a compile, say): its next call met the
+    others' interrupted one, silently, with the wrong data (helper-29)."""
     import os
     import subprocess
     import sys
@@ -404,6 +416,7 @@ def test_an_interrupted_set_up_refuses_the_next_call_and_nothing_hangs(size, whe
         ["mpiexec", "-n", str(size), sys.executable, "-c", INTERRUPTED_SET_UP, where],
         capture_output=True, text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
-    refused = "refused: collective #1 on this communicator was interrupted"
+    number = 2 if where == "in an exchange over MPI" else 1
+    refused = f"refused: collective #{number} on this communicator was interrupted"
     assert done.stdout.count(refused) == 2, done.stdout + done.stderr
     assert "has left the job" in done.stdout + done.stderr, done.stdout + done.stderr

@@ -20,6 +20,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..arrays import host_ops as host
+from ..errors import GflowError
+from ..runtime import stall
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
 from ..runtime.context import TAG_AGREE, CommContext
 from ..runtime.signature import CODE_ALGORITHM, CODE_COLLECTIVE, CODE_DTYPE, CODE_OP, SIG_REJECTED
@@ -46,7 +48,20 @@ from .recursive_doubling import (
 
 def serve(ctx: CommContext) -> None:
     """Take part, with zeros, in every allreduce of ctx's other ranks until all of them are in
-    join() too (their agreement then holds only JOINED headers)."""
+    join() too (their agreement then holds only JOINED headers). An exception of the program's
+    (Ctrl-C, a signal handler's) in it may leave this rank's message with the others: ctx then
+    refuses its next call (check_usable)."""
+    stall.mark().ctx = None  # (serve counts its calls itself: a context this thread entered before
+    try:  # must not take the interrupt of these waits)
+        _serve(ctx)
+    except GflowError:
+        raise
+    except BaseException:
+        ctx.abandoned = ctx.entered + 1
+        raise
+
+
+def _serve(ctx: CommContext) -> None:
     while True:
         header = _exchange(ctx)
         if header[1] == JOINED:

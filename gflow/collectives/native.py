@@ -182,7 +182,11 @@ def _visit(loop, args) -> int:
 
 def _drive(ctx: CommContext, loop, args) -> None:
     """Run a ring phase's loop to its end; an MPI error names this rank's two neighbours."""
-    _compiled_for(loop, args)
+    try:
+        _compiled_for(loop, args)
+    except BaseException:  # (Ctrl-C in a compile: this rank's part of the collective is left undone)
+        stall.abandoned(stall.mark())
+        raise
     status = _visit(loop, args)
     if status < 0:
         left, right = (ctx.rank - 1) % ctx.size, (ctx.rank + 1) % ctx.size

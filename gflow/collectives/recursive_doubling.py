@@ -283,14 +283,12 @@ def run_compiled_slots(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, 
 
 
 def _exchange(ctx: CommContext, plan: _Plan, src, dst, op, about=None) -> None:
-    """The agreement and payload exchange of one call with its plan (_run_plan). On a context whose
-    messages go through shared memory, an exception of the program's (Ctrl-C, a signal handler's)
-    anywhere in it, in a compiled visit, around the watched wait or while folding, may leave this
-    rank's message with the peer, which takes it for its own call: the call is marked abandoned, so
-    the context refuses its next one (check_usable), which would pair with the peer's next."""
-    if not ctx.slots:
-        _run_plan(ctx, plan, src, dst, op, about)
-        return
+    """The agreement and payload exchange of one call with its plan (_run_plan). An exception of the
+    program's (Ctrl-C, a signal handler's) anywhere in it, in a compile, a compiled visit, around a
+    watched wait or while folding, may leave this rank's message with the others (in a slot, or an
+    MPI message sent eagerly), which take it for their own call, and the call is counted already
+    (stall.entered): it is marked abandoned, so the context refuses its next one (check_usable),
+    which would meet the others' next, silently."""
     try:
         _run_plan(ctx, plan, src, dst, op, about)
     except GflowError:  # (on every rank alike, or a peer has left)
