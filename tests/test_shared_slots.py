@@ -414,7 +414,11 @@ def test_an_interrupted_call_refuses_the_next_and_nothing_hangs(size, where):
 
     done = subprocess.run(
         ["mpiexec", "-n", str(size), sys.executable, "-c", INTERRUPTED_SET_UP, where],
-        capture_output=True, text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True, text=True, timeout=60,
+        # The others' GflowError ends them with Python's exit, not MPI_Abort: Open MPI 4.1's mpirun
+        # hung or crashed in 10 of 80 jobs where ranks called MPI_Abort after one had finished
+        # (mpi4py alone; docs/cluster.md), and so failed this test in CI once.
+        env=dict(os.environ, OMP_NUM_THREADS="1", GFLOW_ABORT_ON_EXCEPTION="0"),
     )  # fmt: skip
     number = 2 if where == "in an exchange over MPI" else 1
     refused = f"refused: collective #{number} on this communicator was interrupted"
