@@ -34,12 +34,25 @@ def room() -> int:
     return stat.f_bavail * stat.f_frsize
 
 
+# Where each rank's memory starts within a page. glibc's memcpy ran 5-9x slower (4 ranks, 1 MB, from
+# memory other ranks had just written) when the destination sat 8 or 16 bytes past the source within a
+# page, and a large NumPy array sits 16 bytes into its page while a window starts on one: every copy
+# out of a page-aligned window into such an array paid it. Starting at 64 keeps both directions clear
+# for arrays that start 0, 16 or 64 bytes into a page (bench/RESULTS.md, "Copies out of shared memory").
+PAGE_OFFSET = 64
+
+
 def allocate(node_comm, nbytes: int, local: int):
-    """(window, every node rank's memory as bytes) of a shared window of nbytes per rank, with this
-    rank's part zeroed (see the module docstring). Collective over node_comm."""
-    window = MPI.Win.Allocate_shared(nbytes, 1, comm=node_comm)
+    """(window, every node rank's memory as bytes) of a shared window of nbytes per rank, each
+    starting PAGE_OFFSET bytes into a page, with this rank's part zeroed (see the module docstring).
+    Collective over node_comm."""
+    window = MPI.Win.Allocate_shared(nbytes + 4096, 1, comm=node_comm)
     window.Lock_all(MPI.MODE_NOCHECK)
-    memory = [np.frombuffer(window.Shared_query(q)[0], np.uint8) for q in range(node_comm.size)]
+    memory = []
+    for q in range(node_comm.size):
+        whole = np.frombuffer(window.Shared_query(q)[0], np.uint8)
+        skip = (PAGE_OFFSET - whole.ctypes.data) % 4096  # (alike on every rank: pages map whole)
+        memory.append(whole[skip : skip + nbytes])
     memory[local][:] = 0
     return window, memory
 
