@@ -15,6 +15,8 @@ from mpi4py import MPI
 import gflow
 
 mode, failing = sys.argv[1], int(sys.argv[2])
+if mode.endswith("-over-mpi"):  # (the agreement's messages over MPI, as across hosts: no slots)
+    gflow.config.shared_slots = False
 world = MPI.COMM_WORLD
 me = world.rank
 x = np.random.default_rng(me).standard_normal(1 << 20).astype(np.float32)  # 4 MB
@@ -113,6 +115,14 @@ elif mode == "exit-in-flush":  # leaving from inside flush(): what it pushed is 
     lazy.flush()
     print(f"rank {me} finished the step", flush=True)
     gflow.allreduce(x)  # the rank that left is not here
+elif mode.startswith("exit-in-join"):  # the others are in join(), serving the failing rank's calls
+    if me == failing:
+        time.sleep(0.5)
+        fail("exit")
+    from gflow.collectives import join
+    from gflow.runtime.context import context
+
+    join.serve(context(world))
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 print(f"rank {me} finished", flush=True)

@@ -16,6 +16,8 @@ A rank in join() serves one channel per call of serve(): gflow.torch's join runs
 channel and on the background one at once (the others may use either).
 """
 
+from functools import partial
+
 import numpy as np
 from mpi4py import MPI
 
@@ -51,22 +53,25 @@ def serve(ctx: CommContext) -> None:
     join() too (their agreement then holds only JOINED headers). An exception of the program's
     (Ctrl-C, a signal handler's) in it may leave this rank's message with the others: ctx then
     refuses its next call (check_usable)."""
-    stall.mark().ctx = None  # (serve counts its calls itself: a context this thread entered before
-    try:  # must not take the interrupt of these waits)
+    try:
         _serve(ctx)
     except GflowError:
         raise
     except BaseException:
-        ctx.abandoned = ctx.entered + 1
+        ctx.abandoned = ctx.entered
         raise
 
 
 def _serve(ctx: CommContext) -> None:
     while True:
+        # Each exchange is counted as the others count their calls, before it: the stall inspector
+        # then names a rank that left without joining (it can never post), and an interrupt is
+        # charged to ctx, not to a context this thread entered before.
+        stall.entered(ctx, None)
         header = _exchange(ctx)
-        if header[1] == JOINED:
+        if header[1] == JOINED:  # (every rank in join(): no call of theirs, none counted)
+            ctx.entered -= 1
             return
-        ctx.entered += 1  # (the others counted this call: the stall inspector compares counts)
         sig = header[_SIG_A]
         if header[1] != _OK:  # the callers raise, saying what each rank passed: this one, nothing
             share_what_passed(ctx, header, "nothing: it is in join(), out of data")
@@ -141,18 +146,18 @@ def _exchange(ctx: CommContext):
         if receives:
             if pair:
                 count = pair.receive(ctx, memoryview(room))
-            else:
+            else:  # (watched waits, as every wait on a peer: Ctrl-C and a departed peer end them)
                 status = MPI.Status()
-                header_in.Wait(status)
+                ctx.wait_until(partial(header_in.Test, status))
                 count = status.Get_count(MPI.BYTE)
             theirs = np.frombuffer(room[:HEADER_BYTES].tobytes(), np.int64).copy()
             nbytes = int(theirs[_FOLLOWS]) if theirs[_FOLLOWS] > 0 else count - HEADER_BYTES
             if theirs[_FOLLOWS] > 0:
-                comm.Irecv([room[HEADER_BYTES:], MPI.BYTE], peer, TAG_AGREE).Wait()
+                ctx.waitall([comm.Irecv([room[HEADER_BYTES:], MPI.BYTE], peer, TAG_AGREE)])
             if nbytes > 0 and theirs[1] == _OK:
                 dtype, _ = _payload_spec(theirs)
                 payload = room[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype).copy()
-        MPI.Request.Waitall(requests)
+        ctx.waitall(requests)
         if action == "take":  # (the fold's sender: its partner's verdict and result, as they are)
             mine = theirs
         elif action == "combine":
