@@ -256,6 +256,9 @@ def test_an_interrupt_as_the_compiled_exchange_hands_over_refuses_the_next_call(
         monkeypatch.setattr(recursive_doubling, "_run_plan", general)
         with pytest.raises(gflow.GflowError, match="interrupted after its message may have reached"):
             gflow.allreduce(x, comm=comm)
+        with pytest.raises(gflow.GflowError, match="interrupted after its message may have reached"):
+            serve(context(comm))  # (join() is refused too)
+        context(comm).abandoned = None  # (the test lets it join once more, to end the others' join)
     serve(context(comm))  # (the others took the interrupted call's message and serve until all are in it)
     WORLD.Barrier()
 

@@ -173,3 +173,64 @@ def test_the_horovod_features_example_runs_as_written(tmp_path_factory):
     WORLD.Barrier()
     with open(os.path.join(folder, f"trace.{r}.json")) as f:
         assert json.load(f), "an empty timeline"
+
+
+INTERRUPTED_JOIN = """
+import os, signal, sys, threading
+import numpy as np, torch
+from mpi4py import MPI
+import gflow, gflow.torch as hvd
+
+torch.set_num_threads(1)
+hvd.init()
+rank, other = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.Dup()
+gflow.allreduce(np.ones(4), comm=other)
+hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="warm"))
+if rank == 0:
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.8)
+    try:
+        hvd.join()
+    except KeyboardInterrupt:
+        pass
+    calls = [lambda: hvd.allreduce(torch.ones(3)),
+             lambda: hvd.synchronize(hvd.allreduce_async(torch.ones(3))), hvd.join]
+    for call in calls:  # each in a thread: one that hangs is seen as such
+        said = []
+        def run(call=call):
+            try:
+                call()
+            except Exception as exc:
+                said.append(type(exc).__name__)
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(10)
+        print(f"[0 then: {'hung' if thread.is_alive() else said}]", flush=True)
+got = gflow.allreduce(np.ones(5000), comm=other), gflow.allreduce_async(np.ones(1000), comm=other).wait()
+print(f"[{rank} other: {all(bool((g == other.size).all()) for g in got)}]", flush=True)
+other.Barrier()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("slots", ["1", "0"])
+def test_an_interrupted_join_refuses_its_communicator_and_frees_gflows_thread(size, slots):
+    """Ctrl-C in hvd.join() on one rank while the others do other work: the communicator refuses
+    its next blocking call, async call and join (the second join hung, and the async call queued
+    for ever behind join's other channel, still serving on gflow's thread), and every rank's other
+    communicator keeps working, async calls too (they queued behind it as well) (helper-30)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        ["mpiexec", "-n", str(size), sys.executable, "-c", INTERRUPTED_JOIN],
+        capture_output=True, text=True, timeout=90,
+        env=dict(os.environ, OMP_NUM_THREADS="1", GFLOW_SHARED_SLOTS=slots, GFLOW_ABORT_ON_EXCEPTION="0"),
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.stdout.count("[0 then: ['GflowError']]") == 3, output
+    assert all(f"[{r} other: True]" in done.stdout for r in range(size)), output

@@ -52,7 +52,8 @@ def serve(ctx: CommContext) -> None:
     """Take part, with zeros, in every allreduce of ctx's other ranks until all of them are in
     join() too (their agreement then holds only JOINED headers). An exception of the program's
     (Ctrl-C, a signal handler's) in it may leave this rank's message with the others: ctx then
-    refuses its next call (check_usable)."""
+    refuses its next call (check_usable), and so does this one on a context refused already."""
+    ctx.check_usable()
     try:
         _serve(ctx)
     except GflowError:

@@ -247,6 +247,11 @@ def check_waiting() -> None:
         )
     if ctx.departed:
         _raise_departed(ctx, ctx.entered, ctx.last_sig)
+    if ctx.abandoned is not None:  # (by another thread of this rank: give_up)
+        raise GflowError(
+            f"collective #{ctx.abandoned} on this communicator was given up on gflow rank {ctx.rank}: "
+            "the call it belongs to was interrupted on another thread"
+        )
 
 
 def raise_crossed(ctx, number: int) -> None:
@@ -319,6 +324,15 @@ def abandoned(m: _Mark) -> None:
     it as completed."""
     if m.ctx is not None:
         m.ctx.abandoned = m.ctx.entered
+
+
+def give_up(ctx) -> None:
+    """This rank will not finish the collective that another of its threads waits in on ctx (join()'s
+    background channel, once the caller's channel was interrupted): that wait ends with GflowError
+    (check_waiting), which frees the thread for other work, and ctx refuses its next call."""
+    if ctx.abandoned is None:
+        ctx.abandoned = ctx.entered
+    departures.append((ctx, None))  # (the waits' cheap test: now they look)
 
 
 def busy_elsewhere() -> list:

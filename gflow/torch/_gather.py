@@ -12,7 +12,7 @@ import gflow
 from ..collectives.exchange import allgather_on, broadcast_on
 from ..collectives.join import serve
 from ..collectives.operations import allreduce_on, background_on
-from ..runtime import engine
+from ..runtime import engine, stall
 from ..runtime.context import context
 from . import _basics
 from ._allreduce import allreduce
@@ -288,13 +288,19 @@ def join(device=-1) -> int:
     """
     arrival = time.time()
     parent = context(comm())
-    background = parent.background()
     try:
+        parent.check_usable()  # (before its background channel is made or used)
+        background = parent.background()
         handle = engine.submit(
             "join", lambda: serve(background), ctx=background, on_failure=parent.reset_background
         )
-        serve(parent)  # the caller's channel here, the background one on gflow's thread
-        handle.wait()
+        try:
+            serve(parent)  # the caller's channel here, the background one on gflow's thread
+            handle.wait()
+        except BaseException as interrupted:
+            if not isinstance(interrupted, gflow.GflowError):  # (Ctrl-C: the other channel's serve
+                stall.give_up(background)  # would hold gflow's thread, and every async call, for ever)
+            raise
         times = torch.full((_basics.size(),), -np.inf, dtype=torch.float64)
         times[_basics.rank()] = arrival
         latest = gflow.allreduce(times, "max", comm=comm())
