@@ -21,9 +21,10 @@ from gflow.collectives.recursive_doubling import (
     HEADER_BYTES,
     PAIR_INLINE_BYTES,
     SEPARATE_PAYLOAD_BYTES,
+    node_fold_bytes,
     slot_room,
 )
-from gflow.runtime.config import TWO_RANKS_FACTOR
+from gflow.runtime.config import MAX_SMALL_MESSAGE_BYTES, TWO_RANKS_FACTOR
 from gflow.runtime.context import context
 from gflow.runtime.signature import BFLOAT16
 
@@ -268,26 +269,117 @@ def test_an_interrupt_as_the_compiled_exchange_hands_over_refuses_the_next_call(
 def test_every_rank_of_one_host_folds_in_rank_order(op):
     """From three ranks, one step through the slots instead of recursive doubling's rounds: results
     are MPI's, and every rank holds the rank-order fold, bitwise, from a communicator's first call
-    on (the set-up comes before its exchange), sync and async, on both sides of a slot's room and at
-    the latency path's end; the ring's sizes keep the ring."""
+    on (the set-up comes before its exchange), sync and async, on both sides of the payloads folded
+    whole and at the latency path's end; past it, "auto" reduces in the slots too (two exchanges)."""
     comm = WORLD.Dup()
-    inline, latency = slot_payload_bytes() // 4, gflow.config.small_message_bytes // 4
-    for n in [1, 37, inline - 1, inline, latency, latency + 1000]:
+    whole, latency = node_fold_bytes(WORLD.size) // 4, gflow.config.small_message_bytes // 4
+    for n in [1, 37, whole - 1, whole, latency, latency + 1000]:
         x = random_array(rank_rng(SEED + n), n, np.float32)
         for _ in range(3):  # (the general path, then the fast lane, then its compiled call)
             y = np.full_like(x, np.nan)
             gflow.allreduce(x, op, comm=comm, out=y)
             on_all_ranks(lambda y=y, x=x: assert_close_to_reference(y, x, op), f"n={n}")
             assert_same_on_all_ranks(y)
-            if n <= latency:
-                expected = in_rank_order(WORLD.allgather(x), "sum" if op == "mean" else op)
-                if op == "mean":
-                    expected /= np.float32(WORLD.size)
-                np.testing.assert_array_equal(y, expected)
+            expected = in_rank_order(WORLD.allgather(x), "sum" if op == "mean" else op)
+            if op == "mean":
+                expected /= np.float32(WORLD.size)
+            np.testing.assert_array_equal(y, expected)
         z = gflow.allreduce_async(x, op, comm=comm).wait()
         np.testing.assert_array_equal(z, y)
     slots = context(comm).slots
-    assert slots.size == WORLD.size and slots.sequence == 3 * 6  # (the ring's agreement too)
+    scattered = latency + 1000 > node_fold_bytes(WORLD.size) // 4  # (its calls make two exchanges)
+    assert slots.size == WORLD.size and slots.sequence == 3 * (6 + scattered)
+
+
+def random_of(dtype, seed: int, n: int) -> np.ndarray:
+    if dtype is BFLOAT16:  # (random_array makes NumPy's dtypes)
+        return random_array(rank_rng(seed), n, np.float32).astype(BFLOAT16)
+    return random_array(rank_rng(seed), n, dtype)
+
+
+@pytest.mark.parallel([3, 4])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64])
+def test_bandwidth_sizes_reduce_in_the_slots_a_share_per_rank(monkeypatch, dtype):
+    """Past the payloads folded whole, up to a slot's room and below "auto"'s node phase, an
+    allreduce goes through the slots in two exchanges (each rank folds its share of every payload,
+    then copies every share out): every rank holds the rank-order fold, bitwise, from a
+    communicator's first call on, compiled (from a shape's second call) and in Python (rank 1:
+    GFLOW_NATIVE=0) alike, whose messages meet; read-only, strided, in place and out=, sync and
+    async; a mean is the sum divided; with validation off too."""
+    if WORLD.rank == 1:
+        monkeypatch.setattr(gflow.config, "native", False)
+    itemsize = np.dtype(dtype).itemsize
+    limit = min(slot_payload_bytes(), gflow.config.shared_memory_min_bytes - 1) // itemsize
+    comm = WORLD.Dup()
+    floating = np.dtype(dtype).kind == "f" or dtype is BFLOAT16
+    first = max(node_fold_bytes(WORLD.size), gflow.config.small_message_bytes) // itemsize + 1
+    for n in (first, (first + limit) // 2 | 1, limit):
+        x = random_of(dtype, SEED + n, n)
+        x.setflags(write=False)
+        parts = WORLD.allgather(x)
+        for op in ("sum", "max", "min", "mean") if floating else ("sum", "max", "min"):
+            expected = in_rank_order(parts, "sum" if op == "mean" else op)
+            for _ in range(3):  # (the general path, then the compiled step)
+                before = context(comm).slots.sequence if context(comm).slots else 0
+                y = gflow.allreduce(x, op, comm=comm)
+                assert context(comm).slots.sequence - before == 2, "not reduced in the slots"
+                assert_same_on_all_ranks(y)
+                if op != "mean":
+                    np.testing.assert_array_equal(y.view(np.uint8), expected.view(np.uint8))
+                elif itemsize > 2:  # (2-byte floats are divided before the sum: dispatch._predivided)
+                    np.testing.assert_array_equal(y, expected / dtype(WORLD.size))
+                else:
+                    mean = expected.astype(np.float32) / WORLD.size
+                    on_all_ranks(lambda y=y, mean=mean: np.testing.assert_allclose(
+                        y.astype(np.float32), mean, rtol=2e-2, atol=0.1
+                    ))  # fmt: skip
+        out = np.full(n, 7, dtype)
+        gflow.allreduce(x, comm=comm, out=out)
+        np.testing.assert_array_equal(out.view(np.uint8), in_rank_order(parts).view(np.uint8))
+        inplace = x.copy()
+        gflow.allreduce(inplace, comm=comm, out=inplace)
+        np.testing.assert_array_equal(inplace.view(np.uint8), out.view(np.uint8))
+        z = gflow.allreduce_async(x, comm=comm).wait()
+        np.testing.assert_array_equal(z.view(np.uint8), out.view(np.uint8))
+    wide = random_of(dtype, SEED, 2 * limit)[::2]  # (not contiguous: copied, then the slot)
+    for _ in range(2):
+        y = gflow.allreduce(wide, comm=comm)
+        np.testing.assert_array_equal(y.view(np.uint8), in_rank_order(WORLD.allgather(wide)).view(np.uint8))
+    compiled = [plan.slots_step is not None for plan in context(comm).rd_plans.values()]
+    assert any(compiled) == (WORLD.rank != 1), compiled
+    monkeypatch.setattr(gflow.config, "validate", False)
+    x = random_of(dtype, SEED + 1, limit)
+    for _ in range(2):
+        before = context(comm).slots.sequence
+        y = gflow.allreduce(x, comm=comm)
+        assert context(comm).slots.sequence - before == 2
+        np.testing.assert_array_equal(y.view(np.uint8), in_rank_order(WORLD.allgather(x)).view(np.uint8))
+
+
+@pytest.mark.parallel([3, 4])
+def test_calls_that_differ_around_the_slots_shares_raise_on_every_rank():
+    """One rank's call differs from the others' on either side of the payloads folded whole, the
+    slot's room or "auto"'s node phase (headers alone, a ring or the node phase after them): every
+    rank raises, none hangs, and calls alike work after."""
+    comm = WORLD.Dup()
+    whole = node_fold_bytes(WORLD.size) // 4
+    shares = min(slot_payload_bytes(), gflow.config.shared_memory_min_bytes - 1) // 4
+    last = WORLD.rank == WORLD.size - 1
+    pairs = ((whole, whole + 1), (100, whole + 1), (whole + 1, shares), (shares, shares + 1), (shares, 10**6))
+    for mine, theirs in pairs:
+        x = np.ones(theirs if last else mine, np.float32)
+
+        def check(x=x):
+            with pytest.raises(gflow.MismatchError, match="the number of elements"):
+                gflow.allreduce(x, comm=comm)
+
+        for _ in range(2):  # (the second time, the compiled step meets the other's header)
+            on_all_ranks(check, f"{mine} against {theirs}")
+    x = random_array(rank_rng(SEED), shares, np.float32)
+    for _ in range(2):
+        on_all_ranks(lambda: np.testing.assert_array_equal(
+            gflow.allreduce(x, comm=comm), in_rank_order(WORLD.allgather(x))
+        ))  # fmt: skip
 
 
 @pytest.mark.parallel([3, 4])
@@ -296,7 +388,7 @@ def test_payloads_over_a_slot_go_by_the_ring_and_calls_that_differ_raise(monkeyp
     the slot: every rank posts its header alone, and once the headers agree the ring reduces the
     payloads (bitwise alike, MPI's results). Calls that differ across that limit, or across the
     latency path's end, still raise on every rank."""
-    monkeypatch.setattr(gflow.config, "small_message_bytes", 1024 * 1024)
+    monkeypatch.setattr(gflow.config, "small_message_bytes", MAX_SMALL_MESSAGE_BYTES)
     comm = WORLD.Dup()
     gflow.allreduce(np.ones(3), comm=comm)
     assert context(comm).slots
@@ -325,9 +417,9 @@ def test_payloads_over_a_slot_go_by_the_ring_and_calls_that_differ_raise(monkeyp
 def test_join_through_the_slots_of_every_rank(monkeypatch, small_message_bytes):
     """Rank 0 runs out of data first and takes part with zeros (join's serve) through the slots: the
     others' allreduces are their own sums (in rank order, bitwise, where the slots fold them), at
-    every size: in the slot, past it by the ring (with a raised small_message_bytes), and a ring
-    after the slots' agreement; then a second rank joins, and serve returns everywhere once all are
-    in it."""
+    every size: folded whole, reduced a share per rank (the latency path's with a raised
+    small_message_bytes, "auto"'s past it), and the node phase after the slots' agreement; then a
+    second rank joins, and serve returns everywhere once all are in it."""
     from gflow.collectives.join import serve
 
     if small_message_bytes == "raised":
@@ -338,8 +430,9 @@ def test_join_through_the_slots_of_every_rank(monkeypatch, small_message_bytes):
     x = random_array(rank_rng(SEED), 9, np.float64)
     for _ in range(4):  # (compiled by now: its exchange meets the joined rank's header)
         gflow.allreduce(x, comm=comm)
-    inline = slot_payload_bytes() // 8
-    counts = [9, 300, inline, inline + 1, 200_000, 3]
+    inline = node_fold_bytes(WORLD.size) // 8
+    in_slots = min(slot_payload_bytes(), gflow.config.shared_memory_min_bytes - 1) // 8
+    counts = [9, 300, inline, inline + 1, 100_000, in_slots, in_slots + 1, 3]
     others = WORLD.Split(1 if WORLD.rank else MPI.UNDEFINED, WORLD.rank)  # (ranks 1..: what they passed)
     if WORLD.rank == 0:
         serve(context(comm))
@@ -349,7 +442,7 @@ def test_join_through_the_slots_of_every_rank(monkeypatch, small_message_bytes):
         y = gflow.allreduce(x, comm=comm)
         parts = others.allgather(x)
         expected = in_rank_order(parts) if len(parts) > 1 else parts[0]
-        if n <= inline:
+        if n <= in_slots:
             np.testing.assert_array_equal(y, expected)
         else:
             np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)

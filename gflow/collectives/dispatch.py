@@ -14,7 +14,7 @@ from ..runtime.config import config, latency_path_limit
 from ..runtime.context import TAG_ALLTOALL, CommContext
 from ..runtime.signature import CODE_MEMORY, signature
 from . import hierarchical, ring
-from .recursive_doubling import allreduce_with_agreement
+from .recursive_doubling import allreduce_with_agreement, reduce_in_slots
 
 USER_ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")  # what algorithm= takes
 
@@ -67,7 +67,15 @@ def allreduce_flat(
         if name == "mean":
             ops.divide(dst, ctx.size)
     else:
-        agree(ctx, sig)
+        if _may_reduce_in_slots(ctx, ops, chosen, staging, dst.nbytes):
+            with timeline.span("slots", bytes=dst.nbytes) if timeline.active() else timeline.OFF:
+                done = reduce_in_slots(ctx, sig, src, dst, "sum" if name == "mean" else name)
+            if done:
+                if name == "mean":
+                    ops.divide(dst, ctx.size)
+                return
+        else:
+            agree(ctx, sig)
         if chosen == "auto":
             chosen = settle_auto(ctx, dst.nbytes)
         if chosen == "hierarchical":  # (the timeline shows which by the phases inside)
@@ -80,6 +88,21 @@ def allreduce_flat(
             staging.store(dst, host_dst)
         else:
             ring.allreduce(ctx, src, dst, ops, name)
+
+
+def _may_reduce_in_slots(ctx: CommContext, ops, chosen: str, staging, nbytes: int) -> bool:
+    """Whether an "auto" allreduce of nbytes past the latency path may go through the slots of a
+    context whose ranks share one host (recursive_doubling.reduce_in_slots decides, once they are
+    set up): host buffers, three ranks or more, below where "auto" takes the node phase in a shared
+    window. Measured against the ring there: bench/RESULTS.md, "Reduce-scatter and allgather in the
+    slots"."""
+    return (
+        chosen == "auto"
+        and staging is None
+        and ops.memory == "host"
+        and ctx.size > 2
+        and nbytes < config.shared_memory_min_bytes
+    )
 
 
 def choose(algorithm: str, nbytes: int, ranks: int) -> str:

@@ -43,7 +43,9 @@ from .recursive_doubling import (
     SERVED_WHILE_JOINED,
     _merge,
     connect_slots,
+    node_fold_bytes,
     node_verdict,
+    scatter_gather,
     share_what_passed,
 )
 
@@ -69,7 +71,7 @@ def _serve(ctx: CommContext) -> None:
         # then names a rank that left without joining (it can never post), and an interrupt is
         # charged to ctx, not to a context this thread entered before.
         stall.entered(ctx, None)
-        header = _exchange(ctx)
+        header, complete = _exchange(ctx)
         if header[1] == JOINED:  # (every rank in join(): no call of theirs, none counted)
             ctx.entered -= 1
             return
@@ -80,7 +82,7 @@ def _serve(ctx: CommContext) -> None:
         if int(sig[7]) == SIG_REJECTED:
             continue  # the rejecting rank raises its own error, the others a MismatchError
         collective, algorithm = CODE_COLLECTIVE.get(int(sig[0])), CODE_ALGORITHM.get(int(sig[1]) & 0xFF)
-        if collective not in SERVED_WHILE_JOINED or algorithm in ("recursive_doubling", "adasum"):
+        if complete or collective not in SERVED_WHILE_JOINED or algorithm in ("recursive_doubling", "adasum"):
             continue  # (refused by the callers, or complete: its payload travelled in the exchange)
         dtype, count = CODE_DTYPE[int(sig[3])], int(sig[2])
         zeros = np.zeros(count, dtype)
@@ -118,7 +120,8 @@ def _payload_spec(header):
 
 
 def _exchange(ctx: CommContext):
-    """One agreement as a joined rank; returns the merged header every rank ends with."""
+    """One agreement as a joined rank: (the merged header every rank ends with, whether the call is
+    complete with it: a bandwidth allreduce reduced in the slots with its agreement)."""
     comm = ctx.comm
     mine = np.zeros(HEADER_WORDS, np.int64)
     mine[0], mine[1], mine[_RANK_A], mine[_RANK_B] = _MAGIC, JOINED, ctx.rank, 1
@@ -163,23 +166,37 @@ def _exchange(ctx: CommContext):
             mine = theirs
         elif action == "combine":
             mine, acc = _combine(mine, acc, theirs, payload, lower)
-    return mine
+    return mine, False
 
 
 def _node_exchange(ctx: CommContext, mine):
     """_exchange through the slots of a context of three ranks or more on one host
-    (recursive_doubling._node_step): the verdict every rank folds from every rank's header. Where a
-    latency-path payload was too large for the slots, the others reduce it by the ring after the
-    headers agree: this rank takes part with zeros."""
+    (recursive_doubling._node_step): the verdict every rank folds from every rank's header. Where the
+    others' payloads came with their headers, the call is complete with this exchange, or with the
+    reduce-scatter and allgather in the slots that follow it (recursive_doubling.scatter_gather),
+    where this rank folds its share with zeros of its own. Where a latency-path payload was too large
+    for the slots, the others reduce it by the ring after the headers agree: this rank takes part
+    with zeros."""
     slots = ctx.slots
     slots.post(mine.tobytes())
-    verdict = node_verdict([np.frombuffer(m, np.int64, HEADER_WORDS) for m in slots.wait(ctx)])
+    messages = slots.wait(ctx)
+    headers = [np.frombuffer(m, np.int64, HEADER_WORDS) for m in messages]
+    verdict = node_verdict(headers)
     served = CODE_COLLECTIVE.get(int(verdict[_SIG_A][0])) in SERVED_WHILE_JOINED
-    if verdict[1] == _OK and verdict[_FOLLOWS] and served:
-        dtype, op = _payload_spec(verdict)
-        zeros = np.zeros(int(verdict[_SIG_A][2]), dtype)
+    if verdict[1] != _OK or not served:
+        return verdict, False
+    dtype, op = _payload_spec(verdict)
+    count = int(verdict[_SIG_A][2])
+    if verdict[_FOLLOWS]:
+        zeros = np.zeros(count, dtype)
         ring.allreduce(ctx, zeros, zeros, host, op)
-    return verdict
+        return verdict, False
+    if all(len(m) == HEADER_BYTES for m in messages):  # (headers alone: an agreement before a ring)
+        return verdict, False
+    if count * dtype.itemsize > node_fold_bytes(ctx.size):  # (within it, every rank folded every payload)
+        joined = [h[1] == JOINED for h in headers]
+        scatter_gather(ctx, messages, None, None, op, joined, like=np.empty(count, dtype))
+    return verdict, True
 
 
 def _combine(mine, acc, theirs, payload, peer_is_lower: bool):

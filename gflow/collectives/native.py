@@ -286,40 +286,48 @@ class SlotsStep:
     exchange's own work (posting the header and payload, comparing the headers, folding the payloads)
     costs about 5 us at p = 2 here; compiled, the call into it (Numba's dispatch of four arrays) is
     most of what remains. `header`: this rank's (bytes, 8-byte words); `layout`: (rank_a's byte
-    offset, the slots' message offset)."""
+    offset, the slots' message offset); `bounds`: the shares of a payload reduced a share per rank
+    (recursive_doubling.scatter_gather; native_loops.slots_scatter_step), None where every rank
+    folds it whole."""
 
-    def __init__(self, ctx: CommContext, header: bytes, layout, op: str, dtype):
+    def __init__(self, ctx: CommContext, header: bytes, layout, op: str, dtype, bounds=None):
         loops = _compiled
         self.half = _HALVES.get(np.dtype(dtype), 0)
         self.ints = np.zeros(loops.SLOT_PARAMS + len(header) // 8, np.int64)
         self.ints[loops.SLOT_PARAMS :] = np.frombuffer(header, np.int64)
         self.ints[: loops.SLOT_PARAMS] = (
-            ctx.rank, 0, 1, layout[0], _OPS[op], self.half, *_budget(ctx), layout[1]
+            ctx.rank, 0, 1, layout[0], _OPS[op], self.half, *_budget(ctx), layout[1], 0
         )  # fmt: skip
+        self.bounds = None if bounds is None else np.array(bounds, np.int64)
         self.ready = set()  # (whether src is writeable) compiled for
 
 
 def slots_step(ctx: CommContext, step: SlotsStep, slots, src, dst) -> int:
-    """Exchange and fold through the slots, compiled (see native_loops.slots_step): DONE, or
-    ASK_PYTHON where every rank's message is there and not all of them this rank's header and length
-    (the caller reads them from the slots). Waits the loop's budget did not finish are the context's
-    watched wait."""
+    """Exchange and fold through the slots, compiled (see native_loops.slots_step, and
+    slots_scatter_step for a step with bounds): DONE, or ASK_PYTHON where every rank's message is
+    there and not all of them this rank's header and length (the caller reads them from the slots).
+    Waits the loop's budget did not finish are the context's watched wait."""
     loops, ints = _compiled, step.ints
     if step.half:
         src, dst = src.view(np.uint16), dst.view(np.uint16)
-    args = (src, dst, slots.memory, ints)
+    if step.bounds is None:
+        loop, args = loops.slots_step, (src, dst, slots.memory, ints)
+    else:
+        loop, args = loops.slots_scatter_step, (src, dst, slots.memory, ints, step.bounds)
     writeable = src.flags.writeable
     if writeable not in step.ready:  # (before this exchange counts: a compile takes seconds, and
-        _compiled_for(loops.slots_step, args)  # Ctrl-C in it must leave the exchange not begun)
+        _compiled_for(loop, args)  # Ctrl-C in it must leave the exchange not begun)
         step.ready.add(writeable)
     slots.sequence += 1
-    ints[loops.SLOT_SEQUENCE] = slots.sequence
+    ints[loops.SLOT_SEQUENCE], ints[loops.SLOT_STAGE] = slots.sequence, 0
     try:
-        status = loops.slots_step(*args)
-        if status == _PENDING:
+        status = loop(*args)
+        while status == _PENDING:
+            slots.sequence = int(ints[loops.SLOT_SEQUENCE])  # (the second exchange's, once posted)
             ctx.wait_until(slots.arrived)
             ints[loops.SLOT_POST] = 0
-            status = loops.slots_step(*args)
+            status = loop(*args)
     finally:  # (Ctrl-C is raised as a compiled visit returns: the next exchange posts again)
         ints[loops.SLOT_POST] = 1
+        slots.sequence = int(ints[loops.SLOT_SEQUENCE])
     return status

@@ -323,10 +323,11 @@ def recursive_doubling(acc, incoming, dst, send, recv, ints, steps, space):
 # _paired_step and _node_step). `slots`: the mapping as (ranks, 2 slots, stride) bytes, each slot
 # [sequence number, length, ... | message from SLOT_DATA_AT]; `ints`: the SLOT_* words, then this
 # rank's header as int64 words (its rank_a word at SLOT_RANK_A is not compared: each rank's holds
-# its own rank).
+# its own rank). SLOT_SEQUENCE is the exchange a visit is in, SLOT_STAGE how far a resumed visit of
+# slots_scatter_step has come.
 SLOT_RANK, SLOT_SEQUENCE, SLOT_POST, SLOT_RANK_A, SLOT_OP, SLOT_HALF = 0, 1, 2, 3, 4, 5
-SLOT_BUDGET, SLOT_SLEEP, SLOT_DATA_AT = 6, 7, 8
-SLOT_PARAMS = 9
+SLOT_BUDGET, SLOT_SLEEP, SLOT_DATA_AT, SLOT_STAGE = 6, 7, 8, 9
+SLOT_PARAMS = 10
 
 
 @intrinsic
@@ -372,14 +373,12 @@ def _wait_for(words, sequence, budget, sleep_us):
     return 0
 
 
-@njit(nogil=True, cache=True)
-def slots_step(src, dst, slots, ints):
+@njit(inline="always")
+def _slots_arrive(src, slots, ints):
     """Post this rank's [header | src] in its slot of exchange ints[SLOT_SEQUENCE] (unless
-    ints[SLOT_POST] is 0: posted by an earlier visit), wait for every other rank's, and where all
-    their headers and lengths are this rank's, fold all payloads into dst in rank order from where
-    they lie (so every rank computes the same bits; dst may be src). Returns _DONE, _PENDING (not all
-    there within the budget: wait, then call again without posting) or _ASK_PYTHON (all there, but
-    not all of them this rank's header: recursive_doubling.py's)."""
+    ints[SLOT_POST] is 0: posted by an earlier visit) and wait for every other rank's: _DONE when
+    all are there with this rank's header and length, _PENDING (not all there within the budget),
+    _ASK_PYTHON (all there, not all of them this rank's header and length)."""
     rank, sequence, at = ints[SLOT_RANK], ints[SLOT_SEQUENCE], ints[SLOT_DATA_AT]
     header = ints[SLOT_PARAMS:].view(np.uint8)
     k, ranks = sequence & 1, slots.shape[0]
@@ -406,12 +405,67 @@ def slots_step(src, dst, slots, ints):
         for b in range(h):
             if theirs[at + b] != header[b] and not rank_a <= b < rank_a + 8:
                 return _ASK_PYTHON
+    return _DONE
+
+
+@njit(nogil=True, cache=True)
+def slots_step(src, dst, slots, ints):
+    """_slots_arrive, then, where every message is this rank's header and length, fold all payloads
+    into dst in rank order from where they lie (so every rank computes the same bits; dst may be
+    src). Returns _DONE, _PENDING (wait, then call again without posting) or _ASK_PYTHON (every
+    message there, not all of them this rank's: recursive_doubling.py's)."""
+    status = _slots_arrive(src, slots, ints)
+    if status != _DONE:
+        return status
+    k, ranks, rank = ints[SLOT_SEQUENCE] & 1, slots.shape[0], ints[SLOT_RANK]
+    at = ints[SLOT_DATA_AT] + (ints.size - SLOT_PARAMS) * 8
+    n = at + src.size * src.itemsize
     op, half = ints[SLOT_OP], ints[SLOT_HALF]
     # The first fold reads this rank's own operand from src (the same bits as its slot, and faster
     # to read); the later ones from its slot, since dst may be src by then.
-    first = src if rank == 0 else slots[0, k, at + h : at + n].view(dst.dtype)
-    second = src if rank == 1 else slots[1, k, at + h : at + n].view(dst.dtype)
+    first = src if rank == 0 else slots[0, k, at:n].view(dst.dtype)
+    second = src if rank == 1 else slots[1, k, at:n].view(dst.dtype)
     reduce_into(dst, first, second, op, half)
     for r in range(2, ranks):
-        reduce_into(dst, dst, slots[r, k, at + h : at + n].view(dst.dtype), op, half)
+        reduce_into(dst, dst, slots[r, k, at:n].view(dst.dtype), op, half)
+    return _DONE
+
+
+@njit(nogil=True, cache=True)
+def slots_scatter_step(src, dst, slots, ints, bounds):
+    """recursive_doubling.scatter_gather after _slots_arrive, compiled: fold this rank's share
+    (bounds[rank]:bounds[rank + 1]) of every rank's payload in rank order, its own from src, into
+    its slot of the next exchange and post it; once every rank has, copy every share into dst (which
+    may be src: it is written only then). Resumable (SLOT_STAGE 0: the first exchange, 1: the
+    second); returns as slots_step does, _ASK_PYTHON only in the first exchange."""
+    rank, at, ranks, itemsize = ints[SLOT_RANK], ints[SLOT_DATA_AT], slots.shape[0], dst.itemsize
+    if ints[SLOT_STAGE] == 0:
+        status = _slots_arrive(src, slots, ints)
+        if status != _DONE:
+            return status
+        sequence = ints[SLOT_SEQUENCE]
+        k, lo, hi = sequence & 1, bounds[rank], bounds[rank + 1]
+        start = at + (ints.size - SLOT_PARAMS) * 8 + lo * itemsize  # (past the header)
+        end = start + (hi - lo) * itemsize
+        mine = slots[rank, 1 - k]
+        share = mine[at : at + (hi - lo) * itemsize].view(dst.dtype)
+        op, half = ints[SLOT_OP], ints[SLOT_HALF]
+        first = src[lo:hi] if rank == 0 else slots[0, k, start:end].view(dst.dtype)
+        second = src[lo:hi] if rank == 1 else slots[1, k, start:end].view(dst.dtype)
+        reduce_into(share, first, second, op, half)
+        for r in range(2, ranks):
+            operand = src[lo:hi] if r == rank else slots[r, k, start:end].view(dst.dtype)
+            reduce_into(share, share, operand, op, half)
+        words = mine[:16].view(np.int64)
+        words[1] = (hi - lo) * itemsize
+        _store_release(words, sequence + 1)
+        ints[SLOT_SEQUENCE], ints[SLOT_STAGE] = sequence + 1, 1
+    sequence = ints[SLOT_SEQUENCE]
+    k, budget, sleep_us = sequence & 1, ints[SLOT_BUDGET], ints[SLOT_SLEEP]
+    for r in range(ranks):
+        if r != rank and _wait_for(slots[r, k, :16].view(np.int64), sequence, budget, sleep_us) != 0:
+            return _PENDING
+    for q in range(ranks):
+        size = (bounds[q + 1] - bounds[q]) * itemsize
+        memcpy(dst.ctypes.data + bounds[q] * itemsize, slots[q, k].ctypes.data + at, size)
     return _DONE

@@ -35,7 +35,7 @@ from mpi4py import MPI
 from ..arrays import host_ops as host
 from ..errors import GflowError, MismatchError
 from ..runtime import stall, timeline
-from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
+from ..runtime.config import MAX_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import TAG_AGREE, CommContext
 from ..runtime.signature import CODE_COLLECTIVE, SIG_LEN, describe, difference
 from . import native, ring, shared_slots
@@ -72,15 +72,30 @@ PAIR_INLINE_BYTES = 2 * 1024 * 1024
 # From three ranks every rank reads every rank's payload from the slots: k payloads of n bytes, where
 # recursive doubling reads log2(k) of them. Measured against MPICH's Allreduce (bench/node_exchange.py,
 # bench/RESULTS.md "Every rank of one host through one window"): 1.3-1.6x at p = 4 and 64 KB, 0.6-0.8x
-# from 256 KB. So a slot holds payloads up to this many bytes over the ranks (128 KiB at p = 4: the
-# latency path's default limit); a larger one is reduced by the ring after the slots' agreement.
+# from 256 KB. So payloads up to this many bytes over the ranks (128 KiB at p = 4: the latency path's
+# default limit) are folded whole by every rank (node_fold_bytes); larger ones are reduced in the
+# slots as the node phase reduces (_scatter_gather: each rank folds its 1/k of every payload and posts
+# it, then copies out every rank's share), up to the slot's room; beyond it, by the ring after the
+# slots' agreement.
 NODE_READ_BYTES = 512 * 1024
+# A slot holds payloads up to this size from three ranks on: up to where "auto" takes the node phase
+# in a shared window (config.shared_memory_min_bytes' default), within SLOTS_MEMORY_BYTES for all of a
+# context's slots (two per rank), so from nine ranks on a slot holds less.
+NODE_SLOT_BYTES = 2 * 1024 * 1024
+SLOTS_MEMORY_BYTES = 32 * 1024 * 1024
 
 
 def slot_room(ranks: int) -> int:
     """The message a slot holds on a context of `ranks` (alike on every rank: no setting changes it)."""
-    inline = PAIR_INLINE_BYTES if ranks == 2 else NODE_READ_BYTES // ranks // 64 * 64
-    return HEADER_BYTES + inline
+    if ranks == 2:
+        return HEADER_BYTES + PAIR_INLINE_BYTES
+    return HEADER_BYTES + min(NODE_SLOT_BYTES, SLOTS_MEMORY_BYTES // (2 * ranks)) // 64 * 64
+
+
+def node_fold_bytes(ranks: int) -> int:
+    """The largest payload every rank of a context of `ranks` (three or more) on one host folds whole
+    from the slots; larger ones are reduced a share per rank (_scatter_gather)."""
+    return NODE_READ_BYTES // ranks // 64 * 64
 
 
 class _Step:
@@ -122,6 +137,9 @@ class _Plan:
         nbytes = count * np.dtype(dtype).itemsize if dtype is not None else 0
         inline = ctx.slots.room - HEADER_BYTES if ctx.slots else SEPARATE_PAYLOAD_BYTES - 1
         self.separate = nbytes > inline  # (through the slots from three ranks: reduced by the ring)
+        # (from three ranks on one host, a payload past node_fold_bytes: reduced a share per rank)
+        self.scattered = bool(ctx.slots) and ctx.size > 2 and nbytes > node_fold_bytes(ctx.size)
+        self.scattered = self.scattered and not self.separate
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[0], header[1], header[_SIG_A], header[_RANK_A] = _MAGIC, _OK, sig, ctx.rank
         header[_FOLLOWS] = nbytes if self.separate else 0
@@ -187,7 +205,8 @@ class _Plan:
         self.uses += 1
         if self.uses == 2 and native.usable(host):
             layout = (_RANK_A * 8, shared_slots.DATA_AT)
-            self.slots_step = native.SlotsStep(ctx, self.header, layout, op, self.acc.dtype)
+            bounds = ring.chunk_bounds(self.acc.size, ctx.size) if self.scattered else None
+            self.slots_step = native.SlotsStep(ctx, self.header, layout, op, self.acc.dtype, bounds)
         return self.slots_step
 
     def free(self) -> None:
@@ -237,6 +256,28 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     if ctx.slots is None:
         connect_slots(ctx)  # (before the plan: it sizes its messages by the slots)
     _exchange(ctx, plan_for(ctx, sig, capacity, src), src, dst, op)
+
+
+def reduce_in_slots(ctx: CommContext, sig: tuple, src, dst, op) -> bool:
+    """The start of a bandwidth-sized allreduce (algorithm "auto", host buffers, a context of three
+    ranks or more) of the flat `src` into `dst`: where the ranks share one host and the payload fits
+    a slot, the whole allreduce through the slots, its agreement riding with the payload (_node_step,
+    _scatter_gather): True. Otherwise the agreement alone (dispatch.agree's, where config.validate
+    asks for it): False, and the ring or the node phase follows. Alike on every rank: the slots are
+    set up (or refused) in a context's first exchange, before it, so a first call goes the way of
+    every later one."""
+    if not config.validate and not (ctx.slots and src.nbytes <= ctx.slots.room - HEADER_BYTES):
+        return False  # (no agreement asked for, and no exchange to make)
+    ctx.check_usable()
+    stall.entered(ctx, sig)
+    if ctx.slots is None:
+        connect_slots(ctx)
+    room = ctx.slots.room - HEADER_BYTES if ctx.slots else 0
+    if src.nbytes <= room:
+        _exchange(ctx, plan_for(ctx, sig, room, src), src, dst, op)
+        return True
+    _exchange(ctx, plan_for(ctx, sig, config.small_message_bytes, None), None, None, None)
+    return False
 
 
 def connect_slots(ctx: CommContext) -> None:
@@ -380,7 +421,10 @@ def _node_step(ctx: CommContext, plan: _Plan, src, dst, op, about, exchanged=Fal
     messages = slots.wait(ctx)
     n, same = len(plan.message), plan.header_same
     if all(len(m) == n and m[_SAME] == same and m[_TAIL] == _TAIL_NONE for m in messages):
-        if src is not None:
+        if plan.scattered:
+            own = src if src.flags.c_contiguous else plan.acc
+            scatter_gather(ctx, messages, own, dst, op)
+        elif src is not None:
             _fold_in_rank_order(dst, messages, plan.acc, op, [False] * len(messages))
         return
     headers = [np.frombuffer(m, np.int64, HEADER_WORDS) for m in messages]
@@ -394,7 +438,46 @@ def _node_step(ctx: CommContext, plan: _Plan, src, dst, op, about, exchanged=Fal
             src = plan.acc
         ring.allreduce(ctx, src, dst, host, op)
         return
-    _fold_in_rank_order(dst, messages, plan.acc, op, [h[1] == JOINED for h in headers])
+    zeros = [h[1] == JOINED for h in headers]
+    if plan.scattered:
+        own = src if src.flags.c_contiguous else plan.acc
+        scatter_gather(ctx, messages, own, dst, op, zeros)
+        return
+    _fold_in_rank_order(dst, messages, plan.acc, op, zeros)
+
+
+def scatter_gather(ctx: CommContext, messages, own, dst, op, zeros=None, like=None) -> None:
+    """_node_step's second half for a payload past node_fold_bytes, once every rank's message of its
+    exchange is in the slots (`messages`, in rank order): the node phase's reduce-scatter and
+    allgather in the slots. This rank folds its share of every rank's payload (the chunks of
+    ring.chunk_bounds: the ring's) in rank order, own's from own, into its slot of the next
+    exchange, posts it, and once every rank has, copies every share into dst. Per rank that is one
+    copy in, one read of the payload's size and one copy out, and two exchanges; where the ring
+    makes 2(k - 1) steps over MPI, each message copied twice. zeros[r]: rank r's payload counts as
+    zeros (a rank in join()); a rank in join() passes own and dst None, and `like` (an array of the
+    payload's dtype and size)."""
+    slots, rank = ctx.slots, ctx.rank
+    like = own if like is None else like
+    dtype, count = like.dtype, like.size
+    bounds = ring.chunk_bounds(count, ctx.size)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    operands = []
+    for r, message in enumerate(messages):
+        if zeros is not None and zeros[r]:
+            operands.append(np.zeros(hi - lo, dtype))
+        elif r == rank:
+            operands.append(own[lo:hi])
+        else:
+            operands.append(np.frombuffer(message, dtype, hi - lo, HEADER_BYTES + lo * dtype.itemsize))
+    share = np.frombuffer(slots.next_message(), dtype, hi - lo)
+    host.reduce(share, operands[0], operands[1], op)
+    for operand in operands[2:]:
+        host.reduce(share, share, operand, op)
+    slots.publish(share.nbytes)
+    shares = slots.wait(ctx)
+    if dst is not None:
+        for q, message in enumerate(shares):
+            dst[bounds[q] : bounds[q + 1]] = np.frombuffer(message, dtype, bounds[q + 1] - bounds[q])
 
 
 def _fold_in_rank_order(dst, messages, like, op, zeros) -> None:

@@ -67,14 +67,22 @@ class SharedSlots:
     def post(self, *parts) -> None:
         """Write this rank's next message (bytes-likes of bytes, one after another, at most the room
         together) and publish it."""
-        self.sequence += 1
-        k = self.sequence & 1
-        data, n = self._data[self.rank][k], 0
+        data, n = self.next_message(), 0
         for part in parts:
             m = len(part)
             data[n : n + m] = part
             n += m
-        words = self._words[self.rank][k]
+        self.publish(n)
+
+    def next_message(self) -> memoryview:
+        """This rank's slot of its next exchange (room bytes), for a message written in place before
+        publish(): the others read it no more once this rank has seen all of the current exchange."""
+        return self._data[self.rank][(self.sequence + 1) & 1]
+
+    def publish(self, n: int) -> None:
+        """Publish the n bytes written into next_message() as this rank's next message."""
+        self.sequence += 1
+        words = self._words[self.rank][self.sequence & 1]
         words[1] = n
         words[0] = self.sequence  # last: the others read nothing before they see this
 
