@@ -71,10 +71,13 @@ def test_a_lazy_step_and_an_allreduce_are_traced(tmp_path):
     threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     if WORLD.size > 1:
         assert {"MainThread", "gflow-engine"} <= threads
-        assert spans(events, "agreement") and spans(events, "wait")
-        assert spans(events, "lazy allreduce segment 0") and spans(events, "reduce-scatter")
-        # Every span lies inside the step's wall time, with a non-negative duration.
-        assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
+        assert spans(events, "lazy allreduce segment 0")
+    if WORLD.size == 2:  # (the ring, after its agreement)
+        assert spans(events, "agreement") and spans(events, "wait") and spans(events, "reduce-scatter")
+    if WORLD.size > 2:  # (one host: the fp16 call and the larger segment reduce in the slots)
+        assert len(spans(events, "shared slots")) == 2
+    # Every span lies inside the step's wall time, with a non-negative duration.
+    assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
     WORLD.barrier()
     if WORLD.rank == 0 and WORLD.size > 1:
         files = [os.path.join(folder, f"trace.{r}.json") for r in range(WORLD.size)]

@@ -68,7 +68,7 @@ def allreduce_flat(
             ops.divide(dst, ctx.size)
     else:
         if _may_reduce_in_slots(ctx, ops, chosen, staging, dst.nbytes):
-            with timeline.span("slots", bytes=dst.nbytes) if timeline.active() else timeline.OFF:
+            with timeline.span("shared slots", bytes=dst.nbytes) if timeline.active() else timeline.OFF:
                 done = reduce_in_slots(ctx, sig, src, dst, "sum" if name == "mean" else name)
             if done:
                 if name == "mean":

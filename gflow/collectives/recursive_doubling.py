@@ -407,7 +407,9 @@ def _node_step(ctx: CommContext, plan: _Plan, src, dst, op, about, exchanged=Fal
     slots = ctx.slots
     if not exchanged:
         contiguous = src is not None and src.flags.c_contiguous
-        compiled = plan.slots_compiled(ctx, op) if contiguous and not plan.separate else None
+        compiled = None  # (a timeline shows each wait: Python's exchange, as the ring's loop)
+        if contiguous and not plan.separate and not timeline.active():
+            compiled = plan.slots_compiled(ctx, op)
         if compiled is not None and dst.flags.c_contiguous and dst.flags.writeable and dst.flags.aligned:
             if native.slots_step(ctx, compiled, slots, src, dst) == native.DONE:
                 return
