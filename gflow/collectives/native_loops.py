@@ -8,7 +8,12 @@ the phases; then the state; then the chunk bounds), and the requests and statuse
 is a resumable state machine: the state holds (step, segment, in flight, phase) so that a visit that
 has polled POLLS_PER_VISIT times without progress can return _PENDING and the next visit goes on
 from there. `allreduce` runs the two phases in one call (one visit from Python instead of two:
-ring.allreduce's fixed cost). Handles and pointers travel as 64-bit integers (see native.py)."""
+ring.allreduce's fixed cost). Handles and pointers travel as 64-bit integers (see native.py).
+
+The file is long because every compiled loop lives here (the ring's phases, recursive doubling's
+steps, the exchanges through the shared slots): they share the external functions declared at the
+top, which resolve only once native.py has registered the library's entry points, so one module
+imported at that moment holds them all."""
 
 import numpy as np
 from numba import njit, types

@@ -14,10 +14,12 @@ copy cost more than the extra message (bench/RESULTS.md, "The cost of a call"). 
 many payload bytes follow it, and the receiver takes a second message only when its peer's header
 says so: ranks that disagree on the size (and so on how they send) still pair message for message.
 
-Used two ways:
+Used three ways:
 - with the data as payload, for messages up to small_message_bytes (16x that at two ranks:
   dispatch.latency_path_bytes): the check rides along for free;
-- header only, before the ring, for larger messages: log2(p) tiny messages.
+- header only, before the ring, for larger messages: log2(p) tiny messages;
+- from three ranks on one host, with the data as payload up to a slot's room, for "auto"'s larger
+  messages too (reduce_in_slots): the slots then reduce it a share per rank (scatter_gather).
 
 Schedule (p2 = largest power of two <= p, rem = p - p2): ranks below 2*rem pair up, the even one sends
 its buffer to the odd one and drops out; the p2 survivors exchange with rank ^ 2^k in round k; at the

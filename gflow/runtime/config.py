@@ -91,8 +91,9 @@ DEFAULT_BACKGROUND_POLL_US = 20
 BACKGROUND_POLL_BACKOFF = 64  # (the pause's doubling stops at this many times the first)
 # Under algorithm="auto", from these sizes up the hierarchical allreduce replaces the ring: on one node
 # (host arrays: the shared-memory node phase alone), and across nodes (bench/RESULTS.md, "Scale"). On
-# one node the compiled ring beats the node phase at p = 3 and 4 up to 1 MB (1.2-1.7x), and they are
-# even at 2 MB (bench/RESULTS.md, "Every rank of one host through the slots").
+# one node the compiled ring beat the node phase at p = 3 and 4 up to 1 MB (1.2-1.7x), and they were
+# even at 2 MB (bench/RESULTS.md, "Every rank of one host through the slots"); below it the ranks of
+# one host now reduce in the shared slots (collectives/recursive_doubling.reduce_in_slots).
 DEFAULT_SHARED_MEMORY_MIN_BYTES = 2 * 1024 * 1024
 DEFAULT_HIERARCHICAL_MIN_BYTES = 256 * 1024
 # The hierarchical allreduce moves larger messages in pieces of this size, which bounds its shared
