@@ -8,8 +8,11 @@ more, and the same exchange through a shared slot 2.4 us (bench/pair_exchange.py
 step: every rank posts [header | payload] in its slot, waits for every other rank's, and folds all
 payloads in rank order from where they lie, so every rank holds the same bits (bench/node_exchange.py:
 2.4-4.4x MPICH's Allreduce up to 16 KB; bench/RESULTS.md, "Every rank of one host through one window").
-recursive_doubling.py decides what a slot carries (slot_room) and what goes apart, and reads the
-slots; native_loops.slots_step is the same exchange in one compiled call.
+recursive_doubling.py decides what a slot carries (slot_room: from three ranks, payloads up to 2 MiB,
+which they reduce a share per rank in two exchanges past 512 KiB over the ranks) and what goes
+apart, and reads the slots; native_loops.slots_step and slots_scatter_step are the same exchanges in
+one compiled call. The slots of one context take two slots per rank of the host's memory: 8 MiB at
+p = 2, 16 MiB at p = 4, at most recursive_doubling.SLOTS_MEMORY_BYTES from there on.
 
 Every exchange of such a context goes this way (the latency path, the agreement before a bandwidth
 algorithm, join()'s), so ranks whose calls differ still meet message for message and raise.
