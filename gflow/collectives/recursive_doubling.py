@@ -76,7 +76,7 @@ PAIR_INLINE_BYTES = 2 * 1024 * 1024
 # bench/RESULTS.md "Every rank of one host through one window"): 1.3-1.6x at p = 4 and 64 KB, 0.6-0.8x
 # from 256 KB. So payloads up to this many bytes over the ranks (128 KiB at p = 4: the latency path's
 # default limit) are folded whole by every rank (node_fold_bytes); larger ones are reduced in the
-# slots as the node phase reduces (_scatter_gather: each rank folds its 1/k of every payload and posts
+# slots as the node phase reduces (scatter_gather: each rank folds its 1/k of every payload and posts
 # it, then copies out every rank's share), up to the slot's room; beyond it, by the ring after the
 # slots' agreement.
 NODE_READ_BYTES = 512 * 1024
@@ -96,7 +96,7 @@ def slot_room(ranks: int) -> int:
 
 def node_fold_bytes(ranks: int) -> int:
     """The largest payload every rank of a context of `ranks` (three or more) on one host folds whole
-    from the slots; larger ones are reduced a share per rank (_scatter_gather)."""
+    from the slots; larger ones are reduced a share per rank (scatter_gather)."""
     return NODE_READ_BYTES // ranks // 64 * 64
 
 
@@ -264,7 +264,7 @@ def reduce_in_slots(ctx: CommContext, sig: tuple, src, dst, op) -> bool:
     """The start of a bandwidth-sized allreduce (algorithm "auto", host buffers, a context of three
     ranks or more) of the flat `src` into `dst`: where the ranks share one host and the payload fits
     a slot, the whole allreduce through the slots, its agreement riding with the payload (_node_step,
-    _scatter_gather): True. Otherwise the agreement alone (dispatch.agree's, where config.validate
+    scatter_gather): True. Otherwise the agreement alone (dispatch.agree's, where config.validate
     asks for it): False, and the ring or the node phase follows. Alike on every rank: the slots are
     set up (or refused) in a context's first exchange, before it, so a first call goes the way of
     every later one."""
