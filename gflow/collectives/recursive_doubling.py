@@ -94,6 +94,13 @@ def slot_room(ranks: int) -> int:
     return HEADER_BYTES + min(NODE_SLOT_BYTES, SLOTS_MEMORY_BYTES // (2 * ranks)) // 64 * 64
 
 
+def slot_room_reserved(ranks: int) -> tuple:
+    """(slot_room, the bytes of it reserved when the slots are made: all that the latency path
+    writes, the header and a payload folded whole; shared_slots.connect)."""
+    room = slot_room(ranks)
+    return room, (room if ranks == 2 else HEADER_BYTES + node_fold_bytes(ranks))
+
+
 def node_fold_bytes(ranks: int) -> int:
     """The largest payload every rank of a context of `ranks` (three or more) on one host folds whole
     from the slots; larger ones are reduced a share per rank (scatter_gather)."""
@@ -290,7 +297,7 @@ def connect_slots(ctx: CommContext) -> None:
     must give the same bits on a context's first call as on every later one (a twin, a run resumed
     from a checkpoint)."""
     try:
-        slots = shared_slots.wanted(ctx) and shared_slots.connect(ctx, slot_room(ctx.size))
+        slots = shared_slots.wanted(ctx) and shared_slots.connect(ctx, *slot_room_reserved(ctx.size))
     except GflowError:  # (on every rank alike, or a peer has left)
         raise
     except BaseException:  # (Ctrl-C, a signal handler's exception: the set-up is out of step with

@@ -11,8 +11,9 @@ payloads in rank order from where they lie, so every rank holds the same bits (b
 recursive_doubling.py decides what a slot carries (slot_room: from three ranks, payloads up to 2 MiB,
 which they reduce a share per rank in two exchanges past 512 KiB over the ranks) and what goes
 apart, and reads the slots; native_loops.slots_step and slots_scatter_step are the same exchanges in
-one compiled call. The slots of one context take two slots per rank of the host's memory: 8 MiB at
-p = 2, 16 MiB at p = 4, at most recursive_doubling.SLOTS_MEMORY_BYTES from there on.
+one compiled call. The slots of one context span two slots per rank: 8 MiB at p = 2, 16 MiB at
+p = 4, at most recursive_doubling.SLOTS_MEMORY_BYTES from there on; of that, what the latency path
+writes is reserved when they are made (8 MiB at p = 2, 1 MiB at p = 4), the rest as it is written.
 
 Every exchange of such a context goes this way (the latency path, the agreement before a bandwidth
 algorithm, join()'s), so ranks whose calls differ still meet message for message and raise.
@@ -31,7 +32,8 @@ one host (a hash of its name and boot id, compared by an allreduce), so a commun
 allocates nothing. Rank 0 then makes an anonymous memory file (memfd_create) holding a random token
 and broadcasts its process id and descriptor; every other rank opens it through /proc, checks the
 token, and an allreduce combines the answers. No name is ever made, so nothing is left behind
-whichever rank dies when: the memory goes with the last mapping. It is reserved when it is made.
+whichever rank dies when: the memory goes with the last mapping. What the latency path writes
+is reserved when it is made (connect).
 Any rank saying no (GFLOW_SHARED_SLOTS=0, another host, no memfd or no room for it, /proc not open
 to it) keeps MPI for that context, on every rank.
 """
@@ -142,11 +144,16 @@ def _host_id() -> int:
     return int.from_bytes(digest, "little")
 
 
-def connect(ctx: CommContext, room: int):
+def connect(ctx: CommContext, room: int, reserved: int):
     """SharedSlots for ctx's ranks, each slot with room for a message of `room` bytes, or None where
-    any rank cannot or will not (every rank returns alike). Collective over ctx: every rank calls it
-    at the same point of its calls, with the same room."""
-    comm, size = ctx.comm, 2 * ctx.size * _stride(room)
+    any rank cannot or will not (every rank returns alike). The first `reserved` bytes of each slot's
+    message are reserved now (the latency path's: ENOSPC here, not SIGBUS on a write later); the
+    rest takes the kernel's pages as it is first written, as any array does, so that a context whose
+    calls are small holds little (two MiB-sized slots per rank of every communicator, reserved, took
+    16 MiB each at p = 4). Collective over ctx: every rank calls it at the same point of its calls,
+    with the same room."""
+    comm, stride = ctx.comm, _stride(room)
+    size = 2 * ctx.size * stride
     willing = bool(config.shared_slots) and hasattr(os, "memfd_create")
     host = _host_id()
     # [willing, host, -host] at their minimum: all willing, and all on one host where host == --host
@@ -160,7 +167,10 @@ def connect(ctx: CommContext, room: int):
         if ctx.rank == 0:
             try:
                 fd = os.memfd_create("gflow-slots")
-                os.posix_fallocate(fd, 0, size + 8)  # (ENOSPC here, not SIGBUS on a write later)
+                os.ftruncate(fd, size + 8)
+                for start in range(0, size, stride):
+                    os.posix_fallocate(fd, start, min(stride, DATA_AT + reserved))
+                os.posix_fallocate(fd, size, 8)
                 mapping = mmap.mmap(fd, size + 8)
                 token = secrets.randbits(62)
                 np.frombuffer(mapping, np.int64, count=1, offset=size)[0] = token
