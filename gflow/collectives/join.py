@@ -195,7 +195,7 @@ def _node_exchange(ctx: CommContext, mine):
         return verdict, False
     if count * dtype.itemsize > node_fold_bytes(ctx.size):  # (within it, every rank folded every payload)
         joined = [h[1] == JOINED for h in headers]
-        scatter_gather(ctx, messages, None, None, op, joined, like=np.empty(count, dtype))
+        scatter_gather(ctx, messages, dtype, count, None, None, op, joined)
     return verdict, True
 
 

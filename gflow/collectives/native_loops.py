@@ -379,6 +379,17 @@ def _wait_for(words, sequence, budget, sleep_us):
 
 
 @njit(inline="always")
+def _all_posted(slots, sequence, ints):
+    """Whether every other rank has posted its message of exchange `sequence`, polled as _wait_for
+    polls, within the visit's budget."""
+    rank, k, budget, sleep_us = ints[SLOT_RANK], sequence & 1, ints[SLOT_BUDGET], ints[SLOT_SLEEP]
+    for r in range(slots.shape[0]):
+        if r != rank and _wait_for(slots[r, k, :16].view(np.int64), sequence, budget, sleep_us) != 0:
+            return False
+    return True
+
+
+@njit(inline="always")
 def _slots_arrive(src, slots, ints):
     """Post this rank's [header | src] in its slot of exchange ints[SLOT_SEQUENCE] (unless
     ints[SLOT_POST] is 0: posted by an earlier visit) and wait for every other rank's: _DONE when
@@ -396,10 +407,8 @@ def _slots_arrive(src, slots, ints):
         words = mine[:16].view(np.int64)
         words[1] = n
         _store_release(words, sequence)
-    budget, sleep_us = ints[SLOT_BUDGET], ints[SLOT_SLEEP]
-    for r in range(ranks):
-        if r != rank and _wait_for(slots[r, k, :16].view(np.int64), sequence, budget, sleep_us) != 0:
-            return _PENDING
+    if not _all_posted(slots, sequence, ints):
+        return _PENDING
     rank_a = ints[SLOT_RANK_A]
     for r in range(ranks):
         if r == rank:
@@ -466,10 +475,9 @@ def slots_scatter_step(src, dst, slots, ints, bounds):
         _store_release(words, sequence + 1)
         ints[SLOT_SEQUENCE], ints[SLOT_STAGE] = sequence + 1, 1
     sequence = ints[SLOT_SEQUENCE]
-    k, budget, sleep_us = sequence & 1, ints[SLOT_BUDGET], ints[SLOT_SLEEP]
-    for r in range(ranks):
-        if r != rank and _wait_for(slots[r, k, :16].view(np.int64), sequence, budget, sleep_us) != 0:
-            return _PENDING
+    if not _all_posted(slots, sequence, ints):
+        return _PENDING
+    k = sequence & 1
     for q in range(ranks):
         size = (bounds[q + 1] - bounds[q]) * itemsize
         memcpy(dst.ctypes.data + bounds[q] * itemsize, slots[q, k].ctypes.data + at, size)

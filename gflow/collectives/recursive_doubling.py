@@ -147,8 +147,7 @@ class _Plan:
         inline = ctx.slots.room - HEADER_BYTES if ctx.slots else SEPARATE_PAYLOAD_BYTES - 1
         self.separate = nbytes > inline  # (through the slots from three ranks: reduced by the ring)
         # (from three ranks on one host, a payload past node_fold_bytes: reduced a share per rank)
-        self.scattered = bool(ctx.slots) and ctx.size > 2 and nbytes > node_fold_bytes(ctx.size)
-        self.scattered = self.scattered and not self.separate
+        self.scattered = bool(ctx.slots) and ctx.size > 2 and node_fold_bytes(ctx.size) < nbytes <= inline
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[0], header[1], header[_SIG_A], header[_RANK_A] = _MAGIC, _OK, sig, ctx.rank
         header[_FOLLOWS] = nbytes if self.separate else 0
@@ -258,13 +257,18 @@ def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=No
     """
     if src is not None and src.nbytes > capacity:
         raise ValueError(f"payload of {src.nbytes} bytes exceeds the agreement capacity of {capacity} bytes")
+    _begin(ctx, sig)
+    _exchange(ctx, plan_for(ctx, sig, capacity, src), src, dst, op)
+
+
+def _begin(ctx: CommContext, sig: tuple) -> None:
+    """What every agreement does before its plan and exchange."""
     # Every collective agrees first: none may start where an earlier one left its messages posted
     # (crossed waits), which a peer's next collective would otherwise take for its own.
     ctx.check_usable()
     stall.entered(ctx, sig)  # (before the plan: making it may wait for the context's duplicates)
     if ctx.slots is None:
         connect_slots(ctx)  # (before the plan: it sizes its messages by the slots)
-    _exchange(ctx, plan_for(ctx, sig, capacity, src), src, dst, op)
 
 
 def reduce_in_slots(ctx: CommContext, sig: tuple, src, dst, op) -> bool:
@@ -277,10 +281,7 @@ def reduce_in_slots(ctx: CommContext, sig: tuple, src, dst, op) -> bool:
     every later one."""
     if not config.validate and not (ctx.slots and src.nbytes <= ctx.slots.room - HEADER_BYTES):
         return False  # (no agreement asked for, and no exchange to make)
-    ctx.check_usable()
-    stall.entered(ctx, sig)
-    if ctx.slots is None:
-        connect_slots(ctx)
+    _begin(ctx, sig)
     room = ctx.slots.room - HEADER_BYTES if ctx.slots else 0
     if src.nbytes <= room:
         _exchange(ctx, plan_for(ctx, sig, room, src), src, dst, op)
@@ -434,7 +435,7 @@ def _node_step(ctx: CommContext, plan: _Plan, src, dst, op, about, exchanged=Fal
     if all(len(m) == n and m[_SAME] == same and m[_TAIL] == _TAIL_NONE for m in messages):
         if plan.scattered:
             own = src if src.flags.c_contiguous else plan.acc
-            scatter_gather(ctx, messages, own, dst, op)
+            scatter_gather(ctx, messages, own.dtype, own.size, own, dst, op)
         elif src is not None:
             _fold_in_rank_order(dst, messages, plan.acc, op, [False] * len(messages))
         return
@@ -452,24 +453,22 @@ def _node_step(ctx: CommContext, plan: _Plan, src, dst, op, about, exchanged=Fal
     zeros = [h[1] == JOINED for h in headers]
     if plan.scattered:
         own = src if src.flags.c_contiguous else plan.acc
-        scatter_gather(ctx, messages, own, dst, op, zeros)
+        scatter_gather(ctx, messages, own.dtype, own.size, own, dst, op, zeros)
         return
     _fold_in_rank_order(dst, messages, plan.acc, op, zeros)
 
 
-def scatter_gather(ctx: CommContext, messages, own, dst, op, zeros=None, like=None) -> None:
+def scatter_gather(ctx: CommContext, messages, dtype, count: int, own, dst, op, zeros=None) -> None:
     """_node_step's second half for a payload past node_fold_bytes, once every rank's message of its
     exchange is in the slots (`messages`, in rank order): the node phase's reduce-scatter and
     allgather in the slots. This rank folds its share of every rank's payload (the chunks of
     ring.chunk_bounds: the ring's) in rank order, own's from own, into its slot of the next
     exchange, posts it, and once every rank has, copies every share into dst. Per rank that is one
     copy in, one read of the payload's size and one copy out, and two exchanges; where the ring
-    makes 2(k - 1) steps over MPI, each message copied twice. zeros[r]: rank r's payload counts as
-    zeros (a rank in join()); a rank in join() passes own and dst None, and `like` (an array of the
-    payload's dtype and size)."""
+    makes 2(k - 1) steps over MPI, each message copied twice. The payloads are `count` elements of
+    `dtype`; zeros[r]: rank r's payload counts as zeros (a rank in join(), which passes own and dst
+    None)."""
     slots, rank = ctx.slots, ctx.rank
-    like = own if like is None else like
-    dtype, count = like.dtype, like.size
     bounds = ring.chunk_bounds(count, ctx.size)
     lo, hi = bounds[rank], bounds[rank + 1]
     operands = []
