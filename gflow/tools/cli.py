@@ -143,6 +143,17 @@ def calibrate_command(args) -> int:
     cal = model.calibrate(
         progress=(lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     )
+    if args.device:  # on rank 0's GPU alone (ranks that share it would measure each other)
+        terms = model.device_terms() if rank == 0 else None
+        terms = MPI.COMM_WORLD.bcast(terms, root=0)
+        cal.launch, cal.pcie, cal.device = terms["launch"], terms["pcie"], terms["device"]
+        cal.source += f"; device terms on {cal.device}"
+        if rank == 0:
+            print(
+                f"device {cal.device}: a kernel launch and its stream sync {cal.launch * 1e6:.1f} us; "
+                f"pinned copies {1 / cal.pcie / 1e9:.1f} GB/s each way",
+                flush=True,
+            )
     if rank == 0:
         cal.save(args.out)
         if args.install:
@@ -314,6 +325,12 @@ def main(argv=None) -> int:
     c.add_argument("--out", default="gflow-calibration.json", help="the JSON file to write")
     c.add_argument(
         "--install", action="store_true", help="also make it the default calibration of `gflow model`"
+    )
+    c.add_argument(
+        "--device",
+        action="store_true",
+        help="also measure the device terms on rank 0's GPU: a kernel launch with its stream sync, and "
+        "pinned copies between host and device (without it, the model assumes them)",
     )
     m = sub.add_parser("model", help="predict allreduce and step times at scale from a calibration")
     m.add_argument("--ranks", type=int, required=True)

@@ -55,6 +55,7 @@ against bench/RESULTS.md.)
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -108,6 +109,8 @@ class Calibration:
     transport: str | None = None
     pcie: float = 1 / 12e9
     launch: float = 10e-6
+    # The GPU `calibrate --device` measured launch and pcie on; None: both are assumed (the values above).
+    device: str | None = None
 
     @classmethod
     def load(cls, path: str | None = None) -> "Calibration":
@@ -129,6 +132,7 @@ class Calibration:
             raise ValueError(f"calibration {path}: expected a JSON object of constants")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         optional = {"source", "uncrowded", "ring_scale_large", "py_call", "transport", "pcie", "launch"}
+        optional |= {"device"}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(
@@ -542,6 +546,51 @@ def calibrate(comm=None, progress=print) -> Calibration:
     return cal
 
 
+def device_terms(reps: int = 200) -> dict:
+    """The device terms of a calibration, measured on this process's GPU: `launch`, one small kernel
+    launched from Python and the stream sync after it (what a ring step or a node-phase kernel pays
+    beyond its bytes), and `pcie`, seconds per byte of a pinned copy between host and device (the
+    mean of the two directions, 16 MiB each). Each is the median of REPEATS timed batches."""
+    from numba import cuda
+
+    from ..cuda import ops as dev
+
+    rng = np.random.default_rng(0)
+    a, b = (cuda.to_device(rng.random(256, dtype=np.float32)) for _ in range(2))
+    out = cuda.device_array(256, np.float32)
+
+    def launch():
+        dev.reduce(out, a, b, "sum")
+        dev.fence()
+
+    nbytes = 16 * 2**20
+    host = cuda.pinned_array(nbytes, np.uint8)
+    host[:] = rng.integers(0, 255, nbytes, dtype=np.uint8)
+    device = cuda.device_array(nbytes, np.uint8)
+
+    def both_ways():
+        device.copy_to_device(host)
+        device.copy_to_host(host)
+        cuda.synchronize()
+
+    def per_call(fn, count: int) -> float:
+        fn()
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            for _ in range(count):
+                fn()
+            times.append((time.perf_counter() - start) / count)
+        return float(np.median(times))
+
+    name = getattr(cuda.get_current_device(), "name", "Numba's CUDA simulator")
+    return {
+        "launch": per_call(launch, reps),
+        "pcie": per_call(both_ways, max(1, reps // 20)) / (2 * nbytes),
+        "device": name.decode() if isinstance(name, bytes) else str(name),
+    }
+
+
 def _step_costs(comm, alpha: float) -> tuple:
     """(py_step, py_call, rd_step) on comm, as measured (collective): tiny ring allreduces of one
     element per segment, with 1 and with 33 segments per chunk (their difference over the 32 more
@@ -646,7 +695,9 @@ def cluster(
     if gpu:
         cal.copy, cal.gamma, cal.codec, cal.csc = (GPU_NODE[k] for k in ("copy", "gamma", "codec", "csc"))
         cal.beta_intra, cal.alpha_intra = 1 / GPU_NODE["intra_Bps"], 5e-6
-        cal.transport, cal.pcie = transport, 1 / GPU_NODE["pcie_Bps"]
+        cal.transport = transport
+        if not base.device:  # (measured by `calibrate --device`: kept)
+            cal.pcie = 1 / GPU_NODE["pcie_Bps"]
         if cal.uncrowded:  # (the node's latency is the cluster's now, not the calibrating CPU's)
             cal.uncrowded = {k: v for k, v in cal.uncrowded.items() if k != "alpha_intra"}
     cal.source = f"{base.source}; cluster: {link_bits / 1e9:g} Gbit/s, {latency_s * 1e6:g} us between nodes"
