@@ -10,6 +10,7 @@ to bench/out/gpu_check.json.
 """
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -31,26 +32,208 @@ def parse_bytes(text: str) -> int:
 
 def timed_gpu(fn, reps: int) -> float:
     """Median seconds of fn() with the device synchronized around each run."""
+    return timed_round_robin([fn], reps, events=False)[0][0]
+
+
+_SPIN = None
+
+
+def _spin_kernel():
+    """A one-thread kernel that keeps the default stream busy for about a millisecond, so that the
+    launches queued behind it (and their events) run back to back: the event interval is then the
+    kernel's own time, not Python's launch overhead."""
+    global _SPIN
+    if _SPIN is None:
+        from numba import cuda
+
+        @cuda.jit
+        def spin(x, n):
+            acc = x[0]
+            for _ in range(n):
+                acc = acc * 0.999 + 1.0
+            x[0] = acc
+
+        _SPIN = spin, cuda.to_device(np.zeros(1, np.float32))
+    return _SPIN
+
+
+def timed_round_robin(fns, reps: int, events: bool = True):
+    """For each fn: (median seconds by the host timer with the device synchronized around each call,
+    median seconds between CUDA events recorded around the call queued behind a busy kernel or None).
+    The fns take turns, rep by rep, so a before/after pair sees the same device state."""
     from numba import cuda
 
-    fn()
-    cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        cuda.synchronize()
-        t = time.perf_counter()
+    from gflow.cuda.memory import SIMULATED
+
+    spin, spin_x = _spin_kernel()
+    spin_n = 1 if SIMULATED else 500_000
+    for fn in fns:
         fn()
-        cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    cuda.synchronize()
+    host = [[] for _ in fns]
+    event = [[] for _ in fns]
+    for _ in range(reps):
+        for k, fn in enumerate(fns):
+            cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            cuda.synchronize()
+            host[k].append(time.perf_counter() - t)
+            if events:
+                start, stop = cuda.event(), cuda.event()
+                spin[1, 1](spin_x, spin_n)
+                start.record()
+                fn()
+                stop.record()
+                stop.synchronize()
+                event[k].append(start.elapsed_time(stop) / 1e3)
+    return [
+        (float(np.median(h)), float(np.median(e)) if events and min(e) > 0 else None)
+        for h, e in zip(host, event, strict=True)
+    ]
 
 
-def kernel_rows(nbytes: int, reps: int, check_elems: int):
-    """(name, correct, GB/s, bytes moved) for each kernel, plus the copy bandwidth."""
+# The kernels before issue 26's rework (the [before] contenders); module level, where the simulator
+# finds `cuda` to replace.
+from numba import cuda, float32, uint16  # noqa: E402
+
+from gflow.cuda.kernels import _from_bf16, _to_bf16  # noqa: E402
+
+
+@cuda.jit
+def _old_cast_scaled(dst, src, scale, limit, flag):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < dst.size:
+        v = src[i] * scale
+        if not abs(v) <= limit:
+            flag[0] = 1
+        dst[i] = v
+        i += stride
+
+
+@cuda.jit
+def _old_encode_bf16(dst, src, scale, flag):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < dst.size:
+        h = _to_bf16(float32(src[i]) * scale)
+        if (h & uint16(0x7F80)) == uint16(0x7F80):
+            flag[0] = 1
+        dst[i] = h
+        i += stride
+
+
+@cuda.jit
+def _old_decode_bf16(dst, src, scale, flag):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < dst.size:
+        v = _from_bf16(src[i]) * scale
+        if not abs(v) < math.inf:
+            flag[0] = 1
+        dst[i] = v
+        i += stride
+
+
+@cuda.jit
+def _old_pack(dst, src, ids, chunk):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < dst.size:
+        s = ids[i // chunk] * chunk + i % chunk
+        if s < src.size:
+            dst[i] = src[s]
+        i += stride
+
+
+@cuda.jit
+def _old_scatter_add(dst, packed, ids, chunk):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < packed.size:
+        d = ids[i // chunk] * chunk + i % chunk
+        if d < dst.size:
+            dst[d] += packed[i]
+        i += stride
+
+
+@cuda.jit
+def _old_zero_chunks(x, ids, chunk):
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < ids.size * chunk:
+        d = ids[i // chunk] * chunk + i % chunk
+        if d < x.size:
+            x[d] = 0
+        i += stride
+
+
+def _before():
+    """The kernels and ops as they were before issue 26's rework (the 'before' contenders): a fresh
+    flag array per cast, per-element 64-bit division in the chunk kernels, one element per thread."""
+    from types import SimpleNamespace
+
     from numba import cuda
 
     from gflow.cuda import ops as dev
 
+    cast_scaled_k, encode_bf16, decode_bf16 = _old_cast_scaled, _old_encode_bf16, _old_decode_bf16
+    pack_k, scatter_add_k, zero_chunks_k = _old_pack, _old_scatter_add, _old_zero_chunks
+    bits = np.dtype(np.uint16)
+
+    def cast_scaled(dst, src, scale):
+        flag = cuda.to_device(np.zeros(1, dtype=np.int32))
+        if dst.size:
+            blocks, threads = dev._grid(dst.size)
+            if dst.dtype == bits and src.dtype != bits:
+                encode_bf16[blocks, threads](dst, src, np.float32(scale), flag)
+            elif src.dtype == bits and dst.dtype != bits:
+                decode_bf16[blocks, threads](dst, src, np.float32(scale), flag)
+            elif dst.dtype == bits:
+                wide = cuda.device_array(src.size, np.float32)
+                decode_bf16[blocks, threads](wide, src, np.float32(scale), flag)
+                encode_bf16[blocks, threads](dst, wide, np.float32(1.0), flag)
+            else:
+                limit = float(np.finfo(dst.dtype).max)
+                cast_scaled_k[blocks, threads](dst, src, np.float32(scale), limit, flag)
+        return bool(flag.copy_to_host()[0])
+
+    def chunked(kernel, count):
+        def launch(a, b, ids, chunk):
+            if count(a, b, ids, chunk):
+                blocks, threads = dev._grid(count(a, b, ids, chunk))
+                kernel[blocks, threads](a, b, ids, chunk)
+
+        return launch
+
+    def zero_chunks(x, ids, chunk):
+        if ids.size:
+            blocks, threads = dev._grid(ids.size * chunk)
+            zero_chunks_k[blocks, threads](x, ids, chunk)
+
+    return SimpleNamespace(
+        cast_scaled=cast_scaled,
+        cast_scaled_k=cast_scaled_k,
+        encode_bf16=encode_bf16,
+        decode_bf16=decode_bf16,
+        pack=chunked(pack_k, lambda dst, src, ids, chunk: dst.size),
+        scatter_add=chunked(scatter_add_k, lambda dst, packed, ids, chunk: packed.size),
+        zero_chunks=zero_chunks,
+        pack_k=pack_k,
+        scatter_add_k=scatter_add_k,
+        zero_chunks_k=zero_chunks_k,
+    )
+
+
+BEFORE = " [before]"
+
+
+def kernel_rows(nbytes: int, reps: int, check_elems: int):
+    """Per kernel: name, correct, GB/s and share of the copy bandwidth by the host timer (the whole
+    call: GBps, of_copy) and by CUDA events around the kernel alone (kernel_GBps, kernel_of_copy);
+    plus the copy bandwidth (host timer, and events). Rows marked [before] are the pre-rework
+    versions, timed alternately with the new ones."""
+    from numba import cuda
+
+    from gflow.cuda import kernels
+    from gflow.cuda import ops as dev
+
+    old = _before()
     n = nbytes // 4
     rng = np.random.default_rng(0)
     a32 = cuda.to_device(rng.standard_normal(n, dtype=np.float32))
@@ -60,48 +243,177 @@ def kernel_rows(nbytes: int, reps: int, check_elems: int):
     bf_a, bf_b, out_bf = (cuda.device_array(n, np.uint16) for _ in range(3))  # bfloat16 as its bits
     dev.cast_scaled(bf_a, a32, 1.0)
     dev.cast_scaled(bf_b, b32, 1.0)
+    dev.cast_scaled(out16, a32, 0.5)
     chunk = 1024
     nchunks = (n + chunk - 1) // chunk
     ids = np.sort(rng.choice(nchunks, size=max(1, nchunks // 10), replace=False)).astype(np.int64)
     d_ids = cuda.to_device(ids)
     packed = cuda.device_array(ids.size * chunk, np.float32)
+    dev.pack(packed, a32, d_ids, chunk)
     norms = cuda.device_array(nchunks, np.float32)
+    flag = dev._flag()
+    old_flag = cuda.to_device(np.zeros(1, np.int32))
+    g = dev._grid(n)
+    cg = dev._chunk_grid(ids.size, chunk)
+    gp = dev._grid(packed.size)
+    s_half, s_two = np.float32(0.5), np.float32(2.0)
+    wide = cuda.device_array(n, np.float32)
 
-    copy_s = timed_gpu(lambda: out32.copy_to_device(a32), reps)
-    copy_bw = 2 * 4 * n / copy_s
-    cases = [
-        ("copy (kernel)", lambda: dev.copy(out32, a32), 8 * n),
-        ("reduce sum f32", lambda: dev.reduce(out32, a32, b32, "sum"), 12 * n),
-        ("reduce max f32", lambda: dev.reduce(out32, a32, b32, "max"), 12 * n),
-        ("divide f32", lambda: dev.divide(out32, 3), 8 * n),
-        ("cast f32->f16 x scale", lambda: dev.cast_scaled(out16, a32, 0.5), 6 * n),
-        ("cast f16->f32 x scale", lambda: dev.cast_scaled(out32, out16, 2.0), 6 * n),
-        ("reduce sum bf16", lambda: dev.reduce(out_bf, bf_a, bf_b, "sum"), 6 * n),
-        ("reduce sum bf16 in place", lambda: dev.reduce(bf_a, bf_a, bf_b, "sum"), 6 * n),
-        ("cast f32->bf16 x scale", lambda: dev.cast_scaled(out_bf, a32, 0.5), 6 * n),
-        ("cast bf16->f32 x scale", lambda: dev.cast_scaled(out32, bf_b, 2.0), 6 * n),
-        ("divide bf16", lambda: dev.divide(out_bf, 3), 4 * n),
-        ("chunk L1 norms f32", lambda: dev.chunk_norms(a32, chunk, out=norms), 4 * n + 4 * nchunks),
-        ("pack 10% of chunks", lambda: dev.pack(packed, a32, d_ids, chunk), 8 * packed.size),
-        ("scatter-add 10% of chunks", lambda: dev.scatter_add(out32, packed, d_ids, chunk), 12 * packed.size),
+    def old_bf_bf_kernels():
+        old.decode_bf16[g](wide, bf_b, s_half, old_flag)
+        old.encode_bf16[g](out_bf, wide, np.float32(1.0), old_flag)
+
+    copy_host, copy_event = timed_round_robin([lambda: out32.copy_to_device(a32)], reps)[0]
+    copy_bw = 2 * 4 * n / copy_host
+    copy_bw_event = 2 * 4 * n / copy_event if copy_event else None
+    # (name, the ops call, the kernel(s) alone, bytes moved); a list of two is a new/before pair.
+    groups = [
+        [("copy (kernel)", lambda: dev.copy(out32, a32), lambda: kernels.copy[g](out32, a32), 8 * n)],
+        [("reduce sum f32", lambda: dev.reduce(out32, a32, b32, "sum"), None, 12 * n)],
+        [("reduce max f32", lambda: dev.reduce(out32, a32, b32, "max"), None, 12 * n)],
+        [("divide f32", lambda: dev.divide(out32, 3), None, 8 * n)],
+        [
+            (
+                "cast f32->f16 x scale",
+                lambda: dev.cast_scaled(out16, a32, 0.5),
+                lambda: kernels.encode_f16[g](out16, a32, s_half, flag),
+                6 * n,
+            ),
+            (
+                "cast f32->f16 x scale" + BEFORE,
+                lambda: old.cast_scaled(out16, a32, 0.5),
+                lambda: old.cast_scaled_k[g](out16, a32, s_half, 65504.0, old_flag),
+                6 * n,
+            ),
+        ],
+        [
+            (
+                "cast f16->f32 x scale",
+                lambda: dev.cast_scaled(out32, out16, 2.0),
+                lambda: kernels.decode_f16[g](out32, out16, s_two, flag),
+                6 * n,
+            ),
+            (
+                "cast f16->f32 x scale" + BEFORE,
+                lambda: old.cast_scaled(out32, out16, 2.0),
+                lambda: old.cast_scaled_k[g](out32, out16, s_two, float(np.finfo(np.float32).max), old_flag),
+                6 * n,
+            ),
+        ],
+        [("reduce sum bf16", lambda: dev.reduce(out_bf, bf_a, bf_b, "sum"), None, 6 * n)],
+        [("reduce sum bf16 in place", lambda: dev.reduce(bf_a, bf_a, bf_b, "sum"), None, 6 * n)],
+        [
+            (
+                "cast f32->bf16 x scale",
+                lambda: dev.cast_scaled(out_bf, a32, 0.5),
+                lambda: kernels.encode_bf16[g](out_bf, a32, s_half, flag),
+                6 * n,
+            ),
+            (
+                "cast f32->bf16 x scale" + BEFORE,
+                lambda: old.cast_scaled(out_bf, a32, 0.5),
+                lambda: old.encode_bf16[g](out_bf, a32, s_half, old_flag),
+                6 * n,
+            ),
+        ],
+        [
+            (
+                "cast bf16->f32 x scale",
+                lambda: dev.cast_scaled(out32, bf_b, 2.0),
+                lambda: kernels.decode_bf16[g](out32, bf_b, s_two, flag),
+                6 * n,
+            ),
+            (
+                "cast bf16->f32 x scale" + BEFORE,
+                lambda: old.cast_scaled(out32, bf_b, 2.0),
+                lambda: old.decode_bf16[g](out32, bf_b, s_two, old_flag),
+                6 * n,
+            ),
+        ],
+        [
+            (
+                "cast bf16->bf16 x scale",
+                lambda: dev.cast_scaled(out_bf, bf_b, 0.5),
+                lambda: kernels.rescale_bf16[g](out_bf, bf_b, s_half, flag),
+                4 * n,
+            ),
+            (
+                "cast bf16->bf16 x scale" + BEFORE,
+                lambda: old.cast_scaled(out_bf, bf_b, 0.5),
+                old_bf_bf_kernels,
+                4 * n,
+            ),
+        ],
+        [("divide bf16", lambda: dev.divide(out_bf, 3), None, 4 * n)],
+        [("chunk L1 norms f32", lambda: dev.chunk_norms(a32, chunk, out=norms), None, 4 * n + 4 * nchunks)],
+        [
+            (
+                "pack 10% of chunks",
+                lambda: dev.pack(packed, a32, d_ids, chunk),
+                lambda: kernels.pack[cg](packed, a32, d_ids, chunk),
+                8 * packed.size,
+            ),
+            (
+                "pack 10% of chunks" + BEFORE,
+                lambda: old.pack(packed, a32, d_ids, chunk),
+                lambda: old.pack_k[gp](packed, a32, d_ids, chunk),
+                8 * packed.size,
+            ),
+        ],
+        [
+            (
+                "scatter-add 10% of chunks",
+                lambda: dev.scatter_add(out32, packed, d_ids, chunk),
+                lambda: kernels.scatter_add[cg](out32, packed, d_ids, chunk),
+                12 * packed.size,
+            ),
+            (
+                "scatter-add 10% of chunks" + BEFORE,
+                lambda: old.scatter_add(out32, packed, d_ids, chunk),
+                lambda: old.scatter_add_k[gp](out32, packed, d_ids, chunk),
+                12 * packed.size,
+            ),
+        ],
+        [
+            (
+                "zero 10% of chunks",
+                lambda: dev.zero_chunks(out32, d_ids, chunk),
+                lambda: kernels.zero_chunks[cg](out32, d_ids, chunk),
+                4 * packed.size,
+            ),
+            (
+                "zero 10% of chunks" + BEFORE,
+                lambda: old.zero_chunks(out32, d_ids, chunk),
+                lambda: old.zero_chunks_k[gp](out32, d_ids, chunk),
+                4 * packed.size,
+            ),
+        ],
     ]
     rows = []
-    for name, fn, moved in cases:
-        seconds = timed_gpu(fn, reps)
-        rows.append({"kernel": name, "GBps": moved / seconds / 1e9, "of_copy": moved / seconds / copy_bw})
-    correctness = check_kernels(check_elems)
+    for group in groups:
+        calls = timed_round_robin([fn for _, fn, _, _ in group], reps, events=False)
+        alone = timed_round_robin([kern or fn for _, fn, kern, _ in group], reps)
+        for (name, _, _, moved), (seconds, _), (_, kernel_s) in zip(group, calls, alone, strict=True):
+            row = {"kernel": name, "GBps": moved / seconds / 1e9, "of_copy": moved / seconds / copy_bw}
+            row["kernel_GBps"] = moved / kernel_s / 1e9 if kernel_s else None
+            row["kernel_of_copy"] = moved / kernel_s / copy_bw_event if kernel_s and copy_bw_event else None
+            rows.append(row)
+    correctness = check_kernels(check_elems, dev)
+    correctness.update({k + BEFORE: v for k, v in check_kernels(check_elems, old).items()})
     for row in rows:
-        row["correct"] = correctness[row["kernel"]]
-    return rows, copy_bw
+        row["correct"] = correctness.get(row["kernel"], correctness.get(row["kernel"].replace(BEFORE, "")))
+    return rows, copy_bw, copy_bw_event
 
 
-def check_kernels(n: int) -> dict:
-    """Each kernel against its host twin on random data, outputs poisoned first."""
+def check_kernels(n: int, impl=None) -> dict:
+    """Each kernel against its host twin on random data, outputs poisoned first. impl: the module
+    (or _before()'s namespace) whose cast_scaled, pack, scatter_add and zero_chunks are checked."""
     from numba import cuda
 
     from gflow.arrays import host_ops as host
     from gflow.cuda import ops as dev
 
+    impl = impl or dev
     rng = np.random.default_rng(1)
     a = rng.standard_normal(n, dtype=np.float32) * 3
     b = rng.standard_normal(n, dtype=np.float32) * 3
@@ -129,10 +441,10 @@ def check_kernels(n: int) -> dict:
     host.divide(e, 3)
     ok["divide f32"] = same(o, e)
     o16, e16 = poisoned(n, np.float16), np.empty(n, np.float16)
-    flags = dev.cast_scaled(o16, d_a, 0.5), host.cast_scaled(e16, a, 0.5)
+    flags = impl.cast_scaled(o16, d_a, 0.5), host.cast_scaled(e16, a, 0.5)
     ok["cast f32->f16 x scale"] = same(o16, e16) and flags[0] == flags[1]
     o, e = poisoned(n, np.float32), np.empty(n, np.float32)
-    flags = dev.cast_scaled(o, cuda.to_device(e16), 2.0), host.cast_scaled(e, e16, 2.0)
+    flags = impl.cast_scaled(o, cuda.to_device(e16), 2.0), host.cast_scaled(e, e16, 2.0)
     ok["cast f16->f32 x scale"] = same(o, e) and flags[0] == flags[1]
     # bfloat16: uint16 bits on the device, ml_dtypes.bfloat16 on the host; bit-identical twins
     a_bf, b_bf = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
@@ -144,10 +456,13 @@ def check_kernels(n: int) -> dict:
     dev.reduce(d_abf, d_abf, d_bbf, "sum")
     ok["reduce sum bf16 in place"] = same(d_abf, e.view(np.uint16))
     o, e = cuda.to_device(np.full(n, 0x7FBF, np.uint16)), np.empty(n, ml_dtypes.bfloat16)
-    flags = dev.cast_scaled(o, d_a, 0.5), host.cast_scaled(e, a, 0.5)
+    flags = impl.cast_scaled(o, d_bbf, 0.5), host.cast_scaled(e, b_bf, 0.5)
+    ok["cast bf16->bf16 x scale"] = same(o, e.view(np.uint16)) and flags[0] == flags[1]
+    o, e = cuda.to_device(np.full(n, 0x7FBF, np.uint16)), np.empty(n, ml_dtypes.bfloat16)
+    flags = impl.cast_scaled(o, d_a, 0.5), host.cast_scaled(e, a, 0.5)
     ok["cast f32->bf16 x scale"] = same(o, e.view(np.uint16)) and flags[0] == flags[1]
     o32, e32 = poisoned(n, np.float32), np.empty(n, np.float32)
-    flags = dev.cast_scaled(o32, d_bbf, 2.0), host.cast_scaled(e32, b_bf, 2.0)
+    flags = impl.cast_scaled(o32, d_bbf, 2.0), host.cast_scaled(e32, b_bf, 2.0)
     ok["cast bf16->f32 x scale"] = same(o32, e32) and flags[0] == flags[1]
     dev.divide(d_bbf, 3)
     host.divide(b_bf, 3)
@@ -156,15 +471,20 @@ def check_kernels(n: int) -> dict:
     ok["chunk L1 norms f32"] = same(dev.chunk_norms(d_a, chunk), host.chunk_norms(a, chunk), exact=False)
     nchunks = (n + chunk - 1) // chunk
     ids = np.sort(rng.choice(nchunks, size=max(1, nchunks // 10), replace=False)).astype(np.int64)
+    ids[-1] = nchunks - 1  # the short last chunk too
+    ids = np.unique(ids)
     size = sum(min(chunk, n - i * chunk) for i in ids)
     o, e = poisoned(size, np.float32), np.empty(size, np.float32)
-    dev.pack(o, d_a, cuda.to_device(ids), chunk)
+    impl.pack(o, d_a, cuda.to_device(ids), chunk)
     host.pack(e, a, ids, chunk)
     ok["pack 10% of chunks"] = same(o, e)
     target, e_target = cuda.to_device(b), b.copy()
-    dev.scatter_add(target, o, cuda.to_device(ids), chunk)
+    impl.scatter_add(target, o, cuda.to_device(ids), chunk)
     host.scatter_add(e_target, e, ids, chunk)
     ok["scatter-add 10% of chunks"] = same(target, e_target)
+    impl.zero_chunks(target, cuda.to_device(ids), chunk)
+    host.zero_chunks(e_target, ids, chunk)
+    ok["zero 10% of chunks"] = same(target, e_target)
     return ok
 
 
@@ -223,13 +543,28 @@ def main() -> None:
         allreduce_worker(sizes, args.reps)
         return
 
-    rows, copy_bw = kernel_rows(args.size, args.reps, args.check_elems)
-    print(f"kernels at {_common.human_bytes(args.size)} of float32; device copy: {copy_bw / 1e9:.1f} GB/s")
-    print("| kernel | correct vs NumPy | GB/s | of copy bandwidth |")
-    print("|---|---|---|---|")
+    rows, copy_bw, copy_bw_event = kernel_rows(args.size, args.reps, args.check_elems)
+    event_note = (
+        f"{copy_bw_event / 1e9:.1f} GB/s by CUDA events" if copy_bw_event else "no CUDA event timings"
+    )
+    print(
+        f"kernels at {_common.human_bytes(args.size)} of float32; device copy: {copy_bw / 1e9:.1f} GB/s "
+        f"by the host timer, {event_note}"
+    )
+    print(
+        "(call: the ops function, host timer with the device synchronized around it; kernel: the kernel "
+        "alone between CUDA events, queued behind a busy kernel. [before]: the version before issue 26)"
+    )
+    print("| kernel | correct vs NumPy | call GB/s | call of copy | kernel GB/s | kernel of copy |")
+    print("|---|---|---|---|---|---|")
     for row in rows:
         correct = "yes" if row["correct"] else "NO"
-        print(f"| {row['kernel']} | {correct} | {row['GBps']:.1f} | {row['of_copy']:.0%} |")
+        kernel_bw = f"{row['kernel_GBps']:.1f}" if row["kernel_GBps"] else "-"
+        kernel_share = f"{row['kernel_of_copy']:.0%}" if row["kernel_of_copy"] else "-"
+        print(
+            f"| {row['kernel']} | {correct} | {row['GBps']:.1f} | {row['of_copy']:.0%} | "
+            f"{kernel_bw} | {kernel_share} |"
+        )
 
     print(
         "\nallreduce on device arrays, ranks sharing one GPU (MPI's own Allreduce on host copies beside it)"
@@ -255,7 +590,10 @@ def main() -> None:
                 print(f"| {p} | {'direct' if mode == '1' else 'staged'} | - | - | FAILED: {exc} | | | |")
     if len(modes) == 1:
         print("(the MPI library does not report CUDA support: the direct transport was not run)")
-    _common.write_json(os.path.join(OUT, "gpu_check.json"), {"copy_Bps": copy_bw, "kernels": rows})
+    _common.write_json(
+        os.path.join(OUT, "gpu_check.json"),
+        {"copy_Bps": copy_bw, "copy_event_Bps": copy_bw_event, "kernels": rows},
+    )
 
 
 if __name__ == "__main__":

@@ -103,6 +103,116 @@ def test_cast_scaled_reports_nan_and_inf():
         assert host.cast_scaled(np.empty(50, np.float16), src, 1.0)
 
 
+import ml_dtypes  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# Every (src, dst) pair cast_scaled serves; bfloat16 lives on the device as its uint16 bits.
+CAST_PAIRS = [
+    (np.float32, np.float16),
+    (np.float64, np.float16),
+    (np.float16, np.float32),
+    (np.float16, np.float64),
+    (np.float32, BF16),
+    (np.float64, BF16),
+    (BF16, np.float32),
+    (BF16, np.float64),
+    (BF16, BF16),
+    (np.float16, np.float16),
+    (np.float32, np.float64),
+    (np.float64, np.float32),
+    (np.float32, np.float32),
+]
+
+
+def _on_device(a):
+    return cuda.to_device(a.view(np.uint16) if a.dtype == BF16 else a)
+
+
+def _cast_both(src, dst_dtype, scale):
+    """(device result, device flag, host result, host flag), results as host arrays of dst_dtype."""
+    dst_dtype = np.dtype(dst_dtype)
+    bits = np.uint16 if dst_dtype == BF16 else dst_dtype
+    out = poisoned(src.size, bits) if dst_dtype != BF16 else cuda.to_device(np.full(src.size, 0x7FBF, bits))
+    flag = dev.cast_scaled(out, _on_device(src), scale)
+    expected = np.empty(src.size, dst_dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected_flag = host.cast_scaled(expected, src, scale)
+    return out.copy_to_host().view(dst_dtype), flag, expected, expected_flag
+
+
+def _assert_same_bits(got, expected, msg=""):
+    """Bit for bit, except that any NaN matches any NaN (the GPU's NaN sign is its own)."""
+    nan_got, nan_expected = np.isnan(got.astype(np.float64)), np.isnan(expected.astype(np.float64))
+    np.testing.assert_array_equal(nan_got, nan_expected, err_msg=msg)
+    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
+    np.testing.assert_array_equal(got.view(u)[~nan_got], expected.view(u)[~nan_expected], err_msg=msg)
+
+
+# 32 simulated threads, 4 elements each per pass: 128 is one full unrolled pass, around it the tails.
+@pytest.mark.parametrize(("src_dtype", "dst_dtype"), CAST_PAIRS)
+def test_cast_scaled_every_pair_matches_host_bitwise(src_dtype, dst_dtype):
+    rng = np.random.default_rng(11)
+    for n in (1, 5, 127, 128, 129, 263):
+        src = (rng.standard_normal(n) * 3).astype(src_dtype)
+        if n > 5:
+            src[3] = -0.0
+            src[4] = 1e-6  # below float16's normal range in the float16 casts
+        for scale in (1.0, 1 / 64):
+            got, flag, expected, expected_flag = _cast_both(src, dst_dtype, scale)
+            _assert_same_bits(got, expected, f"n={n} scale={scale}")
+            assert flag == expected_flag is False
+
+
+# A value that overflows dst (with the scale given) where the src dtype can hold it.
+def _overflowing(src_dtype, dst_dtype):
+    src_dtype, dst_dtype = np.dtype(src_dtype), np.dtype(dst_dtype)
+    if dst_dtype == np.float16:
+        return 7e4, 1.0
+    if dst_dtype == BF16:  # float32's max rounds up to bfloat16's inf
+        return (3.4e38, 1.0) if src_dtype != BF16 else (1e38, 8.0)
+    if dst_dtype == np.float32:
+        return (1e39, 1.0) if src_dtype == np.float64 else (6e4, 1e34)
+    return None, 1.0  # float64: only NaN and inf
+
+
+@pytest.mark.parametrize(("src_dtype", "dst_dtype"), CAST_PAIRS)
+def test_cast_scaled_flag_from_one_element(src_dtype, dst_dtype):
+    """One bad element (NaN, +-inf or an overflow), in the unrolled middle or the very end: the flag
+    is set, the other elements are cast as usual."""
+    big, big_scale = _overflowing(src_dtype, dst_dtype)
+    cases = [(np.nan, 1.0), (np.inf, 1.0), (-np.inf, 1.0)] + ([(-big, big_scale)] if big else [])
+    n = 131
+    for bad, scale in cases:
+        for at in (70, n - 1):
+            src = np.ones(n, np.float64)
+            src[at] = bad
+            src = src.astype(src_dtype)
+            got, flag, expected, expected_flag = _cast_both(src, dst_dtype, scale)
+            _assert_same_bits(got, expected, f"bad={bad} at={at}")
+            assert flag and expected_flag, (bad, at)
+
+
+def test_cast_to_float16_flags_only_what_rounds_to_inf():
+    """As the host twin: 65519.99 rounds down to 65504 (no overflow), 65520 rounds to inf."""
+    for value, overflows in ((65504.0, False), (65519.99, False), (65520.0, True), (-65520.0, True)):
+        for src_dtype in (np.float32, np.float64):
+            src = np.zeros(40, src_dtype)
+            src[37] = value
+            got, flag, expected, expected_flag = _cast_both(src, np.float16, 1.0)
+            _assert_same_bits(got, expected, f"{value}")
+            assert flag == expected_flag == overflows, (value, src_dtype)
+
+
+def test_cast_bf16_in_place():
+    """LossScaler.unscale casts bfloat16 into itself."""
+    src = (np.random.default_rng(12).standard_normal(133) * 100).astype(BF16)
+    d = _on_device(src)
+    assert not dev.cast_scaled(d, d, 0.25)
+    expected = np.empty_like(src)
+    host.cast_scaled(expected, src, 0.25)
+    _assert_same_bits(d.copy_to_host().view(BF16), expected)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize(("n", "chunk"), [(0, 4), (1, 4), (20, 1), (90, 7), (256, 64), (250, 64)])
 def test_chunk_norms_match_numpy(dtype, n, chunk):
@@ -117,7 +227,26 @@ def test_chunk_norms_match_numpy(dtype, n, chunk):
     np.testing.assert_allclose(expected, exact, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("n", "chunk"), [(300, 7), (256, 64), (250, 64), (10, 10), (9, 10)])
+# Chunk geometry (simulated blocks: 32 threads, several chunks per block up to chunk 8, unrolled by
+# 4 along a chunk): below, at and above those sizes; one chunk (short or whole); short last chunks.
+CHUNK_CASES = [
+    (300, 7),
+    (256, 64),
+    (250, 64),
+    (10, 10),
+    (9, 10),
+    (1, 1),
+    (41, 8),
+    (40, 3),
+    (45, 9),
+    (50, 64),
+    (64, 64),
+    (395, 130),
+    (390, 130),
+]
+
+
+@pytest.mark.parametrize(("n", "chunk"), CHUNK_CASES)
 def test_pack_and_scatter_add_match_numpy(n, chunk):
     rng = np.random.default_rng(n)
     nchunks = (n + chunk - 1) // chunk
@@ -229,3 +358,17 @@ def test_sparse_kernels_match_numpy(momentum):
     np.testing.assert_array_equal(d_cleared.copy_to_host(), cleared)
     assert not cleared[:16].any() and not cleared[48:64].any() and not cleared[240:].any()
     assert cleared[16:48].all()
+
+
+@pytest.mark.parametrize(("n", "chunk"), CHUNK_CASES)
+def test_zero_chunks_matches_numpy(n, chunk):
+    rng = np.random.default_rng(n + 1000 * chunk)
+    nchunks = (n + chunk - 1) // chunk
+    for ids in (np.arange(nchunks), np.array([nchunks - 1]), np.array([0]), np.arange(0, nchunks, 2)):
+        ids = ids.astype(np.int64)
+        x = rand(rng, n, np.float32) + 5000  # no zeros to begin with
+        d = cuda.to_device(x)
+        dev.zero_chunks(d, cuda.to_device(ids), chunk)
+        host.zero_chunks(x, ids, chunk)
+        np.testing.assert_array_equal(d.copy_to_host(), x)
+        assert (x == 0).sum() == sum(min(chunk, n - i * chunk) for i in ids)

@@ -5,8 +5,6 @@ and gflow/arrays/host_ops.py holds their NumPy twins (same names, same meaning);
 NUMBA_ENABLE_CUDASIM=1 against the twins.
 """
 
-import math
-
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
@@ -63,14 +61,101 @@ def divide(x, divisor):
 @cuda.jit
 def cast_scaled(dst, src, scale, limit, flag):
     """dst = src * scale in dst's dtype; flag[0] = 1 if any scaled value is NaN, inf, or beyond
-    +-limit (dst's largest finite value), so an overflow is reported instead of stored silently."""
+    +-limit (dst's largest finite value, in the product's dtype), so an overflow is reported
+    instead of stored silently. The general case (float32 <-> float64, same dtype); float16 and
+    bfloat16 take the kernels below. Four elements per thread in flight (loads before stores: the
+    arrays may alias), the flag written once per thread."""
     i, stride = cuda.grid(1), cuda.gridsize(1)
-    while i < dst.size:
+    n = dst.size
+    bad = False
+    while i + 3 * stride < n:
+        v0 = src[i] * scale
+        v1 = src[i + stride] * scale
+        v2 = src[i + 2 * stride] * scale
+        v3 = src[i + 3 * stride] * scale
+        dst[i] = v0
+        dst[i + stride] = v1
+        dst[i + 2 * stride] = v2
+        dst[i + 3 * stride] = v3
+        if not (abs(v0) <= limit and abs(v1) <= limit and abs(v2) <= limit and abs(v3) <= limit):
+            bad = True
+        i += 4 * stride
+    while i < n:
         v = src[i] * scale
-        if not abs(v) <= limit:
-            flag[0] = 1
         dst[i] = v
+        if not abs(v) <= limit:
+            bad = True
         i += stride
+    if bad:
+        flag[0] = 1
+
+
+# float32 values from this magnitude up round to float16's inf (65520 is halfway between 65504,
+# the largest finite float16, and 2**16; the tie goes to the even 2**16).
+_F16_INF_FROM = np.float32(65520.0)
+_F32_INF = np.float32(np.inf)
+
+
+@cuda.jit
+def encode_f16(dst, src, scale, flag):
+    """dst (float16) = float32(src) * scale, one rounding; flag[0] = 1 if any result is inf or NaN
+    (host_ops' encode_half twin: values that round down to 65504 do not count)."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    n = dst.size
+    bad = False
+    while i + 3 * stride < n:
+        v0 = float32(src[i]) * scale
+        v1 = float32(src[i + stride]) * scale
+        v2 = float32(src[i + 2 * stride]) * scale
+        v3 = float32(src[i + 3 * stride]) * scale
+        dst[i] = v0
+        dst[i + stride] = v1
+        dst[i + 2 * stride] = v2
+        dst[i + 3 * stride] = v3
+        if not (
+            abs(v0) < _F16_INF_FROM
+            and abs(v1) < _F16_INF_FROM
+            and abs(v2) < _F16_INF_FROM
+            and abs(v3) < _F16_INF_FROM
+        ):
+            bad = True
+        i += 4 * stride
+    while i < n:
+        v = float32(src[i]) * scale
+        dst[i] = v
+        if not abs(v) < _F16_INF_FROM:
+            bad = True
+        i += stride
+    if bad:
+        flag[0] = 1
+
+
+@cuda.jit
+def decode_f16(dst, src, scale, flag):
+    """dst = float32(src float16) * scale; flag[0] = 1 if any result is inf or NaN."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    n = dst.size
+    bad = False
+    while i + 3 * stride < n:
+        v0 = float32(src[i]) * scale
+        v1 = float32(src[i + stride]) * scale
+        v2 = float32(src[i + 2 * stride]) * scale
+        v3 = float32(src[i + 3 * stride]) * scale
+        dst[i] = v0
+        dst[i + stride] = v1
+        dst[i + 2 * stride] = v2
+        dst[i + 3 * stride] = v3
+        if not (abs(v0) < _F32_INF and abs(v1) < _F32_INF and abs(v2) < _F32_INF and abs(v3) < _F32_INF):
+            bad = True
+        i += 4 * stride
+    while i < n:
+        v = float32(src[i]) * scale
+        dst[i] = v
+        if not abs(v) < _F32_INF:
+            bad = True
+        i += stride
+    if bad:
+        flag[0] = 1
 
 
 @cuda.jit
@@ -102,27 +187,61 @@ def chunk_norms(out, x, chunk):
         c += cuda.gridDim.x
 
 
+# The chunk kernels take a 2-D block: threadIdx.x runs along a chunk, threadIdx.y picks one of the
+# block's blockDim.y chunks, and the grid strides over the listed chunks. No per-element division.
+
+
 @cuda.jit
 def pack(dst, src, ids, chunk):
     """dst[k*chunk + j] = src[ids[k]*chunk + j]: gather the listed chunks into one buffer, in list
     order. Only the chunk with the highest index may be short, so list ids in ascending order."""
-    i, stride = cuda.grid(1), cuda.gridsize(1)
-    while i < dst.size:
-        s = ids[i // chunk] * chunk + i % chunk
-        if s < src.size:
-            dst[i] = src[s]
-        i += stride
+    tx, ty = cuda.blockDim.x, cuda.blockDim.y
+    k = cuda.blockIdx.x * ty + cuda.threadIdx.y
+    while k < ids.size:
+        s0 = ids[k] * chunk
+        d0 = k * chunk
+        n = min(min(chunk, src.size - s0), dst.size - d0)
+        j = cuda.threadIdx.x
+        while j + 3 * tx < n:
+            x0 = src[s0 + j]
+            x1 = src[s0 + j + tx]
+            x2 = src[s0 + j + 2 * tx]
+            x3 = src[s0 + j + 3 * tx]
+            dst[d0 + j] = x0
+            dst[d0 + j + tx] = x1
+            dst[d0 + j + 2 * tx] = x2
+            dst[d0 + j + 3 * tx] = x3
+            j += 4 * tx
+        while j < n:
+            dst[d0 + j] = src[s0 + j]
+            j += tx
+        k += cuda.gridDim.x * ty
 
 
 @cuda.jit
 def scatter_add(dst, packed, ids, chunk):
     """dst[ids[k]*chunk + j] += packed[k*chunk + j]: the inverse of pack, adding. ids must be unique."""
-    i, stride = cuda.grid(1), cuda.gridsize(1)
-    while i < packed.size:
-        d = ids[i // chunk] * chunk + i % chunk
-        if d < dst.size:
-            dst[d] += packed[i]
-        i += stride
+    tx, ty = cuda.blockDim.x, cuda.blockDim.y
+    k = cuda.blockIdx.x * ty + cuda.threadIdx.y
+    while k < ids.size:
+        d0 = ids[k] * chunk
+        p0 = k * chunk
+        n = min(min(chunk, dst.size - d0), packed.size - p0)
+        j = cuda.threadIdx.x
+        while j + 3 * tx < n:
+            x0 = dst[d0 + j] + packed[p0 + j]
+            x1 = dst[d0 + j + tx] + packed[p0 + j + tx]
+            x2 = dst[d0 + j + 2 * tx] + packed[p0 + j + 2 * tx]
+            x3 = dst[d0 + j + 3 * tx] + packed[p0 + j + 3 * tx]
+            dst[d0 + j] = x0
+            dst[d0 + j + tx] = x1
+            dst[d0 + j + 2 * tx] = x2
+            dst[d0 + j + 3 * tx] = x3
+            j += 4 * tx
+        while j < n:
+            dst[d0 + j] += packed[p0 + j]
+            j += tx
+        k += cuda.gridDim.x * ty
 
 
 @cuda.jit
@@ -142,13 +261,18 @@ def accumulate(u_out, v_out, u, v, g, momentum):
 
 @cuda.jit
 def zero_chunks(x, ids, chunk):
-    """x[ids[k]*chunk : (ids[k]+1)*chunk] = 0 for every k (the last chunk may be short)."""
-    i, stride = cuda.grid(1), cuda.gridsize(1)
-    while i < ids.size * chunk:
-        d = ids[i // chunk] * chunk + i % chunk
-        if d < x.size:
-            x[d] = 0
-        i += stride
+    """x[ids[k]*chunk : (ids[k]+1)*chunk] = 0 for every k (the last chunk may be short); 2-D
+    blocks, as pack."""
+    tx, ty = cuda.blockDim.x, cuda.blockDim.y
+    k = cuda.blockIdx.x * ty + cuda.threadIdx.y
+    while k < ids.size:
+        d0 = ids[k] * chunk
+        n = min(chunk, x.size - d0)
+        j = cuda.threadIdx.x
+        while j < n:
+            x[d0 + j] = 0
+            j += tx
+        k += cuda.gridDim.x * ty
 
 
 @cuda.jit
@@ -215,28 +339,93 @@ def reduce_bf16(out, a, b, op):
         i += stride
 
 
+@cuda.jit(device=True)
+def _bf16_special(h):
+    """1 if the bfloat16 bits h are inf or NaN (exponent all ones), else 0."""
+    return 1 if (h & uint16(0x7F80)) == uint16(0x7F80) else 0
+
+
 @cuda.jit
 def encode_bf16(dst, src, scale, flag):
     """dst (bfloat16 bits) = src * scale in float32; flag[0] = 1 if any result is inf or NaN."""
     i, stride = cuda.grid(1), cuda.gridsize(1)
-    while i < dst.size:
+    n = dst.size
+    bad = 0
+    while i + 3 * stride < n:
+        h0 = _to_bf16(float32(src[i]) * scale)
+        h1 = _to_bf16(float32(src[i + stride]) * scale)
+        h2 = _to_bf16(float32(src[i + 2 * stride]) * scale)
+        h3 = _to_bf16(float32(src[i + 3 * stride]) * scale)
+        dst[i] = h0
+        dst[i + stride] = h1
+        dst[i + 2 * stride] = h2
+        dst[i + 3 * stride] = h3
+        bad |= _bf16_special(h0) | _bf16_special(h1) | _bf16_special(h2) | _bf16_special(h3)
+        i += 4 * stride
+    while i < n:
         h = _to_bf16(float32(src[i]) * scale)
-        if (h & uint16(0x7F80)) == uint16(0x7F80):
-            flag[0] = 1
         dst[i] = h
+        bad |= _bf16_special(h)
         i += stride
+    if bad:
+        flag[0] = 1
 
 
 @cuda.jit
 def decode_bf16(dst, src, scale, flag):
     """dst = float(src bits) * scale; flag[0] = 1 if any result is inf or NaN."""
     i, stride = cuda.grid(1), cuda.gridsize(1)
-    while i < dst.size:
+    n = dst.size
+    bad = False
+    while i + 3 * stride < n:
+        v0 = _from_bf16(src[i]) * scale
+        v1 = _from_bf16(src[i + stride]) * scale
+        v2 = _from_bf16(src[i + 2 * stride]) * scale
+        v3 = _from_bf16(src[i + 3 * stride]) * scale
+        dst[i] = v0
+        dst[i + stride] = v1
+        dst[i + 2 * stride] = v2
+        dst[i + 3 * stride] = v3
+        if not (abs(v0) < _F32_INF and abs(v1) < _F32_INF and abs(v2) < _F32_INF and abs(v3) < _F32_INF):
+            bad = True
+        i += 4 * stride
+    while i < n:
         v = _from_bf16(src[i]) * scale
-        if not abs(v) < math.inf:
-            flag[0] = 1
         dst[i] = v
+        if not abs(v) < _F32_INF:
+            bad = True
         i += stride
+    if bad:
+        flag[0] = 1
+
+
+@cuda.jit
+def rescale_bf16(dst, src, scale, flag):
+    """dst (bfloat16 bits) = src (bfloat16 bits) * scale in float32, one rounding: decode_bf16 into
+    float32 then encode_bf16 with scale 1, in one pass; flag[0] = 1 if any result is inf or NaN
+    (a finite float32 product that rounds to inf included). dst may be src (LossScaler.unscale)."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    n = dst.size
+    one = float32(1.0)
+    bad = 0
+    while i + 3 * stride < n:
+        h0 = _to_bf16((_from_bf16(src[i]) * scale) * one)
+        h1 = _to_bf16((_from_bf16(src[i + stride]) * scale) * one)
+        h2 = _to_bf16((_from_bf16(src[i + 2 * stride]) * scale) * one)
+        h3 = _to_bf16((_from_bf16(src[i + 3 * stride]) * scale) * one)
+        dst[i] = h0
+        dst[i + stride] = h1
+        dst[i + 2 * stride] = h2
+        dst[i + 3 * stride] = h3
+        bad |= _bf16_special(h0) | _bf16_special(h1) | _bf16_special(h2) | _bf16_special(h3)
+        i += 4 * stride
+    while i < n:
+        h = _to_bf16((_from_bf16(src[i]) * scale) * one)
+        dst[i] = h
+        bad |= _bf16_special(h)
+        i += stride
+    if bad:
+        flag[0] = 1
 
 
 @cuda.jit

@@ -8,6 +8,8 @@ bfloat16 and takes the *_bf16 kernels. Kernels run on the default stream;
 functions whose result the host needs (an overflow flag) synchronize before returning.
 """
 
+import threading
+
 import numpy as np
 from numba import cuda
 
@@ -23,6 +25,8 @@ _MAX_BLOCKS = 4096
 _REDUCE = {"sum": kernels.add, "max": kernels.maximum, "min": kernels.minimum}
 _BF16_OP = {"sum": 0, "max": 1, "min": 2}
 _BITS = np.dtype(np.uint16)
+_HALF = np.dtype(np.float16)
+_local = threading.local()  # per thread: the engine's background thread casts too
 
 
 def storage(dtype) -> np.dtype:
@@ -84,24 +88,41 @@ def divide(x, divisor: int) -> None:
             kernels.divide[blocks, threads](x, x.dtype.type(divisor))
 
 
+def _flag():
+    """This thread's overflow flag, zeroed: host-mapped memory, reused (a fresh device array and
+    copies to and from it cost more than the kernel at a few MB). Read it after a synchronize."""
+    flag = getattr(_local, "flag", None)
+    if flag is None:
+        flag = _local.flag = cuda.mapped_array(1, np.int32)
+    flag[0] = 0
+    return flag
+
+
 def cast_scaled(dst, src, scale: float) -> bool:
     """dst = src * scale, cast to dst's dtype. Returns True if any value overflowed dst's range or
-    was NaN/inf (those elements hold inf/NaN in dst)."""
-    flag = cuda.to_device(np.zeros(1, dtype=np.int32))
-    if dst.size:
-        blocks, threads = _grid(dst.size)
-        if dst.dtype == _BITS and src.dtype != _BITS:
-            kernels.encode_bf16[blocks, threads](dst, src, np.float32(scale), flag)
-        elif src.dtype == _BITS and dst.dtype != _BITS:
-            kernels.decode_bf16[blocks, threads](dst, src, np.float32(scale), flag)
-        elif dst.dtype == _BITS:  # bfloat16 to bfloat16 (LossScaler.unscale): through float32
-            wide = cuda.device_array(src.size, np.float32)
-            kernels.decode_bf16[blocks, threads](wide, src, np.float32(scale), flag)
-            kernels.encode_bf16[blocks, threads](dst, wide, np.float32(1.0), flag)
-        else:
-            limit = float(np.finfo(dst.dtype).max)
-            kernels.cast_scaled[blocks, threads](dst, src, np.float32(scale), limit, flag)
-    return bool(flag.copy_to_host()[0])
+    was NaN/inf (those elements hold inf/NaN in dst). Synchronizes (the host reads the flag)."""
+    if not dst.size:
+        return False
+    flag = _flag()
+    blocks, threads = _grid(dst.size)
+    scale32 = np.float32(scale)
+    if dst.dtype == _BITS and src.dtype != _BITS:
+        kernels.encode_bf16[blocks, threads](dst, src, scale32, flag)
+    elif src.dtype == _BITS and dst.dtype != _BITS:
+        kernels.decode_bf16[blocks, threads](dst, src, scale32, flag)
+    elif dst.dtype == _BITS:  # bfloat16 to bfloat16 (LossScaler.unscale): through float32, one pass
+        kernels.rescale_bf16[blocks, threads](dst, src, scale32, flag)
+    elif dst.dtype == _HALF and src.dtype != _HALF:
+        kernels.encode_f16[blocks, threads](dst, src, scale32, flag)
+    elif src.dtype == _HALF and dst.dtype != _HALF:
+        kernels.decode_f16[blocks, threads](dst, src, scale32, flag)
+    else:
+        # The product's dtype, as on the host (src * float32); dst's finite max is exact in it.
+        wide = np.result_type(src.dtype, np.float32)
+        limit = wide.type(min(float(np.finfo(dst.dtype).max), float(np.finfo(wide).max)))
+        kernels.cast_scaled[blocks, threads](dst, src, scale32, limit, flag)
+    cuda.synchronize()
+    return bool(flag[0])
 
 
 def chunk_norms(x, chunk: int, out=None):
@@ -116,17 +137,28 @@ def chunk_norms(x, chunk: int, out=None):
     return out
 
 
+def _chunk_grid(nids: int, chunk: int):
+    """Blocks and (x, y) threads for the chunk kernels: x along a chunk, y over chunks, so a block
+    stays busy with short chunks too and no thread divides by chunk."""
+    if SIMULATED:  # 32 threads, as _grid; short chunks still get several chunks per block
+        tx = 8 if chunk <= 8 else 32
+        return 1, (tx, 32 // tx)
+    tx = min(_THREADS, (chunk + 31) // 32 * 32)
+    ty = _THREADS // tx
+    return max(1, min(_MAX_BLOCKS, (nids + ty - 1) // ty)), (tx, ty)
+
+
 def pack(dst, src, ids, chunk: int) -> None:
     """Gather chunks ids (ascending, device int64 array) of src into dst, one after another."""
-    if dst.size:
-        blocks, threads = _grid(dst.size)
+    if dst.size and ids.size:
+        blocks, threads = _chunk_grid(ids.size, chunk)
         kernels.pack[blocks, threads](dst, src, ids, chunk)
 
 
 def scatter_add(dst, packed, ids, chunk: int) -> None:
     """Add the packed chunks back into dst at chunks ids (unique, ascending)."""
-    if packed.size:
-        blocks, threads = _grid(packed.size)
+    if packed.size and ids.size:
+        blocks, threads = _chunk_grid(ids.size, chunk)
         kernels.scatter_add[blocks, threads](dst, packed, ids, chunk)
 
 
@@ -139,8 +171,8 @@ def accumulate(u_out, v_out, u, v, g, momentum: float) -> None:
 
 def zero_chunks(x, ids, chunk: int) -> None:
     """Set the listed chunks of x to zero (ids: device int64 array)."""
-    if ids.size:
-        blocks, threads = _grid(ids.size * chunk)
+    if ids.size and x.size:
+        blocks, threads = _chunk_grid(ids.size, chunk)
         kernels.zero_chunks[blocks, threads](x, ids, chunk)
 
 
