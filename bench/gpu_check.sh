@@ -9,14 +9,14 @@
 #     bash bench/gpu_check.sh                      # every step, in this order
 #     GPU_CHECK_STEPS="tests node" bash bench/gpu_check.sh   # only these steps
 #
-# Steps, each bounded by its own timeout: kernels (each kernel against its host twin and the copy
-# bandwidth, then allreduce on CuPy arrays), node (the node phase in CUDA IPC peer memory against the
-# staged ring at 2, 4 and 8 ranks sharing the GPU; the staged cross-node phase on posed nodes), tests
-# (every test with a device variant), calibrate (`gflow calibrate --device`, and the model with it),
-# aware (is either MPI wheel CUDA-aware?). Logs go to $OUT if it is set, else bench/out.
+# Steps, each bounded by its own timeout, in this order: kernels (each kernel against its host twin and the copy
+# bandwidth, then allreduce on CuPy arrays), calibrate (`gflow calibrate --device`, and the model with
+# it), aware (is either MPI wheel CUDA-aware?), tests (every test with a device variant), node (the
+# node phase in CUDA IPC peer memory against the staged ring at 2, 4 and 8 ranks sharing the GPU; the
+# staged cross-node phase on posed nodes). Logs go to $OUT if it is set, else bench/out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${GPU_CHECK_STEPS:-kernels node tests calibrate aware}
+STEPS=${GPU_CHECK_STEPS:-kernels calibrate aware tests node}
 LOGS=${OUT:-bench/out}
 mkdir -p "$LOGS"
 PY=python3
