@@ -4,6 +4,7 @@ The CUDA twins live in gflow/cuda/kernels.py with the same names and meaning; gf
 one set per array, so the collectives are written once and never ask what kind of array they hold.
 """
 
+import ml_dtypes
 import numpy as np
 
 from ..runtime.signature import BFLOAT16
@@ -125,7 +126,7 @@ def cast_scaled(dst: np.ndarray, src: np.ndarray, scale: float) -> bool:
 
         return bool(decode_bf16(dst, src.view(_U16), np.float32(scale)))
     scaled = np.multiply(src, np.float32(scale), dtype=np.result_type(src.dtype, np.float32))
-    limit = np.finfo(dst.dtype).max
+    limit = ml_dtypes.finfo(dst.dtype).max  # (NumPy's finfo refuses bfloat16 under ml_dtypes 0.4)
     overflow = not bool(np.all(np.abs(scaled) <= limit))
     with np.errstate(over="ignore"):
         dst[...] = scaled

@@ -185,7 +185,7 @@ def allreduce(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging=Non
     A message above config.shared_memory_max_bytes goes in pieces of at most that size, each a whole
     hierarchical allreduce, so that the peer memory stays bounded (the ranks agree on the setting: it
     is part of the call's signature)."""
-    step = max(4096, config.shared_memory_max_bytes) // dst.itemsize
+    step = max(4096, config.shared_memory_max_bytes) // dst.dtype.itemsize  # (device arrays: no .itemsize)
     if dst.size <= step:
         _allreduce_piece(ctx, src, dst, ops, op, agreed, staging)
         return

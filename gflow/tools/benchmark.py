@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -76,7 +77,7 @@ def _wrong_elements(comm, x, y, op: str, dtype, compression) -> int:
     else:
         from ..arrays.codecs import wire_dtype
 
-        eps = np.finfo(wire_dtype(compression) if compression else dtype).eps
+        eps = ml_dtypes.finfo(wire_dtype(compression) if compression else dtype).eps
         magnitude = np.empty_like(wide)
         comm.Allreduce(np.abs(wide), magnitude, op=MPI.SUM)  # what the rounding errors scale with
         if op == "mean":
