@@ -232,6 +232,28 @@ def assert_peers(comm, key, expected):
     assert used.get(key) == expected, used
 
 
+def to_device(x):
+    """x on the device: a Numba array; bfloat16 on a GPU as a CUDA tensor (Numba has no bfloat16:
+    under the simulator its arrays can hold one, on a GPU only torch's can)."""
+    from numba import cuda
+
+    from gflow.cuda import memory
+
+    if x.dtype == BF16 and not memory.SIMULATED:
+        import torch
+
+        return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).cuda()
+    return cuda.to_device(x)
+
+
+def to_host(y) -> np.ndarray:
+    if hasattr(y, "copy_to_host"):
+        return y.copy_to_host()
+    import torch
+
+    return y.view(torch.int16).cpu().numpy().view(BF16)
+
+
 @pytest.mark.parallel(SIZES)
 def test_device_arrays_take_the_peer_memory_node_phase(transport_mode):
     """Device arrays (Numba's simulator here), handed to MPI directly or staged, on one node and on
@@ -239,7 +261,6 @@ def test_device_arrays_take_the_peer_memory_node_phase(transport_mode):
     twin, a host window seen as device arrays, here), with the device kernels, and only the cross-node
     shards are staged. The result has the bits of the host arrays' hierarchical allreduce (the same
     reductions in the same order)."""
-    from numba import cuda
 
     from gflow.cuda import memory
 
@@ -249,16 +270,16 @@ def test_device_arrays_take_the_peer_memory_node_phase(transport_mode):
                                  (64, np.float16, "min"), (33, BF16, "sum"),
                                  (0, np.float32, "sum")]:  # fmt: skip
                 x = random_array(rank_rng(n), n, np.float32 if dtype == BF16 else dtype).astype(dtype)
-                y = gflow.allreduce(cuda.to_device(x), op, algorithm="hierarchical", comm=comm).copy_to_host()
-                out = cuda.to_device(np.full_like(x, 7))
-                gflow.allreduce(cuda.to_device(x), op, algorithm="hierarchical", comm=comm, out=out)
+                y = to_host(gflow.allreduce(to_device(x), op, algorithm="hierarchical", comm=comm))
+                out = to_device(np.full_like(x, 7))
+                gflow.allreduce(to_device(x), op, algorithm="hierarchical", comm=comm, out=out)
                 host = gflow.allreduce(x, op, algorithm="hierarchical", comm=comm)
 
                 def check(x=x, y=y, out=out, host=host, op=op):
                     if x.dtype != BF16:  # (bfloat16's bound is test_bfloat16.py's; here, the host's bits)
                         assert_close_to_reference(y, x, op)
                     np.testing.assert_array_equal(y.view(np.uint8), host.view(np.uint8))
-                    np.testing.assert_array_equal(out.copy_to_host(), y)
+                    np.testing.assert_array_equal(to_host(out), y)
 
                 on_all_ranks(check, f"n={n} {np.dtype(dtype)} {op} setting={setting!r}")
                 assert_same_on_all_ranks(y)

@@ -175,6 +175,13 @@ def hierarchy(ctx: CommContext) -> Hierarchy:
     return ctx.hierarchy
 
 
+# Device arrays go in pieces this many times config.shared_memory_max_bytes (256 MiB by default): a
+# piece's fixed cost (kernel launches, device syncs and two node barriers from Python, about 1.5 ms on
+# an H200) must stay small against its bytes, which a GPU moves at terabytes per second. Measured: 16 MiB
+# pieces held the node phase to 7% of the device's copy bandwidth (bench/RESULTS.md, issue 26).
+DEVICE_PIECE_SCALE = 16
+
+
 def allreduce(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging=None) -> None:
     """Hierarchical allreduce of the flat `src` into the flat `dst` (may be src). op: sum, mean, max
     or min. agreed: the memory ("host" or "device") of the arrays the ranks agreed on (the buffers
@@ -182,10 +189,11 @@ def allreduce(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging=Non
     the node phase stays on the device when the node maps its peers' device memory, and only the
     shards that cross nodes go through the host; otherwise each piece is staged whole.
 
-    A message above config.shared_memory_max_bytes goes in pieces of at most that size, each a whole
-    hierarchical allreduce, so that the peer memory stays bounded (the ranks agree on the setting: it
-    is part of the call's signature)."""
-    step = max(4096, config.shared_memory_max_bytes) // dst.dtype.itemsize  # (device arrays: no .itemsize)
+    A message above config.shared_memory_max_bytes goes in pieces of at most that size (device arrays:
+    DEVICE_PIECE_SCALE times it), each a whole hierarchical allreduce, so that the peer memory stays
+    bounded (the ranks agree on the setting: it is part of the call's signature)."""
+    piece = max(4096, config.shared_memory_max_bytes) * (DEVICE_PIECE_SCALE if agreed == "device" else 1)
+    step = piece // dst.dtype.itemsize  # (a Numba device array has no .itemsize)
     if dst.size <= step:
         _allreduce_piece(ctx, src, dst, ops, op, agreed, staging)
         return

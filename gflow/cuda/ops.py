@@ -74,9 +74,20 @@ def reduce_many(out, parts: list, op: str) -> None:
     if len(parts) == 1:
         copy(out, parts[0])
         return
-    acc = empty(out.size, out.dtype) if len(parts) > 2 else out
+    acc = _scratch(out.size, out.dtype) if len(parts) > 2 else out
     for q in range(1, len(parts)):
         reduce(out if q == len(parts) - 1 else acc, parts[0] if q == 1 else acc, parts[q], op)
+
+
+def _scratch(n: int, dtype):
+    """n elements of dtype of this thread's accumulator for reduce_many, kept between calls and grown
+    when too small (a device allocation per node phase costs more than its kernels)."""
+    held = getattr(_local, "scratch", {})
+    _local.scratch = held
+    buffer = held.get(dtype)
+    if buffer is None or buffer.size < n:
+        buffer = held[dtype] = cuda.device_array(n, dtype)
+    return buffer[:n]
 
 
 def divide(x, divisor: int) -> None:
