@@ -121,6 +121,36 @@ def test_pieces_ints_and_a_node_without_room(monkeypatch):
         assert context(comm).hierarchy.peers("host", "host", False)[0]._slots is None
 
 
+@pytest.mark.parallel([2, 3])
+def test_device_arrays_go_in_larger_pieces_and_empty_ones_in_none(monkeypatch):
+    """Device arrays go in pieces DEVICE_PIECE_SCALE times shared_memory_max_bytes (a piece's fixed
+    cost is large against a GPU's bandwidth), host arrays in pieces of it; an empty array makes no
+    piece (Numba cannot slice an empty device array: found on an H200) and still finds the topology."""
+    from numba import cuda
+
+    from gflow.collectives import hierarchical
+
+    pieces = []
+    real_piece = hierarchical._allreduce_piece
+    monkeypatch.setattr(
+        hierarchical, "_allreduce_piece", lambda *a, **k: (pieces.append(a[2].size), real_piece(*a, **k))
+    )
+    monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 4096)
+    n = 2 * hierarchical.DEVICE_PIECE_SCALE * 1024 + 5  # float32: two device pieces and a short one
+    x = random_array(rank_rng(21), n, np.float32)
+    with posed_nodes("") as comm:
+        y = gflow.allreduce(cuda.to_device(x), algorithm="hierarchical", comm=comm).copy_to_host()
+        assert pieces == [hierarchical.DEVICE_PIECE_SCALE * 1024] * 2 + [5], pieces
+        on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))
+        pieces.clear()
+        gflow.allreduce(x, algorithm="hierarchical", comm=comm)
+        assert len(pieces) == -(-n // 1024) and max(pieces) == 1024
+        pieces.clear()
+    with posed_nodes("") as comm:
+        empty = gflow.allreduce(cuda.to_device(x[:0]), algorithm="hierarchical", comm=comm)
+        assert empty.size == 0 and pieces == [] and context(comm).topology is not None
+
+
 @pytest.mark.parallel(SIZES)
 def test_shared_windows_start_where_copies_out_of_them_run_at_full_speed():
     """Every rank's part of a shared window (the node phase's slots, the gradient pools) starts

@@ -192,6 +192,9 @@ def allreduce(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging=Non
     A message above config.shared_memory_max_bytes goes in pieces of at most that size (device arrays:
     DEVICE_PIECE_SCALE times it), each a whole hierarchical allreduce, so that the peer memory stays
     bounded (the ranks agree on the setting: it is part of the call's signature)."""
+    if dst.size == 0:  # (on every rank: they agreed on the size. Numba cannot slice an empty device array)
+        hierarchy(ctx)  # (the topology is found as for any size)
+        return
     piece = max(4096, config.shared_memory_max_bytes) * (DEVICE_PIECE_SCALE if agreed == "device" else 1)
     step = piece // dst.dtype.itemsize  # (a Numba device array has no .itemsize)
     if dst.size <= step:
