@@ -13,10 +13,12 @@
 # bandwidth, then allreduce on CuPy arrays), calibrate (`gflow calibrate --device`, and the model with
 # it), aware (is either MPI wheel CUDA-aware?), tests (every test with a device variant), node (the
 # node phase in CUDA IPC peer memory against the staged ring at 2, 4 and 8 ranks sharing the GPU; the
-# staged cross-node phase on posed nodes). Logs go to $OUT if it is set, else bench/out.
+# staged cross-node phase on posed nodes), nccl (does NCCL take two ranks on one GPU?), train
+# (gflow.torch on CUDA tensors against DDP over gloo, ResNet-50, 2 and 4 ranks on the GPU). Logs go
+# to $OUT if it is set, else bench/out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${GPU_CHECK_STEPS:-kernels calibrate aware tests node}
+STEPS=${GPU_CHECK_STEPS:-kernels calibrate aware tests node nccl train}
 LOGS=${OUT:-bench/out}
 mkdir -p "$LOGS"
 PY=python3
@@ -89,7 +91,14 @@ for s in $STEPS; do
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 step aware 60 /tmp/ompi-venv/bin/python bench/cuda_aware_mpi.py
     fi
     ;;
-  *) echo "unknown step $s (kernels node tests calibrate aware)"; status=1 ;;
+  nccl)
+    step nccl 60 mpiexec -n 2 $PY bench/nccl_one_gpu.py
+    ;;
+  train)
+    step train 200 $PY bench/train.py --device cuda --models resnet50 --networks shm --procs 2 4 \
+      --rounds 3 --warmup 2 --steps 4 --contenders "DDP gloo" "DDP gloo + fp16 hook" "gflow dense" "gflow fp16"
+    ;;
+  *) echo "unknown step $s (kernels calibrate aware tests node nccl train)"; status=1 ;;
   esac
 done
 exit $status

@@ -54,6 +54,10 @@ branch's version builds the model with norm_layer=hvd.SyncBatchNorm (gflow.torch
 ResNets, with batch norm synchronized across ranks, but not AlexNet (which takes no norm_layer, with
 Horovod too); a release tag's version builds plain models and runs both.
 
+On a GPU, `--device cuda --models resnet50 --networks shm` runs every rank on GPU 0 (ResNet-50 at
+224x224, batch 32 per rank), the DDP contenders on CUDA tensors through gloo (NCCL refuses two ranks
+on one GPU), gflow through its device path; results go to OUT_cuda. bench/gpu_check.sh runs it.
+
 Memory: AlexNet peaks at about 3 GiB per rank (the CSC contender; one contender is alive at a time),
 so p = 4 needs about 12 GiB free.
 
@@ -87,7 +91,7 @@ HVD_SCRIPT = os.path.join(HERE, "horovod_synthetic_benchmark.py")
 HVD_WRAPPER = os.path.join(HERE, "horovod_wrapper.py")
 
 # model -> (input side, batch per rank)
-INPUTS = {"resnet18": (128, 8), "alexnet": (224, 4)}
+INPUTS = {"resnet18": (128, 8), "alexnet": (224, 4), "resnet50": (224, 32)}  # resnet50: --device cuda's
 CONTENDERS = [
     "plain", "DDP gloo", "DDP gloo + fp16 hook", "gflow dense", "gflow dense views", "gflow fp16",
     "gflow CSC 1%",
@@ -117,6 +121,17 @@ def _torch_setup():
     return torch
 
 
+def _init_store(comm):
+    """A torch.distributed TCP store on 127.0.0.1, rank 0's port handed out through MPI."""
+    import torch.distributed as dist
+
+    if comm.rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, comm.size, is_master=True, wait_for_workers=False)
+        comm.bcast(store.port, root=0)
+        return store
+    return dist.TCPStore("127.0.0.1", comm.bcast(None, root=0), comm.size, is_master=False)
+
+
 def _init_gloo(comm):
     """torch.distributed over gloo from MPI's rank and size: a TCP store on 127.0.0.1, gloo on lo."""
     import torch.distributed as dist
@@ -124,13 +139,7 @@ def _init_gloo(comm):
     if dist.is_initialized():
         return
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # inside the namespace: the rate-limited loopback
-    if comm.rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, comm.size, is_master=True, wait_for_workers=False)
-        port = comm.bcast(store.port, root=0)
-    else:
-        port = comm.bcast(None, root=0)
-        store = dist.TCPStore("127.0.0.1", port, comm.size, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size)
+    dist.init_process_group("gloo", store=_init_store(comm), rank=comm.rank, world_size=comm.size)
 
 
 class Runner:
@@ -218,11 +227,11 @@ def worker(args) -> None:
     names = [c for c in args.contenders if not (c == "plain" and p > 1)]
     if any(c.startswith("DDP") for c in names):
         _init_gloo(comm)
-    base = _make_model(args.model)
+    base = _make_model(args.model).to(args.device)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
-    data = torch.randn(batch, 3, side, side, generator=gen)
-    target = torch.randint(0, 1000, (batch,), generator=gen)
-    label = f"{args.model} {side}x{side} b{batch} p={p} {args.network}"
+    data = torch.randn(batch, 3, side, side, generator=gen).to(args.device)
+    target = torch.randint(0, 1000, (batch,), generator=gen).to(args.device)
+    label = f"{args.model} {side}x{side} b{batch} p={p} {args.network} {args.device}"
     times = {n: [] for n in names}  # the slowest rank's step seconds, every timed step of every round
     rounds = {n: [] for n in names}  # img/s of each round (its median step)
     losses, mismatches = {n: [] for n in names}, {n: 0 for n in names}
@@ -517,7 +526,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", nargs="+", default=list(INPUTS), choices=list(INPUTS))
+    parser.add_argument("--models", nargs="+", default=["resnet18", "alexnet"], choices=list(INPUTS))
+    parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="cuda: every rank on GPU 0 (into OUT_cuda)"
+    )
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--networks", nargs="+", default=["shm", "1gbit"])
     parser.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
@@ -545,6 +557,8 @@ def main() -> None:
         worker(args)
         return
     command = "python bench/train.py " + " ".join(sys.argv[1:])
+    if args.device == "cuda" and args.out == OUT:
+        args.out = OUT + "_cuda"
     if args.quick:  # a smoke run: its own folder, so it never mixes with the measured figures
         args.rounds, args.warmup, args.steps = 1, 1, 2
         if args.out == OUT:
@@ -571,7 +585,8 @@ def main() -> None:
                 worker_args = [
                     "--worker", "--model", model, "--network", network, "--side", str(side),
                     "--batch", str(batch), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-                    "--steps", str(args.steps), "--out", args.out, "--contenders", *args.contenders,
+                    "--steps", str(args.steps), "--out", args.out, "--device", args.device,
+                    "--contenders", *args.contenders,
                 ]  # fmt: skip
                 rate = None if network == "shm" else netem.parse_rate(network)
                 netem.launch(os.path.abspath(__file__), p, worker_args, rate)
