@@ -119,6 +119,18 @@ def test_the_device_path_costs_what_gflow_runs():
         model.cluster(CAL, 56e9, 5e-6, 8, transport="tcp")
 
 
+def test_auto_takes_the_device_node_phase_from_two_ranks():
+    """As dispatch.settle_auto: on one node of two ranks, auto is the ring for host arrays and the
+    (CUDA IPC) node phase for device arrays; of three, the node phase for both."""
+    device = model.cluster(CAL, 56e9, 5e-6, 8, transport="staged")
+    big = 64 * 2**20
+    for ranks, cal, expected in [(2, CAL, "ring"), (2, device, "hierarchical"), (3, CAL, "hierarchical"),
+                                 (3, device, "hierarchical")]:  # fmt: skip
+        auto = model.allreduce_time(big, ranks, calibration=cal)
+        chosen = model.allreduce_time(big, ranks, algorithm=expected, calibration=cal)
+        assert auto == chosen, (ranks, expected)
+
+
 def test_device_terms_are_measured_and_kept(tmp_path):
     """`calibrate --device`'s terms: measured on the device (here the simulator's), saved, loaded, and
     kept by cluster(), which otherwise assumes a PCIe rate; a calibration from before them loads."""

@@ -256,8 +256,9 @@ def allreduce_time(
             algorithm = "recursive_doubling"
         elif m > 1:
             algorithm = "hierarchical" if k > 1 and nbytes >= DEFAULT_HIERARCHICAL_MIN_BYTES else "ring"
-        else:
-            algorithm = "hierarchical" if k > 2 and nbytes >= DEFAULT_SHARED_MEMORY_MIN_BYTES else "ring"
+        else:  # (device arrays: the IPC node phase from two ranks; host ones from three)
+            least = 2 if cal.transport else 3
+            algorithm = "hierarchical" if k >= least and nbytes >= DEFAULT_SHARED_MEMORY_MIN_BYTES else "ring"
     if algorithm == "recursive_doubling":
         rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
         # Round i pairs ranks 2**i apart: the first log2(k) rounds stay inside a node of consecutive ranks.
