@@ -85,6 +85,33 @@ def test_dense_equals_mpis_allreduce_mean():
 
 
 @pytest.mark.parallel(SIZES)
+def test_device_parameters_get_a_device_pool(monkeypatch):
+    """Numba device arrays as parameters: gradient_buffers() are device arrays carved out of a
+    device pool, in the node's peer memory from two ranks (CUDA IPC; the simulator's twin here), and
+    synchronize() leaves the mean in them."""
+    from numba import cuda
+
+    from gflow.collectives import hierarchical
+
+    monkeypatch.setattr(gflow.config, "small_message_bytes", 0)  # (the node phase, small, for the simulator)
+    monkeypatch.setattr(gflow.config, "shared_memory_min_bytes", 64)
+    host = make_params(3)
+    params = {k: cuda.to_device(v) for k, v in host.items()}
+    dp = DataParallel(params, threshold_bytes=256)
+    buffers = dp.gradient_buffers()
+    in_pool = [any(p.place(b) is not None for p in hierarchical._pools) for b in buffers.values()]
+    assert in_pool == [WORLD.size > 1] * len(buffers), in_pool
+    for step in range(2):
+        grads = random_grads(rank_rng(40 + step), host)
+        for key in reversed(list(params)):
+            buffers[key].copy_to_device(grads[key])
+            dp.push(key)
+        assert dp.synchronize() is True
+        for key, b in buffers.items():
+            on_all_ranks(lambda b=b, g=grads[key]: assert_close_to_reference(b.copy_to_host(), g, "mean"))
+
+
+@pytest.mark.parallel(SIZES)
 def test_any_push_order_and_an_unused_parameter_still_agree():
     params = make_params(2)
     keys = list(params)

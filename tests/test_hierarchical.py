@@ -513,6 +513,79 @@ def test_lazy_gradient_pool_lives_in_shared_memory(monkeypatch, reduce_in_place)
                 assert copies == [], copies  # every node phase read the pools where they are
 
 
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("reduce_in_place", [False, True])
+def test_a_device_gradient_pool_lives_in_the_nodes_peer_memory(monkeypatch, reduce_in_place):
+    """gradient_buffers(memory="device") carves device arrays out of each node's peer memory (CUDA
+    IPC; its simulator twin, a host window seen as device arrays, here) from two ranks of a node, and
+    a segment pushed from it is reduced straight from every rank's pool: no copy into the slots."""
+    from gflow.collectives import hierarchical
+
+    # Small, for the simulator: every segment takes the node phase (no latency path, a low threshold).
+    monkeypatch.setattr(gflow.config, "small_message_bytes", 0)
+    monkeypatch.setattr(gflow.config, "shared_memory_min_bytes", 1024)
+    copies = []
+    real_copy_in = hierarchical._copy_in
+    monkeypatch.setattr(hierarchical, "_copy_in", lambda *a: (copies.append(a[2].size), real_copy_in(*a)))
+    shapes = [(40, 30), (7,), (0, 5), (20, 50), (300,)]  # three segments, an empty gradient
+    rng = rank_rng(17)
+    for setting in ["", "2"]:
+        with posed_nodes(setting) as comm:
+            lazy = gflow.LazyAllreduce(threshold_bytes=4000, op="sum", comm=comm)
+            grads = lazy.gradient_buffers(shapes, reduce_in_place=reduce_in_place, memory="device")
+            assert all(not isinstance(g, np.ndarray) and hasattr(g, "copy_to_host") for g in grads)
+            shared = max(len(n) for n in expected_nodes(setting, WORLD.size)) > 1
+            in_pool = [any(p.place(g) is not None for p in hierarchical._pools) for g in grads if g.size]
+            assert in_pool == [shared] * len(in_pool), (setting, in_pool)
+            assert all(not g.copy_to_host().any() for g in grads)  # zeroed
+            for step in range(2):
+                values = [random_array(rng, s, np.float32) for s in shapes]
+                for g, v in zip(grads, values, strict=True):
+                    g.copy_to_device(v)
+                copies.clear()
+
+                def run(lazy=lazy, grads=grads):
+                    for g in grads:
+                        lazy.push(g)
+                    lazy.flush()
+
+                on_all_ranks(run, f"nodes={setting or 'MPI'} step {step}")
+                for g, v in zip(grads, values, strict=True):
+                    on_all_ranks(lambda g=g, v=v: assert_close_to_reference(g.copy_to_host(), v, "sum"))
+                    assert_same_on_all_ranks(g.copy_to_host())
+                assert copies == [], copies  # every node phase read the pools where they are
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_device_pool_without_ipc_is_private_and_says_why(monkeypatch):
+    """Where CUDA IPC is off, a device pool is this rank's private device memory, with a warning
+    naming the reason; the node phase copies it in, and the results are right. A bfloat16 device
+    pool, or another memory, is refused on the rank that asks and fails the others."""
+    from gflow.collectives import hierarchical
+
+    monkeypatch.setattr(gflow.config, "small_message_bytes", 0)  # (the node phase, small, for the simulator)
+    monkeypatch.setattr(gflow.config, "shared_memory_min_bytes", 1024)
+    lazy = gflow.LazyAllreduce(threshold_bytes=2**20, op="sum")
+    monkeypatch.setenv("GFLOW_CUDA_IPC", "0")
+    with pytest.warns(RuntimeWarning, match="private memory.*GFLOW_CUDA_IPC=0"):
+        (grad,) = lazy.gradient_buffers([(3000,)], memory="device")
+    assert not any(p.place(grad) is not None for p in hierarchical._pools)
+    monkeypatch.delenv("GFLOW_CUDA_IPC")
+    values = random_array(rank_rng(18), grad.shape, np.float32)
+    grad.copy_to_device(values)
+    lazy.push(grad)
+    lazy.flush()
+    on_all_ranks(lambda: assert_close_to_reference(grad.copy_to_host(), values, "sum"))
+    last = WORLD.rank == WORLD.size - 1
+    for bad in [dict(dtype=BF16, memory="device"), dict(memory="disk")]:
+        if last:
+            with pytest.raises(ValueError, match="bfloat16|memory"):
+                lazy.gradient_buffers([(10,)], **bad)
+        else:
+            with pytest.raises(gflow.MismatchError):
+                lazy.gradient_buffers([(10,)], memory="device")
+
+
 @pytest.mark.parallel([2, 3, 4])
 def test_a_rank_whose_input_is_not_in_its_pool_gets_the_copy_path():
     """Ranks of a node that pass pool memory and ranks that pass an ordinary array (or another place

@@ -22,7 +22,6 @@ The node phase has two forms:
 Every block is reduced by one rank, in one fixed order, then copied: all ranks get the same bits.
 """
 
-import numpy as np
 from mpi4py import MPI
 
 from ..runtime import shared_memory, timeline
@@ -82,13 +81,13 @@ class Hierarchy:
             self._peers[key] = (slots, all_staged)
         return self._peers[key]
 
-    def pool_views(self, src):
-        """(tag, views, pool): when src lies in a shared pool this node phase can read, each node
-        rank's memory at the same place, and a tag naming the pool and the place, for the node ranks
-        to check that they all pass theirs; (0, None, None) when it does not."""
-        if not isinstance(src, np.ndarray):
-            return 0, None, None
+    def pool_views(self, src, memory: str):
+        """(tag, views, pool): when src (of `memory`, "host" or "device") lies in a shared pool this
+        node phase can read, each node rank's memory at the same place, and a tag naming the pool and
+        the place, for the node ranks to check that they all pass theirs; (0, None, None) when not."""
         for pool in _pools:
+            if pool.mapping.memory != memory:
+                continue
             start = pool.place(src)
             if start is not None and MPI.Group.Compare(pool.group, self.node_group) == MPI.IDENT:
                 return pool.tag(start), pool.views(src, start), pool
@@ -109,24 +108,27 @@ class Hierarchy:
 
 
 class SharedPool:
-    """One rank's gradient pool in an MPI shared-memory window of its node, and its peers' pools.
-    Kept until the process ends (freeing a window is collective over the node, and arrays handed
-    out may still point into it)."""
+    """One rank's gradient pool in its node's peer memory (an MPI shared window for host pools, CUDA
+    IPC for device ones: the mapping, collectives/peer_memory.py), and its peers' pools. Kept until
+    the process ends (freeing is collective over the node, and arrays handed out may still point
+    into it)."""
 
-    def __init__(self, window, memory, local: int, group, ident: int):
-        self.window, self.memory, self.local, self.group, self.ident = window, memory, local, group, ident
+    def __init__(self, mapping, memory, local: int, group, ident: int):
+        self.mapping, self.memory, self.local, self.group, self.ident = mapping, memory, local, group, ident
+        self._own = mapping.address(memory[local])
 
     def place(self, src):
         """src's byte offset in this rank's pool; None if src is not (wholly, contiguously) in it."""
-        own = self.memory[self.local]
-        start = src.__array_interface__["data"][0] - own.__array_interface__["data"][0]
-        if not src.flags.c_contiguous or start < 0 or start + src.nbytes > own.nbytes:
+        at = self.mapping.address(src)
+        if at is None:
             return None
-        return start
+        start = at[0] - self._own[0]
+        return start if 0 <= start and start + at[1] <= self._own[1] else None
 
     def views(self, src, start: int):
-        """Each node rank's pool memory at byte offset `start`, shaped as src."""
-        return [m[start : start + src.nbytes].view(src.dtype) for m in self.memory]
+        """Each node rank's pool memory at byte offset `start`, shaped as src (flat)."""
+        nbytes = src.size * src.dtype.itemsize  # (a Numba device array has no .nbytes to trust)
+        return [m[start : start + nbytes].view(src.dtype) for m in self.memory]
 
     def tag(self, start: int) -> int:
         """This pool and the offset, as one number the node ranks compare."""
@@ -139,34 +141,50 @@ _next_pool = 1  # a pool's number is agreed by its node ranks: the largest of th
 MAX_SHARED_POOLS = 64
 
 
-def shared_pool(ctx: CommContext, nbytes: int):
-    """(memory, None): nbytes of zeroed host memory for this rank's gradient pool in a shared window
-    of its node, so that the node phase reads every rank's gradients where they were written (no
-    copy in); or (None, why) when that cannot help (auto would not take the node phase: no shared
-    memory, one rank per node, two ranks on one node), the node lacks room for it, or this process
-    already holds MAX_SHARED_POOLS pools. Collective over ctx; every rank gets a window or none."""
+def shared_pool(ctx: CommContext, nbytes: int, memory: str = "host"):
+    """(pool, None): nbytes of zeroed memory of `memory` ("host" or "device") for this rank's
+    gradient pool in its node's peer memory (a shared window; CUDA IPC), so that the node phase reads
+    every rank's gradients where they were written (no copy in); or (None, why) when that cannot help
+    (auto would not take the node phase: no shared memory, one rank per node, or, for host pools,
+    two ranks on one node), the node cannot map it or lacks room for it, or this process already
+    holds MAX_SHARED_POOLS pools. Collective over ctx; every rank of a node gets a pool or none."""
     global _next_pool
     h = hierarchy(ctx)
     topo = h.topology
     largest = max(len(n) for n in topo.nodes)
-    useful = topo.shared_memory and (largest > 1 if len(topo.nodes) > 1 else ctx.size > 2)
+    alone = 1 if memory == "device" else 2  # (auto's node phase: settle_auto)
+    useful = topo.shared_memory and (largest > 1 if len(topo.nodes) > 1 else ctx.size > alone)
+    mapping, why = None, None
+    if useful:
+        if memory == "host":
+            mapping = shared_memory.HostWindow()
+        else:
+            from ..cuda import ipc
+
+            mapping, why = ipc.mapping(topo.shared_memory)
     size = shared_memory.pages(nbytes)
-    room = h.node.comm.allreduce(shared_memory.room(), op=MPI.MIN) if useful else 0
-    fits = useful and size * h.node.size <= room // 2 and len(_pools) < MAX_SHARED_POOLS
+    room = h.node.comm.allreduce(mapping.room() if mapping else 0, op=MPI.MIN)
+    fits = mapping is not None and size * h.node.size <= room // 2 and len(_pools) < MAX_SHARED_POOLS
     if not ctx.comm.allreduce(bool(fits), op=MPI.LAND):
         if not useful:
             return None, None
         if len(_pools) >= MAX_SHARED_POOLS:
             return None, f"this process already holds {MAX_SHARED_POOLS} shared pools (kept until exit)"
+        if not ctx.comm.allreduce(mapping is not None, op=MPI.LAND):
+            return None, why or "another rank cannot map its node's peer memory"
+        where = mapping.where
         return None, (
-            f"{size * h.node.size >> 20} MiB on this node, and {shared_memory.SHM} has {room >> 20} MiB free "
-            f"(gflow takes at most half of it); give {shared_memory.SHM} more room"
+            f"a shared pool needs {size * h.node.size >> 20} MiB on this node, and {where} has "
+            f"{room >> 20} MiB free (gflow takes at most half of it); give {where} more room"
         )
     ident = h.node.comm.allreduce(_next_pool, op=MPI.MAX)
     _next_pool = ident + 1
-    window, memory = shared_memory.allocate(h.node.comm, size, h.local)
-    _pools.append(SharedPool(window, memory, h.local, h.node.comm.Get_group(), ident))
-    return memory[h.local][:nbytes], None
+    try:
+        memory_of = mapping.allocate(h.node.comm, size, h.local)
+    except shared_memory.PeerMemoryUnavailable as failure:  # (raised on every rank of the node)
+        return None, str(failure)
+    _pools.append(SharedPool(mapping, memory_of, h.local, h.node.comm.Get_group(), ident))
+    return memory_of[h.local][:nbytes], None
 
 
 def hierarchy(ctx: CommContext) -> Hierarchy:
@@ -225,7 +243,7 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str, stag
     with timeline.span("node phase", bytes=dst.nbytes, ranks=h.node.size) as phase:
         if slots is not None:
             mine = slots[h.local]
-            tag, pools, pool = h.pool_views(src)
+            tag, pools, pool = h.pool_views(src, ops.memory)
             own = src if _reads_in_place(src, ops) else None  # see _copy_in
             if pools is None:
                 _copy_in(ops, mine, src, lo, hi, own is None)

@@ -103,17 +103,17 @@ class NodeSlots:
         is seen after it on all), and tells whether every node rank passed the same `value`. It waits
         politely, yielding the core between polls: a node phase is memory-bound work spread over
         every rank of the node, and a rank spinning in a barrier would slow the ones still working
-        whenever ranks outnumber cores. `pool`: a SharedPool whose window is ordered too."""
+        whenever ranks outnumber cores. `pool`: a SharedPool whose memory is ordered too."""
         self.mapping.before_barrier()
         if pool is not None:
-            pool.window.Sync()
+            pool.mapping.before_barrier()
         values = np.array([value, -value], np.int64)
         extremes = np.empty(2, np.int64)
         request = self.node.comm.Iallreduce(values, extremes, op=MPI.MIN)
         (self.node.waitall if self.node.is_background else _yielding_wait)([request])
         self.mapping.after_barrier()
         if pool is not None:
-            pool.window.Sync()
+            pool.mapping.after_barrier()
         return extremes[0] == -extremes[1]
 
     def _release(self) -> None:

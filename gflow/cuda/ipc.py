@@ -23,6 +23,7 @@ from numba import cuda
 
 from ..runtime.shared_memory import HostWindow, PeerMemoryUnavailable
 from .memory import SIMULATED
+from .memory import address as device_address
 
 ENV = "GFLOW_CUDA_IPC"
 
@@ -94,6 +95,9 @@ class CudaIpc:
             raise PeerMemoryUnavailable(next(e for e in errors if e))
         return memory
 
+    def address(self, x):
+        return device_address(x)
+
     def before_barrier(self) -> None:
         cuda.synchronize()
 
@@ -117,6 +121,9 @@ class SimulatedIpc(HostWindow):
 
     memory = "device"
     where = "device memory (simulated: a host shared window)"
+
+    def address(self, x):
+        return device_address(x)
 
     def allocate(self, node_comm, nbytes: int, local: int) -> list:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray

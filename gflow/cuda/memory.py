@@ -13,6 +13,7 @@ Under NUMBA_ENABLE_CUDASIM=1 (tests without a GPU) "device memory" is host memor
 wrap NumPy arrays, and a bare __cuda_array_interface__ object's pointer is read as a host address.
 """
 
+import math
 import os
 import sys
 
@@ -100,6 +101,16 @@ def prepare_out(x, out, dtype, count: int, name: str = "out"):
         raise ValueError(f"{name} is read-only; the result is written into it: pass a writable array")
     sync_producer(out)  # work queued on out's own stream may still read or write it
     return out
+
+
+def address(x):
+    """(device address, bytes) of x if it is a C-contiguous device array, else None."""
+    if SIMULATED and type(x).__name__ == "FakeCUDAArray":
+        return (x._ary.__array_interface__["data"][0], x._ary.nbytes) if x._ary.flags.c_contiguous else None
+    if getattr(x, "__cuda_array_interface__", None) is None:
+        return None
+    shape, dtype, contiguous = describe(x)
+    return (x.__cuda_array_interface__["data"][0], math.prod(shape) * dtype.itemsize) if contiguous else None
 
 
 def writable(x) -> bool:

@@ -59,34 +59,43 @@ def check_shapes(shapes, dtype: np.dtype) -> list:
     return shapes
 
 
-def pool_memory(parent, shapes, dtype: np.dtype):
-    """Zeroed bytes for a pool of `shapes` (64-byte aligned size): in the node's shared memory when
-    that helps (agreed by every rank of `parent`, the caller's CommContext, on its background channel,
-    in order with the segments), else private memory. parent None: one rank alone."""
+def pool_memory(parent, shapes, dtype: np.dtype, memory: str = "host"):
+    """Zeroed bytes of `memory` ("host" or "device") for a pool of `shapes` (64-byte aligned size):
+    in the node's peer memory when that helps (agreed by every rank of `parent`, the caller's
+    CommContext, on its background channel, in order with the segments), else private memory.
+    parent None: one rank alone."""
     count = sum(math.prod(shape) for shape in shapes)
     nbytes = -(-count * dtype.itemsize // 64) * 64
     if parent is None:
-        return np.zeros(nbytes, np.uint8)
+        return _private(nbytes, memory)
     ctx = parent.background()
     layout = b"".join(shape_bytes(shape) for shape in shapes) + struct.pack("<q", len(shapes))
-    sig = signature("gradient_buffers", "mpi", count, dtype, None, extra=zlib.crc32(layout))
+    sig = signature("gradient_buffers", "mpi", count, dtype, None, extra=zlib.crc32(layout), memory=memory)
 
     def allocate():
         ctx.check_usable()
         if config.validate:
             allreduce_with_agreement(ctx, sig, config.small_message_bytes)
-        return hierarchical.shared_pool(ctx, nbytes)
+        return hierarchical.shared_pool(ctx, nbytes, memory)
 
     handle = engine.submit("gradient_buffers", allocate, ctx=ctx, on_failure=parent.reset_background)
-    memory, why_not = handle.wait()
+    pool, why_not = handle.wait()
     if why_not:
         warnings.warn(
             f"gflow: LazyAllreduce.gradient_buffers: the gradient pool stays in private memory (the "
-            f"hierarchical allreduce's node phase then copies it in): a shared pool needs {why_not}",
+            f"hierarchical allreduce's node phase then copies it in): {why_not}",
             RuntimeWarning,
             stacklevel=3,
         )
-    return np.zeros(nbytes, np.uint8) if memory is None else memory
+    return _private(nbytes, memory) if pool is None else pool
+
+
+def _private(nbytes: int, memory: str):
+    if memory == "host":
+        return np.zeros(nbytes, np.uint8)
+    from ..cuda import ops
+
+    return ops.zeros(nbytes, np.uint8)
 
 
 class GradientPool:
@@ -107,7 +116,7 @@ class GradientPool:
         self.flat = memory.view(dtype)[:count]
         self.offsets = [0, *itertools.accumulate(sizes)]
         self.arrays = [
-            self.flat[start : start + size].reshape(shape)
+            _shaped(self.flat, start, size, shape)
             for start, size, shape in zip(self.offsets, sizes, shapes, strict=False)
         ]
         self.index = {id(a): i for i, a in enumerate(self.arrays)}
@@ -127,14 +136,26 @@ class GradientPool:
         return self.flat[self.offsets[start] : self.offsets[end]]
 
 
+def _shaped(flat, start: int, size: int, shape):
+    """flat[start : start + size] as `shape`. (An empty device array is a new one: Numba can neither
+    slice nor reshape into one.)"""
+    if size == 0 and not isinstance(flat, np.ndarray):
+        from numba import cuda
+
+        return cuda.device_array(shape, flat.dtype)
+    return flat[start : start + size].reshape(shape)
+
+
 class PooledGradients:
     """LazyAllreduce.gradient_buffers() (a mixin of LazyAllreduce, lazy.py; self._pool is its
     GradientPool)."""
 
     def gradient_buffers(
-        self, shapes, dtype=np.float32, *, reduce_in_place: bool = False, private=False
+        self, shapes, dtype=np.float32, *, reduce_in_place: bool = False, private=False, memory: str = "host"
     ) -> list:
-        """Host arrays for gradients, carved out of the fusion pool (DDP's gradient_as_bucket_view).
+        """Arrays for gradients, carved out of the fusion pool (DDP's gradient_as_bucket_view): host
+        arrays, or with memory="device" Numba device arrays (wrap them with cupy.asarray or
+        torch.as_tensor: no copy), not of bfloat16 (Numba has no such type).
 
         Give the shapes in the order the gradients will be pushed. Writing each gradient into its
         array and pushing that array costs no copy into the pool; flush() copies the results back
@@ -145,11 +166,12 @@ class PooledGradients:
         compression (the pool would hold the 2-byte type, so pushing casts anyway); sparse segments
         keep full precision, so they may.
 
-        Collective: every rank calls it, with the same shapes and dtype (a rank whose arguments fail
-        its checks raises its error, the others MismatchError). Where the hierarchical allreduce's
-        node phase would run (nodes of several ranks with shared memory; on one node, three ranks or
-        more), the pool is allocated in an MPI shared-memory window of the node, so that the node
-        phase reads each rank's gradients where backward wrote them (collectives/hierarchical.py).
+        Collective: every rank calls it, with the same shapes, dtype and memory (a rank whose
+        arguments fail its checks raises its error, the others MismatchError). Where the hierarchical
+        allreduce's node phase would run (nodes of several ranks with shared memory; on one node,
+        three ranks or more, or two for device pools), the pool is allocated in the node's peer
+        memory (an MPI shared-memory window; device memory exported through CUDA IPC), so that the
+        node phase reads each rank's gradients where backward wrote them (collectives/hierarchical.py).
         It reads the communicator's topology (GFLOW_RANKS_PER_NODE) if no allreduce has yet. Each
         call allocates a new pool, kept until the process ends; past
         hierarchical.MAX_SHARED_POOLS of them, or without room in /dev/shm, the pool is in private
@@ -177,10 +199,17 @@ class PooledGradients:
                 )
             dtype = check_dtype(np.dtype(dtype))
             check_op(self.op, dtype)
+            if memory not in ("host", "device"):
+                raise ValueError(f"gradient_buffers: memory must be 'host' or 'device', got {memory!r}")
+            if memory == "device" and dtype.kind == "V":
+                raise ValueError(
+                    "gradient_buffers: no bfloat16 device pool (Numba arrays cannot hold bfloat16); push "
+                    "bfloat16 CUDA tensors, or take a float32 pool"
+                )
             shapes = check_shapes(shapes, dtype)
         except Exception as exc:
             if not (self._alone() or private):  # the peers are about to allocate with this rank
                 rejected_in_background(context(self._comm), "gradient_buffers", exc).wait()  # raises exc
             raise
-        memory = pool_memory(None if self._alone() or private else context(self._comm), shapes, dtype)
-        return self._pool.carve(memory, shapes, dtype, reduce_in_place)
+        parent = None if self._alone() or private else context(self._comm)
+        return self._pool.carve(pool_memory(parent, shapes, dtype, memory), shapes, dtype, reduce_in_place)

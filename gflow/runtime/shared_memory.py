@@ -81,6 +81,12 @@ class HostWindow:
         self._window, memory = allocate(node_comm, nbytes, local)
         return memory
 
+    def address(self, x):
+        """(address, bytes) of x if it is a C-contiguous host array, else None."""
+        if not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
+            return None
+        return x.__array_interface__["data"][0], x.nbytes
+
     def before_barrier(self) -> None:
         self._window.Sync()
 

@@ -155,6 +155,16 @@ class _Absent:
 _ABSENT = _Absent()
 
 
+def _pool_memory(params) -> str | None:
+    """ "host" when every parameter is a NumPy array, "device" when every one is a Numba device
+    array (the kind a device pool hands out), else None (no pool: new arrays of each kind)."""
+    if all(type(p) is np.ndarray for p in params):
+        return "host"
+    if params and all(type(p).__name__ in ("DeviceNDArray", "FakeCUDAArray") for p in params):
+        return "device"
+    return None
+
+
 class DataParallel:
     """Data-parallel gradient averaging for a custom trainer: fusion, overlap, fp16 or sparse
     communication and loss scaling behind push() and synchronize() (see the module docstring).
@@ -250,9 +260,10 @@ class DataParallel:
         """Arrays for the gradients, keyed as params (a dict or a list): write each gradient into
         its array and push(key) it.
 
-        When every parameter is a NumPy floating array of one dtype (and not dense fp16, whose pool
-        holds float16), they are views of LazyAllreduce's fusion pool, so pushing costs no copy;
-        otherwise new arrays of each parameter's kind. The same arrays on every call, zeroed on the
+        When every parameter is a NumPy floating array of one dtype, or every one a Numba device
+        array of one dtype (not bfloat16), and not with dense fp16 (whose pool holds float16), they
+        are views of LazyAllreduce's fusion pool (in host or device memory), so pushing costs no
+        copy; otherwise new arrays of each parameter's kind. The same arrays on every call, zeroed on the
         first. After synchronize() they hold the reduced gradients. The first call is collective
         when it carves the pool (LazyAllreduce.gradient_buffers): every rank calls it then, unless
         private=True (the pool in this rank's private memory). reduce_in_place=True: the pool is
@@ -262,17 +273,21 @@ class DataParallel:
         if self._buffers is None:
             lazy = self._lazy
             dtypes = set(self._slot_dtypes)
+            memory = _pool_memory(self._slot_params)
             pool = (
-                all(type(p) is np.ndarray for p in self._slot_params)
+                memory is not None
                 and len(dtypes) == 1
+                and not (memory == "device" and next(iter(dtypes)).kind == "V")  # (no bfloat16 on Numba)
                 and not (lazy.compression and not lazy.sparse)
             )
             if pool:
                 buffers = lazy.gradient_buffers(
-                    self._slot_shapes, dtypes.pop(), private=private, reduce_in_place=reduce_in_place
-                )
-                for b in buffers:
-                    b[...] = 0
+                    self._slot_shapes, dtypes.pop(), private=private, reduce_in_place=reduce_in_place,
+                    memory=memory,
+                )  # fmt: skip
+                if memory == "host":  # (a device pool is zeroed where it is made)
+                    for b in buffers:
+                        b[...] = 0
             else:
                 buffers = [_zeros_like(p) for p in self._slot_params]
             self._buffers = buffers
