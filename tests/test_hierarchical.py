@@ -151,6 +151,32 @@ def test_device_arrays_go_in_larger_pieces_and_empty_ones_in_none(monkeypatch):
         assert empty.size == 0 and pieces == [] and context(comm).topology is not None
 
 
+@pytest.mark.parallel([2, 3])
+def test_device_pieces_shrink_to_the_room_of_the_peer_memory(monkeypatch):
+    """Where peer memory lacks room for the largest device piece, the pieces halve until the slots
+    fit (the node phase stays in peer memory, no ring, no warning), alike on every rank."""
+    import warnings
+
+    from numba import cuda
+
+    from gflow.collectives import hierarchical
+    from gflow.cuda import ipc
+
+    pieces = []
+    real_piece = hierarchical._allreduce_piece
+    monkeypatch.setattr(
+        hierarchical, "_allreduce_piece", lambda *a, **kw: (pieces.append(a[2].size), real_piece(*a, **kw))
+    )
+    monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 4096)  # (device pieces up to 64 KiB)
+    monkeypatch.setattr(ipc.SimulatedIpc, "room", lambda self: 4 * WORLD.size * 16384)  # for 16 KiB slots
+    x = random_array(rank_rng(23), 16 * 1024 + 5, np.float32)  # 64 KiB and 20 bytes
+    with posed_nodes("") as comm, warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "using a ring inside the node")
+        y = gflow.allreduce(cuda.to_device(x), algorithm="hierarchical", comm=comm).copy_to_host()
+    assert pieces == [4096] * 4 + [5], pieces
+    on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))
+
+
 @pytest.mark.parallel(SIZES)
 def test_shared_windows_start_where_copies_out_of_them_run_at_full_speed():
     """Every rank's part of a shared window (the node phase's slots, the gradient pools) starts

@@ -213,6 +213,21 @@ def test_cast_bf16_in_place():
     _assert_same_bits(d.copy_to_host().view(BF16), expected)
 
 
+def test_cast_bf16_to_bf16_flags_alike_near_the_largest_value():
+    """bfloat16 to bfloat16 (LossScaler.unscale): a product just above bfloat16's largest value that
+    rounds down to it is no overflow, one that rounds to inf is, on the host and the device alike."""
+    import ml_dtypes
+
+    top = float(ml_dtypes.finfo(BF16).max)
+    for scale, overflows in [(1.001, False), (1.0, False), (1.01, True), (np.inf, True)]:
+        src = np.array([1.0, top, -top, 3.0], BF16)
+        expected = np.empty_like(src)
+        flag = host.cast_scaled(expected, src, scale)
+        d = _on_device(src)
+        assert dev.cast_scaled(d, d, scale) == flag == overflows, scale
+        _assert_same_bits(d.copy_to_host().view(BF16), expected)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize(("n", "chunk"), [(0, 4), (1, 4), (20, 1), (90, 7), (256, 64), (250, 64)])
 def test_chunk_norms_match_numpy(dtype, n, chunk):

@@ -195,6 +195,14 @@ def run_cli(home, *args):
     )
 
 
+def test_calibrate_device_refuses_the_simulator(tmp_path):
+    """`calibrate --device` under Numba's simulator would record the simulator's timings as a GPU's."""
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"  # (the suite's setting: conftest.py)
+    done = run_cli(tmp_path, "calibrate", "--device", "--out", str(tmp_path / "c.json"))
+    assert done.returncode == 2 and "simulator" in done.stderr, done.stderr
+    assert not (tmp_path / "c.json").exists()
+
+
 def test_model_command_prints_the_table(tmp_path):
     calib = tmp_path / "c.json"
     CAL.save(str(calib))

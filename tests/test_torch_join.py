@@ -62,6 +62,39 @@ def test_joined_ranks_contribute_zeros_to_every_kind_of_allreduce():
 
 
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("nbytes", [64, 2**16])
+def test_joined_ranks_serve_device_allreduces_through_the_node_phase(monkeypatch, nbytes):
+    """Device arrays (Numba's simulator here) whose "auto" allreduce takes the node phase in device
+    peer memory, from two ranks: a joined rank takes part with device zeros through the same peer
+    memory (it hung when it served with host zeros: the node's ranks made different peer memory),
+    for one piece and several; the calls after join() work."""
+    from numba import cuda
+
+    monkeypatch.setattr(gflow.config, "small_message_bytes", 0)  # (the node phase, small, for the simulator)
+    monkeypatch.setattr(gflow.config, "shared_memory_min_bytes", 64)
+    monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 4096)  # (device pieces: 64 KiB)
+    p, r = WORLD.size, WORLD.rank
+    n = nbytes // 4 + 3
+    x = np.random.default_rng([62, r]).standard_normal(n).astype(np.float32)
+    everyone = WORLD.allgather(x.astype(np.float64))
+
+    def check():
+        for step in range(p):
+            if step == r + 1:
+                assert hvd.join() == p - 1
+                break
+            y = gflow.allreduce(cuda.to_device(x), "sum").copy_to_host()
+            expected = sum(everyone[q] for q in range(p) if step < q + 1)
+            np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+        else:
+            assert hvd.join() == p - 1
+        y = gflow.allreduce(cuda.to_device(x), "sum").copy_to_host()
+        np.testing.assert_allclose(y, sum(everyone), rtol=1e-5, atol=1e-5)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
 def test_distributed_optimizer_with_uneven_batches_equals_a_float64_replay():
     """Each step averages the gradients of the ranks still training over all p ranks (zeros from those
     that joined, as Horovod's); the ranks end with bitwise equal weights."""

@@ -125,6 +125,15 @@ def cast_scaled(dst: np.ndarray, src: np.ndarray, scale: float) -> bool:
         from .half_kernels import decode_bf16
 
         return bool(decode_bf16(dst, src.view(_U16), np.float32(scale)))
+    if src.dtype == BFLOAT16 and dst.dtype == BFLOAT16:
+        # LossScaler.unscale: through float32, one rounding, as the device's rescale_bf16; only a
+        # result stored as inf or NaN counts (a product that rounds down to bfloat16's max does not)
+        from .half_kernels import decode_bf16, encode_bf16
+
+        wide = np.empty(src.shape, np.float32)
+        bad_in = decode_bf16(wide, src.view(_U16), np.float32(scale))
+        bad_out = encode_bf16(dst.view(_U16), wide, np.float32(1.0))
+        return bool(bad_in or bad_out)
     scaled = np.multiply(src, np.float32(scale), dtype=np.result_type(src.dtype, np.float32))
     limit = ml_dtypes.finfo(dst.dtype).max  # (NumPy's finfo refuses bfloat16 under ml_dtypes 0.4)
     overflow = not bool(np.all(np.abs(scaled) <= limit))

@@ -213,13 +213,29 @@ def allreduce(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging=Non
     if dst.size == 0:  # (on every rank: they agreed on the size. Numba cannot slice an empty device array)
         hierarchy(ctx)  # (the topology is found as for any size)
         return
-    piece = max(4096, config.shared_memory_max_bytes) * (DEVICE_PIECE_SCALE if agreed == "device" else 1)
+    piece = max(4096, config.shared_memory_max_bytes)
+    if agreed == "device" and dst.size * dst.dtype.itemsize > piece:
+        piece = _device_piece(ctx, piece, dst.size * dst.dtype.itemsize, ops, staging)
     step = piece // dst.dtype.itemsize  # (a Numba device array has no .itemsize)
     if dst.size <= step:
         _allreduce_piece(ctx, src, dst, ops, op, agreed, staging)
         return
     for lo in range(0, dst.size, step):
         _allreduce_piece(ctx, src[lo : lo + step], dst[lo : lo + step], ops, op, agreed, staging)
+
+
+def _device_piece(ctx: CommContext, piece: int, nbytes: int, ops, staging) -> int:
+    """The piece of a device message: up to DEVICE_PIECE_SCALE times the host's, halved while some
+    node's peer memory lacks room for its slots (NodeSlots.slots' rule), so that a larger piece never
+    costs a node phase that the host-sized one would have had. Alike on every rank of ctx."""
+    h = hierarchy(ctx)
+    peers, _ = h.peers("device", ops.memory, staging is not None)
+    room = ctx.comm.allreduce(peers.room() if peers is not None else 2**62, op=MPI.MIN)
+    largest = max(len(n) for n in h.topology.nodes)
+    size = min(piece * DEVICE_PIECE_SCALE, nbytes)
+    while size > piece and 2 * shared_memory.pages(size) * largest > room // 2:
+        size //= 2
+    return max(size, piece)
 
 
 def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str, staging, with_peers=True) -> None:

@@ -85,7 +85,6 @@ def _serve(ctx: CommContext) -> None:
         if complete or collective not in SERVED_WHILE_JOINED or algorithm in ("recursive_doubling", "adasum"):
             continue  # (refused by the callers, or complete: its payload travelled in the exchange)
         dtype, count = CODE_DTYPE[int(sig[3])], int(sig[2])
-        zeros = np.zeros(count, dtype)
         # The op as the others run it: the owner of a chunk divides a mean (this rank owns some),
         # but 2-byte floats were divided first and are summed (dispatch._predivided).
         op = CODE_OP.get(int(sig[4]), "sum")
@@ -95,9 +94,28 @@ def _serve(ctx: CommContext) -> None:
         if algorithm == "auto":
             algorithm = settle_auto(ctx, count * dtype.itemsize, memory)
         if algorithm == "hierarchical":
-            hierarchical.allreduce(ctx, zeros, zeros, host, op, memory, None)
+            _hierarchical_zeros(ctx, count, dtype, op, memory)
         else:
+            zeros = np.zeros(count, dtype)
             ring.allreduce(ctx, zeros, zeros, host, op)
+
+
+def _hierarchical_zeros(ctx: CommContext, count: int, dtype, op: str, memory: str) -> None:
+    """This rank's zeros in the others' hierarchical allreduce: for device arrays, device zeros with
+    the device ops and this rank's transport, as the callers run it, so that the node phase's peer
+    memory (made collectively, per memory and transport) is the same on every rank of the node."""
+    if memory == "host":
+        zeros = np.zeros(count, dtype)
+        hierarchical.allreduce(ctx, zeros, zeros, host, op, memory, None)
+        return
+    from ..cuda.arrays import DEVICE
+
+    transport = DEVICE.transport()
+    zeros = DEVICE.ops.zeros(count, dtype)
+    if transport.name == "staged":
+        hierarchical.allreduce(ctx, zeros, zeros, DEVICE.ops, op, memory, transport)
+    else:
+        hierarchical.allreduce(ctx, zeros, zeros, transport.ops, op, memory, None)
 
 
 def _steps(ctx: CommContext) -> list:

@@ -98,6 +98,11 @@ class NodeSlots:
         self._parity ^= 1
         return [pair[self._parity][:nbytes].view(dtype) for pair in self._slots]
 
+    def room(self) -> int:
+        """The free bytes of this rank's peer memory, its own slots counted as free (slots() lets
+        them go before it asks for larger ones)."""
+        return self.mapping.room() + 2 * self._slot_bytes
+
     def barrier(self, value: int = 0, pool=None) -> bool:
         """A node barrier that also orders the peer memory (every write before it, on any node rank,
         is seen after it on all), and tells whether every node rank passed the same `value`. It waits
