@@ -72,7 +72,7 @@ for s in $STEPS; do
     GFLOW_TEST_GPU=1 step tests 200 $PY -m pytest -q -n 8 --durations=10 \
       tests/test_kernels.py tests/test_cupy.py tests/test_torch_cuda.py tests/test_device.py \
       tests/test_sparse.py tests/test_checkpoint.py tests/test_large_messages.py tests/test_error_paths.py \
-      tests/test_faults.py tests/test_hierarchical.py tests/test_data_parallel.py \
+      tests/test_faults.py tests/test_hierarchical.py tests/test_data_parallel.py tests/test_torch_join.py \
       -k "device or cuda or cupy or kernel or test_kernels"
     ;;
   calibrate)
