@@ -230,7 +230,8 @@ def _device_piece(ctx: CommContext, piece: int, nbytes: int, ops, staging) -> in
     costs a node phase that the host-sized one would have had. Alike on every rank of ctx."""
     h = hierarchy(ctx)
     peers, _ = h.peers("device", ops.memory, staging is not None)
-    room = ctx.comm.allreduce(peers.room() if peers is not None else 2**62, op=MPI.MIN)
+    # (a node without device peer memory stages its pieces whole through the host: host-sized ones)
+    room = ctx.comm.allreduce(peers.room() if peers is not None else 0, op=MPI.MIN)
     largest = max(len(n) for n in h.topology.nodes)
     size = min(piece * DEVICE_PIECE_SCALE, nbytes)
     while size > piece and 2 * shared_memory.pages(size) * largest > room // 2:
