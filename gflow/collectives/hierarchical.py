@@ -147,7 +147,8 @@ def shared_pool(ctx: CommContext, nbytes: int, memory: str = "host"):
     every rank's gradients where they were written (no copy in); or (None, why) when that cannot help
     (auto would not take the node phase: no shared memory, one rank per node, or, for host pools,
     two ranks on one node), the node cannot map it or lacks room for it, or this process already
-    holds MAX_SHARED_POOLS pools. Collective over ctx; every rank of a node gets a pool or none."""
+    holds MAX_SHARED_POOLS pools of that memory. Collective over ctx; every rank of a node gets a pool
+    or none."""
     global _next_pool
     h = hierarchy(ctx)
     topo = h.topology
@@ -164,12 +165,13 @@ def shared_pool(ctx: CommContext, nbytes: int, memory: str = "host"):
             mapping, why = ipc.mapping(topo.shared_memory)
     size = shared_memory.pages(nbytes)
     room = h.node.comm.allreduce(mapping.room() if mapping else 0, op=MPI.MIN)
-    fits = mapping is not None and size * h.node.size <= room // 2 and len(_pools) < MAX_SHARED_POOLS
+    held = sum(pool.mapping.memory == memory for pool in _pools)  # (each memory has its own bound)
+    fits = mapping is not None and size * h.node.size <= room // 2 and held < MAX_SHARED_POOLS
     if not ctx.comm.allreduce(bool(fits), op=MPI.LAND):
         if not useful:
             return None, None
-        if len(_pools) >= MAX_SHARED_POOLS:
-            return None, f"this process already holds {MAX_SHARED_POOLS} shared pools (kept until exit)"
+        if held >= MAX_SHARED_POOLS:
+            return None, f"this process already holds {MAX_SHARED_POOLS} {memory} pools (kept until exit)"
         if not ctx.comm.allreduce(mapping is not None, op=MPI.LAND):
             return None, why or "another rank cannot map its node's peer memory"
         where = mapping.where
