@@ -90,72 +90,66 @@ def cast_scaled(dst, src, scale, limit, flag):
         flag[0] = 1
 
 
+def _cast_kernel(convert, special):
+    """A cast kernel (dst, src, scale, flag): dst[i] = convert(src[i], scale); flag[0] = 1 if
+    special(that value) for any i. Four elements per thread in flight (every load before the stores:
+    dst may be src), the flag written once per thread. The float16 and bfloat16 casts below."""
+
+    @cuda.jit
+    def cast(dst, src, scale, flag):
+        i, stride = cuda.grid(1), cuda.gridsize(1)
+        n = dst.size
+        bad = False
+        while i + 3 * stride < n:
+            v0 = convert(src[i], scale)
+            v1 = convert(src[i + stride], scale)
+            v2 = convert(src[i + 2 * stride], scale)
+            v3 = convert(src[i + 3 * stride], scale)
+            dst[i] = v0
+            dst[i + stride] = v1
+            dst[i + 2 * stride] = v2
+            dst[i + 3 * stride] = v3
+            if special(v0) or special(v1) or special(v2) or special(v3):
+                bad = True
+            i += 4 * stride
+        while i < n:
+            v = convert(src[i], scale)
+            dst[i] = v
+            if special(v):
+                bad = True
+            i += stride
+        if bad:
+            flag[0] = 1
+
+    return cast
+
+
 # float32 values from this magnitude up round to float16's inf (65520 is halfway between 65504,
 # the largest finite float16, and 2**16; the tie goes to the even 2**16).
 _F16_INF_FROM = np.float32(65520.0)
 _F32_INF = np.float32(np.inf)
 
 
-@cuda.jit
-def encode_f16(dst, src, scale, flag):
-    """dst (float16) = float32(src) * scale, one rounding; flag[0] = 1 if any result is inf or NaN
-    (host_ops' encode_half twin: values that round down to 65504 do not count)."""
-    i, stride = cuda.grid(1), cuda.gridsize(1)
-    n = dst.size
-    bad = False
-    while i + 3 * stride < n:
-        v0 = float32(src[i]) * scale
-        v1 = float32(src[i + stride]) * scale
-        v2 = float32(src[i + 2 * stride]) * scale
-        v3 = float32(src[i + 3 * stride]) * scale
-        dst[i] = v0
-        dst[i + stride] = v1
-        dst[i + 2 * stride] = v2
-        dst[i + 3 * stride] = v3
-        if not (
-            abs(v0) < _F16_INF_FROM
-            and abs(v1) < _F16_INF_FROM
-            and abs(v2) < _F16_INF_FROM
-            and abs(v3) < _F16_INF_FROM
-        ):
-            bad = True
-        i += 4 * stride
-    while i < n:
-        v = float32(src[i]) * scale
-        dst[i] = v
-        if not abs(v) < _F16_INF_FROM:
-            bad = True
-        i += stride
-    if bad:
-        flag[0] = 1
+@cuda.jit(device=True)
+def _times32(x, scale):
+    return float32(x) * scale
 
 
-@cuda.jit
-def decode_f16(dst, src, scale, flag):
-    """dst = float32(src float16) * scale; flag[0] = 1 if any result is inf or NaN."""
-    i, stride = cuda.grid(1), cuda.gridsize(1)
-    n = dst.size
-    bad = False
-    while i + 3 * stride < n:
-        v0 = float32(src[i]) * scale
-        v1 = float32(src[i + stride]) * scale
-        v2 = float32(src[i + 2 * stride]) * scale
-        v3 = float32(src[i + 3 * stride]) * scale
-        dst[i] = v0
-        dst[i + stride] = v1
-        dst[i + 2 * stride] = v2
-        dst[i + 3 * stride] = v3
-        if not (abs(v0) < _F32_INF and abs(v1) < _F32_INF and abs(v2) < _F32_INF and abs(v3) < _F32_INF):
-            bad = True
-        i += 4 * stride
-    while i < n:
-        v = float32(src[i]) * scale
-        dst[i] = v
-        if not abs(v) < _F32_INF:
-            bad = True
-        i += stride
-    if bad:
-        flag[0] = 1
+@cuda.jit(device=True)
+def _rounds_to_f16_inf(v):
+    return not abs(v) < _F16_INF_FROM
+
+
+@cuda.jit(device=True)
+def _not_finite(v):
+    return not abs(v) < _F32_INF
+
+
+# dst (float16) = float32(src) * scale, one rounding; flag if any result is inf or NaN (host_ops'
+# encode_half twin: values that round down to 65504 do not count).
+encode_f16 = _cast_kernel(_times32, _rounds_to_f16_inf)
+# dst = float32(src float16) * scale; flag if any result is inf or NaN.
+decode_f16 = _cast_kernel(_times32, _not_finite)
 
 
 @cuda.jit
@@ -341,91 +335,33 @@ def reduce_bf16(out, a, b, op):
 
 @cuda.jit(device=True)
 def _bf16_special(h):
-    """1 if the bfloat16 bits h are inf or NaN (exponent all ones), else 0."""
-    return 1 if (h & uint16(0x7F80)) == uint16(0x7F80) else 0
+    """Whether the bfloat16 bits h are inf or NaN (exponent all ones)."""
+    return (h & uint16(0x7F80)) == uint16(0x7F80)
 
 
-@cuda.jit
-def encode_bf16(dst, src, scale, flag):
-    """dst (bfloat16 bits) = src * scale in float32; flag[0] = 1 if any result is inf or NaN."""
-    i, stride = cuda.grid(1), cuda.gridsize(1)
-    n = dst.size
-    bad = 0
-    while i + 3 * stride < n:
-        h0 = _to_bf16(float32(src[i]) * scale)
-        h1 = _to_bf16(float32(src[i + stride]) * scale)
-        h2 = _to_bf16(float32(src[i + 2 * stride]) * scale)
-        h3 = _to_bf16(float32(src[i + 3 * stride]) * scale)
-        dst[i] = h0
-        dst[i + stride] = h1
-        dst[i + 2 * stride] = h2
-        dst[i + 3 * stride] = h3
-        bad |= _bf16_special(h0) | _bf16_special(h1) | _bf16_special(h2) | _bf16_special(h3)
-        i += 4 * stride
-    while i < n:
-        h = _to_bf16(float32(src[i]) * scale)
-        dst[i] = h
-        bad |= _bf16_special(h)
-        i += stride
-    if bad:
-        flag[0] = 1
+@cuda.jit(device=True)
+def _to_bf16_times(x, scale):
+    return _to_bf16(float32(x) * scale)
 
 
-@cuda.jit
-def decode_bf16(dst, src, scale, flag):
-    """dst = float(src bits) * scale; flag[0] = 1 if any result is inf or NaN."""
-    i, stride = cuda.grid(1), cuda.gridsize(1)
-    n = dst.size
-    bad = False
-    while i + 3 * stride < n:
-        v0 = _from_bf16(src[i]) * scale
-        v1 = _from_bf16(src[i + stride]) * scale
-        v2 = _from_bf16(src[i + 2 * stride]) * scale
-        v3 = _from_bf16(src[i + 3 * stride]) * scale
-        dst[i] = v0
-        dst[i + stride] = v1
-        dst[i + 2 * stride] = v2
-        dst[i + 3 * stride] = v3
-        if not (abs(v0) < _F32_INF and abs(v1) < _F32_INF and abs(v2) < _F32_INF and abs(v3) < _F32_INF):
-            bad = True
-        i += 4 * stride
-    while i < n:
-        v = _from_bf16(src[i]) * scale
-        dst[i] = v
-        if not abs(v) < _F32_INF:
-            bad = True
-        i += stride
-    if bad:
-        flag[0] = 1
+@cuda.jit(device=True)
+def _from_bf16_times(h, scale):
+    return _from_bf16(h) * scale
 
 
-@cuda.jit
-def rescale_bf16(dst, src, scale, flag):
-    """dst (bfloat16 bits) = src (bfloat16 bits) * scale in float32, one rounding: decode_bf16 into
-    float32 then encode_bf16 with scale 1, in one pass; flag[0] = 1 if any result is inf or NaN
-    (a finite float32 product that rounds to inf included). dst may be src (LossScaler.unscale)."""
-    i, stride = cuda.grid(1), cuda.gridsize(1)
-    n = dst.size
-    one = float32(1.0)
-    bad = 0
-    while i + 3 * stride < n:
-        h0 = _to_bf16((_from_bf16(src[i]) * scale) * one)
-        h1 = _to_bf16((_from_bf16(src[i + stride]) * scale) * one)
-        h2 = _to_bf16((_from_bf16(src[i + 2 * stride]) * scale) * one)
-        h3 = _to_bf16((_from_bf16(src[i + 3 * stride]) * scale) * one)
-        dst[i] = h0
-        dst[i + stride] = h1
-        dst[i + 2 * stride] = h2
-        dst[i + 3 * stride] = h3
-        bad |= _bf16_special(h0) | _bf16_special(h1) | _bf16_special(h2) | _bf16_special(h3)
-        i += 4 * stride
-    while i < n:
-        h = _to_bf16((_from_bf16(src[i]) * scale) * one)
-        dst[i] = h
-        bad |= _bf16_special(h)
-        i += stride
-    if bad:
-        flag[0] = 1
+@cuda.jit(device=True)
+def _bf16_times(h, scale):
+    return _to_bf16((_from_bf16(h) * scale) * float32(1.0))
+
+
+# dst (bfloat16 bits) = src * scale in float32; flag if any result is inf or NaN.
+encode_bf16 = _cast_kernel(_to_bf16_times, _bf16_special)
+# dst = float(src bits) * scale; flag if any result is inf or NaN.
+decode_bf16 = _cast_kernel(_from_bf16_times, _not_finite)
+# dst (bfloat16 bits) = src (bfloat16 bits) * scale in float32, one rounding: decode_bf16 into float32
+# then encode_bf16 with scale 1, in one pass; flag if any result is inf or NaN (a finite float32
+# product that rounds to inf included). dst may be src (LossScaler.unscale).
+rescale_bf16 = _cast_kernel(_bf16_times, _bf16_special)
 
 
 @cuda.jit
