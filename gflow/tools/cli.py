@@ -140,14 +140,17 @@ def calibrate_command(args) -> int:
     from . import cost_model as model
 
     rank = MPI.COMM_WORLD.rank
-    if args.device and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        if rank == 0:
-            print(
-                "gflow calibrate --device: NUMBA_ENABLE_CUDASIM=1 runs Numba's CUDA simulator, whose "
-                "timings are not a GPU's; unset it on a machine with a GPU",
-                file=sys.stderr,
-            )
-        return 2
+    if args.device:
+        from gflow.cuda.memory import SIMULATED
+
+        if SIMULATED:
+            if rank == 0:
+                print(
+                    "gflow calibrate --device: NUMBA_ENABLE_CUDASIM=1 runs Numba's CUDA simulator, whose "
+                    "timings are not a GPU's; unset it on a machine with a GPU",
+                    file=sys.stderr,
+                )
+            return 2
     cal = model.calibrate(
         progress=(lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     )

@@ -280,14 +280,11 @@ class DataParallel:
                 and not (memory == "device" and next(iter(dtypes)).kind == "V")  # (no bfloat16 on Numba)
                 and not (lazy.compression and not lazy.sparse)
             )
-            if pool:
+            if pool:  # (zeroed where it is made: pool_memory's memory is)
                 buffers = lazy.gradient_buffers(
                     self._slot_shapes, dtypes.pop(), private=private, reduce_in_place=reduce_in_place,
                     memory=memory,
                 )  # fmt: skip
-                if memory == "host":  # (a device pool is zeroed where it is made)
-                    for b in buffers:
-                        b[...] = 0
             else:
                 buffers = [_zeros_like(p) for p in self._slot_params]
             self._buffers = buffers
