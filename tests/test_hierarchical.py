@@ -121,6 +121,14 @@ def test_pieces_ints_and_a_node_without_room(monkeypatch):
         assert context(comm).hierarchy.peers("host", "host", False)[0]._slots is None
 
 
+def record_sizes(monkeypatch, module, name: str) -> list:
+    """module.name wrapped to record the size of its third argument (a piece's dst, a copy's src) on
+    each call: the list it appends to."""
+    sizes, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: (sizes.append(a[2].size), real(*a, **kw))[1])
+    return sizes
+
+
 @pytest.mark.parallel([2, 3])
 def test_device_arrays_go_in_larger_pieces_and_empty_ones_in_none(monkeypatch):
     """Device arrays go in pieces DEVICE_PIECE_SCALE times shared_memory_max_bytes (a piece's fixed
@@ -130,11 +138,7 @@ def test_device_arrays_go_in_larger_pieces_and_empty_ones_in_none(monkeypatch):
 
     from gflow.collectives import hierarchical
 
-    pieces = []
-    real_piece = hierarchical._allreduce_piece
-    monkeypatch.setattr(
-        hierarchical, "_allreduce_piece", lambda *a, **k: (pieces.append(a[2].size), real_piece(*a, **k))
-    )
+    pieces = record_sizes(monkeypatch, hierarchical, "_allreduce_piece")
     monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 4096)
     n = 2 * hierarchical.DEVICE_PIECE_SCALE * 1024 + 5  # float32: two device pieces and a short one
     x = random_array(rank_rng(21), n, np.float32)
@@ -162,11 +166,7 @@ def test_device_pieces_shrink_to_the_room_of_the_peer_memory(monkeypatch):
     from gflow.collectives import hierarchical
     from gflow.cuda import ipc
 
-    pieces = []
-    real_piece = hierarchical._allreduce_piece
-    monkeypatch.setattr(
-        hierarchical, "_allreduce_piece", lambda *a, **kw: (pieces.append(a[2].size), real_piece(*a, **kw))
-    )
+    pieces = record_sizes(monkeypatch, hierarchical, "_allreduce_piece")
     monkeypatch.setattr(gflow.config, "shared_memory_max_bytes", 4096)  # (device pieces up to 64 KiB)
     monkeypatch.setattr(ipc.SimulatedIpc, "room", lambda self: 4 * WORLD.size * 16384)  # for 16 KiB slots
     x = random_array(rank_rng(23), 16 * 1024 + 5, np.float32)  # 64 KiB and 20 bytes
@@ -506,9 +506,7 @@ def test_lazy_gradient_pool_lives_in_shared_memory(monkeypatch, reduce_in_place)
     from gflow.collectives import hierarchical
 
     monkeypatch.setattr(gflow.config, "shared_memory_min_bytes", 256 * 1024)  # (the segments take it)
-    copies = []
-    real_copy_in = hierarchical._copy_in
-    monkeypatch.setattr(hierarchical, "_copy_in", lambda *a: (copies.append(a[2].size), real_copy_in(*a)))
+    copies = record_sizes(monkeypatch, hierarchical, "_copy_in")
     shapes = [(300, 300), (7,), (200, 500), (1000,)]  # two segments above shared_memory_min_bytes
     rng = rank_rng(11)
     for setting in ["", "2", "3"]:
@@ -550,9 +548,7 @@ def test_a_device_gradient_pool_lives_in_the_nodes_peer_memory(monkeypatch, redu
     # Small, for the simulator: every segment takes the node phase (no latency path, a low threshold).
     monkeypatch.setattr(gflow.config, "small_message_bytes", 0)
     monkeypatch.setattr(gflow.config, "shared_memory_min_bytes", 1024)
-    copies = []
-    real_copy_in = hierarchical._copy_in
-    monkeypatch.setattr(hierarchical, "_copy_in", lambda *a: (copies.append(a[2].size), real_copy_in(*a)))
+    copies = record_sizes(monkeypatch, hierarchical, "_copy_in")
     shapes = [(40, 30), (7,), (0, 5), (20, 50), (300,)]  # three segments, an empty gradient
     rng = rank_rng(17)
     for setting in ["", "2"]:
