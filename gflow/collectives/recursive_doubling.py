@@ -323,8 +323,13 @@ def run_compiled_slots(ctx: CommContext, plan: _Plan, sig: tuple, src, dst, op, 
     aligned: the fast lane's way, without _exchange's generality (the layers between cost about
     1.5 us at p = 2 here, as much as Open MPI's whole Allreduce of 1 KB)."""
     stall.entered(ctx, sig)
+    step = plan.slots_step
     try:
-        if native.slots_step(ctx, plan.slots_step, ctx.slots, src, dst) != native.DONE:
+        if step.half or step.bounds is not None:
+            status = native.slots_step(ctx, step, ctx.slots, src, dst)
+        else:
+            status = native.one_exchange(ctx, step, ctx.slots, src, dst)
+        if status != native.DONE:
             _run_plan(ctx, plan, src, dst, op, about, exchanged=True)  # (not this rank's header)
     except GflowError:
         raise
