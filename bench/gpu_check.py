@@ -263,6 +263,13 @@ def kernel_rows(nbytes: int, reps: int, check_elems: int):
         old.decode_bf16[g](wide, bf_b, s_half, old_flag)
         old.encode_bf16[g](out_bf, wide, np.float32(1.0), old_flag)
 
+    parts = [a32, b32, cuda.to_device(rng.standard_normal(n, dtype=np.float32)), wide]
+    quarters = [q * n // 4 for q in range(5)]
+
+    def copies(out, blocks, bounds):
+        for q, block in enumerate(blocks):
+            dev.copy(out[bounds[q] : bounds[q + 1]], block[bounds[q] : bounds[q + 1]])
+
     copy_host, copy_event = timed_round_robin([lambda: out32.copy_to_device(a32)], reps)[0]
     copy_bw = 2 * 4 * n / copy_host
     copy_bw_event = 2 * 4 * n / copy_event if copy_event else None
@@ -272,6 +279,19 @@ def kernel_rows(nbytes: int, reps: int, check_elems: int):
         [("reduce sum f32", lambda: dev.reduce(out32, a32, b32, "sum"), None, 12 * n)],
         [("reduce max f32", lambda: dev.reduce(out32, a32, b32, "max"), None, 12 * n)],
         [("divide f32", lambda: dev.divide(out32, 3), None, 8 * n)],
+        [  # (the node phase's k-way fold and allgather at k = 4: one launch against the pairwise/copies)
+            ("reduce_many sum f32 k=4", lambda: dev.reduce_many(out32, parts, "sum"), None, 20 * n),
+            (
+                "reduce_many sum f32 k=4" + BEFORE,
+                lambda: dev._reduce_pairwise(out32, parts, "sum"),
+                None,
+                20 * n,
+            ),
+        ],
+        [
+            ("gather f32 k=4", lambda: dev.gather(out32, parts, quarters), None, 8 * n),
+            ("gather f32 k=4" + BEFORE, lambda: copies(out32, parts, quarters), None, 8 * n),
+        ],
         [
             (
                 "cast f32->f16 x scale",
@@ -440,6 +460,17 @@ def check_kernels(n: int, impl=None) -> dict:
     e = a.copy()
     host.divide(e, 3)
     ok["divide f32"] = same(o, e)
+    c = rng.standard_normal(n, dtype=np.float32)
+    parts, host_parts = [d_a, d_b, cuda.to_device(c), d_a], [a, b, c, a]
+    quarters = [q * n // 4 for q in range(5)]
+    o, e = poisoned(n, np.float32), np.empty(n, np.float32)
+    dev.reduce_many(o, parts, "sum")  # (one launch; the pairwise fold before it is _reduce_pairwise)
+    host.reduce_many(e, host_parts, "sum")
+    ok["reduce_many sum f32 k=4"] = same(o, e)
+    o, e = poisoned(n, np.float32), np.empty(n, np.float32)
+    dev.gather(o, parts, quarters)
+    host.gather(e, host_parts, quarters)
+    ok["gather f32 k=4"] = same(o, e)
     o16, e16 = poisoned(n, np.float16), np.empty(n, np.float16)
     flags = impl.cast_scaled(o16, d_a, 0.5), host.cast_scaled(e16, a, 0.5)
     ok["cast f32->f16 x scale"] = same(o16, e16) and flags[0] == flags[1]

@@ -42,26 +42,63 @@ def test_reduce_matches_numpy(dtype, op):
         np.testing.assert_array_equal(out.copy_to_host(), expected, err_msg=f"n={n}")
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64, "bfloat16"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int32, np.int64, "bfloat16"])
 @pytest.mark.parametrize("op", ["sum", "max", "min"])
 def test_reduce_many_matches_its_host_twin_bitwise(dtype, op):
-    """The node phase's k-way reduction, for k = 1..4, into a fresh array and into one of its parts
-    (the node phase reduces into the slot its own part may be read from)."""
+    """The node phase's k-way reduction (one launch over k parts), for k = 1..8, into a fresh array
+    and into one of its parts (the node phase reduces into the slot its own part may be read from):
+    the same bits as the host twin's pairwise folds, NaN included."""
     import ml_dtypes
 
     host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     bits = np.uint16 if dtype == "bfloat16" else host_dtype  # bfloat16 lives on the device as its bits
-    rng = np.random.default_rng(7)
-    for k in (1, 2, 3, 4):
+    rng = np.random.default_rng()
+    for k in (1, 2, 3, 5, 8):
         parts = [rand(rng, 101, np.float32).astype(host_dtype) for _ in range(k)]
+        if host_dtype.kind == "f" and k > 1:
+            parts[1][7] = np.nan
         expected = np.empty(101, host_dtype)
         host.reduce_many(expected, parts, op)
         on_device = [cuda.to_device(p.view(bits)) for p in parts]
         out = cuda.to_device(np.full(101, 0x7FC1, bits)) if dtype == "bfloat16" else poisoned(101, bits)
         dev.reduce_many(out, on_device, op)
         np.testing.assert_array_equal(out.copy_to_host(), expected.view(bits), err_msg=f"k={k}")
-        dev.reduce_many(on_device[k - 1], on_device, op)  # into the last part, which it reads too
-        np.testing.assert_array_equal(on_device[k - 1].copy_to_host(), expected.view(bits), err_msg=f"k={k}")
+        into = on_device[k // 2]  # into a part it reads too (the middle one: read after others)
+        dev.reduce_many(into, on_device, op)
+        np.testing.assert_array_equal(into.copy_to_host(), expected.view(bits), err_msg=f"k={k}")
+
+
+def test_reduce_many_of_parts_that_type_apart_goes_pairwise():
+    """A strided part cannot share a kernel's tuple with contiguous ones: the same bits, pairwise."""
+    rng = np.random.default_rng()
+    parts = [rand(rng, 64, np.float32) for _ in range(3)]
+    strided = cuda.to_device(np.repeat(parts[2], 2))[::2]
+    expected = np.empty(64, np.float32)
+    host.reduce_many(expected, parts, "sum")
+    out = poisoned(64, np.float32)
+    dev.reduce_many(out, [cuda.to_device(parts[0]), cuda.to_device(parts[1]), strided], "sum")
+    np.testing.assert_array_equal(out.copy_to_host(), expected)
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 4])
+def test_gather_takes_each_block_from_its_array(blocks):
+    """The node allgather's copies in one launch: block q of out from array q, empty blocks too."""
+    rng = np.random.default_rng()
+    n = 97
+    arrays = [rand(rng, n, np.float64) for _ in range(blocks)]
+    cuts = np.sort(rng.integers(0, n, blocks - 1))
+    bounds = [0, *cuts.tolist(), n]
+    if blocks > 2:
+        bounds[2] = bounds[1]  # an empty block
+    expected = np.empty(n)
+    host.gather(expected, arrays, bounds)
+    for q in range(blocks):
+        np.testing.assert_array_equal(
+            expected[bounds[q] : bounds[q + 1]], arrays[q][bounds[q] : bounds[q + 1]]
+        )
+    out = poisoned(n, np.float64)
+    dev.gather(out, [cuda.to_device(a) for a in arrays], bounds)
+    np.testing.assert_array_equal(out.copy_to_host(), expected)
 
 
 def test_reduce_in_place_and_copy_and_divide():

@@ -38,6 +38,13 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src)
 
 
+def gather(out: np.ndarray, blocks: list, bounds: list) -> None:
+    """out[bounds[q]:bounds[q + 1]] = blocks[q][bounds[q]:bounds[q + 1]] for each q (flat arrays of
+    out's length): a node allgather from its peers' slots."""
+    for q, block in enumerate(blocks):
+        np.copyto(out[bounds[q] : bounds[q + 1]], block[bounds[q] : bounds[q + 1]])
+
+
 _HALF_OP = {"sum": 0, "max": 1, "min": 2}
 _U16 = np.dtype(np.uint16)
 

@@ -293,8 +293,7 @@ def _allreduce_piece(ctx: CommContext, src, dst, ops, op: str, agreed: str, stag
     with timeline.span("node allgather", bytes=dst.nbytes):
         if slots is not None:
             peers.barrier(pool=pool)
-            for q, slot in enumerate(slots):  # every block from the rank that finished it
-                ops.copy(dst[node_bounds[q] : node_bounds[q + 1]], slot[node_bounds[q] : node_bounds[q + 1]])
+            ops.gather(dst, slots, node_bounds)  # every block from the rank that finished it
         else:
             ring.allgather(h.node, dst, ops, node_bounds)
 

@@ -42,6 +42,45 @@ def minimum(out, a, b):
         i += stride
 
 
+@cuda.jit(device=True)
+def _combine(x, y, op):
+    """x op y; op 0 sum, 1 max, 2 min, as the kernels above (float16 adds in float16)."""
+    if op == 0:
+        return x + y
+    if op == 1:
+        return x if (x > y or not x == x) else y
+    return x if (x < y or not x == x) else y
+
+
+@cuda.jit
+def reduce_parts(out, parts, op):
+    """out = ((parts[0] op parts[1]) op parts[2]) ..., elementwise, in one launch: each part read
+    once and out written once, where pairwise kernels make len(parts) - 1 launches and passes (the
+    node phase's k-way reduction). parts: a tuple of arrays of one type; out may be any of them
+    (every part is read at i before out[i] is written). Each step rounds to the dtype, as the
+    pairwise kernels do (Numba adds float16 in float16; integer sums wrap alike)."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < out.size:
+        v = parts[0][i]
+        for q in range(1, len(parts)):
+            v = _combine(v, parts[q][i], op)
+        out[i] = v
+        i += stride
+
+
+@cuda.jit
+def gather_blocks(out, blocks, bounds):
+    """out[bounds[q]:bounds[q + 1]] = blocks[q][bounds[q]:bounds[q + 1]] for every q, in one launch
+    (a node allgather's copies from its peers' slots). bounds: a tuple of len(blocks) + 1 ints."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    q = 0
+    while i < out.size:
+        while i >= bounds[q + 1]:  # (i only grows, so q does)
+            q += 1
+        out[i] = blocks[q][i]
+        i += stride
+
+
 @cuda.jit
 def copy(out, a):
     i, stride = cuda.grid(1), cuda.gridsize(1)
@@ -330,6 +369,18 @@ def reduce_bf16(out, a, b, op):
         else:
             v = x if (x < y or not x == x) else y
         out[i] = _to_bf16(v)
+        i += stride
+
+
+@cuda.jit
+def reduce_parts_bf16(out, parts, op):
+    """reduce_parts on bfloat16 bits: each step in float32, rounded to bfloat16 (as reduce_bf16)."""
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    while i < out.size:
+        v = parts[0][i]
+        for q in range(1, len(parts)):
+            v = _to_bf16(_combine(_from_bf16(v), _from_bf16(parts[q][i]), op))
+        out[i] = v
         i += stride
 
 

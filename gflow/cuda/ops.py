@@ -69,19 +69,52 @@ def reduce(out, low, high, op: str) -> None:
 
 def reduce_many(out, parts: list, op: str) -> None:
     """out = ((parts[0] op parts[1]) op parts[2]) ..., elementwise, in that order; out may alias any
-    part. Pairwise, with the association of the host twin (host_ops.reduce_many), so the bits match:
-    the node phase reduces its peers' slots with it."""
+    part. One launch over all parts (kernels.reduce_parts), with the association and the roundings
+    of the host twin (host_ops.reduce_many), so the bits match: the node phase reduces its peers'
+    slots with it."""
     if len(parts) == 1:
         copy(out, parts[0])
         return
+    if not out.size:
+        return
+    if not _one_type(parts):  # (a kernel takes a tuple of arrays of one Numba type only)
+        _reduce_pairwise(out, parts, op)
+        return
+    blocks, threads = _grid(out.size)
+    if out.dtype == _BITS:
+        kernels.reduce_parts_bf16[blocks, threads](out, tuple(parts), _BF16_OP[op])
+    else:
+        kernels.reduce_parts[blocks, threads](out, tuple(parts), _BF16_OP[op])
+
+
+def gather(out, blocks: list, bounds: list) -> None:
+    """out[bounds[q]:bounds[q + 1]] = blocks[q][bounds[q]:bounds[q + 1]] for each q (flat arrays of
+    out's length), in one launch: a node allgather from its peers' slots."""
+    if not out.size:
+        return
+    if not _one_type(blocks):
+        for q, block in enumerate(blocks):
+            copy(out[bounds[q] : bounds[q + 1]], block[bounds[q] : bounds[q + 1]])
+        return
+    grid, threads = _grid(out.size)
+    kernels.gather_blocks[grid, threads](out, tuple(blocks), tuple(int(b) for b in bounds))
+
+
+def _one_type(arrays: list) -> bool:
+    """Whether the flat arrays would type alike in a kernel: one dtype, all contiguous."""
+    first = arrays[0].dtype
+    return all(a.dtype == first and a.is_c_contiguous() for a in arrays)
+
+
+def _reduce_pairwise(out, parts: list, op: str) -> None:
     acc = _scratch(out.size, out.dtype) if len(parts) > 2 else out
     for q in range(1, len(parts)):
         reduce(out if q == len(parts) - 1 else acc, parts[0] if q == 1 else acc, parts[q], op)
 
 
 def _scratch(n: int, dtype):
-    """n elements of dtype of this thread's accumulator for reduce_many, kept between calls and grown
-    when too small (a device allocation per node phase costs more than its kernels)."""
+    """n elements of dtype of this thread's accumulator for _reduce_pairwise, kept between calls and
+    grown when too small (a device allocation per node phase costs more than its kernels)."""
     held = getattr(_local, "scratch", {})
     _local.scratch = held
     buffer = held.get(dtype)
