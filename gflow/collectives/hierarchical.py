@@ -9,8 +9,9 @@ The node phase has two forms:
 - in peer memory (collectives/peer_memory.py: an MPI shared window for host buffers, CUDA IPC for
   device buffers handed to MPI as they are): each rank copies its input into its slot (all but its
   own block), then reduces its own block of shards reading every peer's slot once, in local-rank
-  order (ops.reduce_many), into its own slot; after the cross-node ring and a node barrier, each
-  rank copies every block straight out of the slot of the rank that finished it. Two node barriers
+  order (ops.reduce_many: one kernel over all k slots on a device), into its own slot; after the
+  cross-node ring and a node barrier, each rank copies every block straight out of the slot of the
+  rank that finished it (ops.gather: one kernel on a device). Two node barriers
   per call (the slots alternate between calls). When the input already lives in a gradient pool
   allocated in shared memory (shared_pool, LazyAllreduce.gradient_buffers), the ranks reduce
   straight from their peers' pools and the copy in is saved. Per rank that is about 5 passes over
