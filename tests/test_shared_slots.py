@@ -107,6 +107,46 @@ def test_a_rank_that_turns_it_off_keeps_mpi_on_all(monkeypatch, refusing):
     assert context(comm).slots is False
 
 
+APART_BY_MPI = """
+import numpy as np
+from mpi4py import MPI
+import gflow
+from gflow.runtime.context import context
+
+comm = MPI.COMM_WORLD
+x = np.random.default_rng(comm.rank).random(1000)
+expected = np.empty_like(x)
+comm.Allreduce(x, expected)
+for _ in range(3):
+    assert np.allclose(gflow.allreduce(x), expected)
+assert comm.Split_type(MPI.COMM_TYPE_SHARED).size == 1  # (MPI keeps every rank on a node of its own)
+print(f"[{comm.rank} slots: {context(None).slots}]")
+"""
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_mpi_keeps_apart_on_one_host_keep_its_messages(size):
+    """Ranks of one host that MPI holds on nodes of their own (an emulated cluster's network
+    namespaces, bench/netem.py; here MPICH's MPIR_CVAR_NOLOCAL) talk over MPI's network: slots in
+    shared memory would bypass it (they did: under bench/netem.py every small allreduce, and at
+    p >= 3 every one up to 2 MiB, skipped the emulated link)."""
+    import os
+    import subprocess
+    import sys
+
+    if "MPICH" not in MPI.Get_library_version():
+        pytest.skip("MPIR_CVAR_NOLOCAL is MPICH's (Open MPI has no switch that splits one host's ranks)")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp"
+    )
+    done = subprocess.run(
+        ["mpiexec", "-n", str(size), sys.executable, "-c", APART_BY_MPI],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("slots: False]") == size, done.stdout + done.stderr
+
+
 @pytest.mark.parallel([2])
 def test_join_with_uneven_steps_through_the_slots():
     """The rank that runs out of data first takes part with zeros (collectives/join.py's serve, what

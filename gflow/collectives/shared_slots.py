@@ -27,15 +27,16 @@ context keeps MPI); the compiled exchange publishes the number with a release st
 compiler keeps that order too.
 
 Set-up (connect): once per context, in its first exchange, before it (recursive_doubling's
-connect_slots), collective over MPI in watched waits. The ranks first check that they are all on
-one host (a hash of its name and boot id, compared by an allreduce), so a communicator across hosts
-allocates nothing. Rank 0 then makes an anonymous memory file (memfd_create) holding a random token
-and broadcasts its process id and descriptor; every other rank opens it through /proc, checks the
-token, and an allreduce combines the answers. No name is ever made, so nothing is left behind
-whichever rank dies when: the memory goes with the last mapping. What the latency path writes
-is reserved when it is made (connect).
-Any rank saying no (GFLOW_SHARED_SLOTS=0, another host, no memfd or no room for it, /proc not open
-to it) keeps MPI for that context, on every rank.
+connect_slots), collective over MPI in watched waits. The ranks first check that they are all on one
+host (a hash of its name and boot id, compared by an allreduce), so a communicator across hosts
+allocates nothing, and that MPI holds them on one node too (ranks it keeps apart on one host, an
+emulated cluster's, talk over its network). Rank 0 then makes an anonymous memory file
+(memfd_create) holding a random token and broadcasts its process id and descriptor; every other rank
+opens it through /proc, checks the token, and an allreduce combines the answers. No name is ever
+made, so nothing is left behind whichever rank dies when: the memory goes with the last mapping.
+What the latency path writes is reserved when it is made (connect).
+Any rank saying no (GFLOW_SHARED_SLOTS=0, another host or MPI node, no memfd or no room for it,
+/proc not open to it) keeps MPI for that context, on every rank.
 """
 
 import hashlib
@@ -144,6 +145,17 @@ def _host_id() -> int:
     return int.from_bytes(digest, "little")
 
 
+def _one_mpi_node(comm) -> bool:
+    """Whether MPI, too, holds every rank of comm on one node (Split_type; alike on every rank). Ranks
+    it keeps apart on one host (an emulated cluster's network namespaces, bench/netem.py; MPICH's
+    MPIR_CVAR_NOLOCAL) talk over MPI's network: the slots would bypass it. Collective."""
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        return shared.size == comm.size
+    finally:
+        shared.Free()
+
+
 def connect(ctx: CommContext, room: int, reserved: int):
     """SharedSlots for ctx's ranks, each slot with room for a message of `room` bytes, or None where
     any rank cannot or will not (every rank returns alike). The first `reserved` bytes of each slot's
@@ -159,7 +171,7 @@ def connect(ctx: CommContext, room: int, reserved: int):
     # [willing, host, -host] at their minimum: all willing, and all on one host where host == --host
     agreed = np.array([willing, host, -host], np.int64)
     ctx.waitall([comm.Iallreduce(MPI.IN_PLACE, [agreed, MPI.INT64_T], op=MPI.MIN)])
-    if not agreed[0] or agreed[1] != -agreed[2]:
+    if not agreed[0] or agreed[1] != -agreed[2] or not _one_mpi_node(comm):
         return None
     offer = np.zeros(4, np.int64)  # rank 0's: [able, token, process id, file descriptor]
     mapping, fd = None, -1
