@@ -271,6 +271,7 @@ def test_calibrate_measures_every_constant():
         "py_step",
         "py_call",
         "rd_step",
+        "slot_step",  # (the suite's ranks share one host: their exchanges go through the slots)
     ):
         assert 0 < getattr(cal, name) < 1e-2, name
     assert cal.node_passes >= 1
@@ -278,12 +279,50 @@ def test_calibrate_measures_every_constant():
     # More ranks than cores on one node: the fixed costs again with one rank per core, used by the
     # model for nodes that small.
     if WORLD.size > cal.cores:
-        assert set(cal.uncrowded) == {"alpha_intra", "py_step", "py_call", "rd_step", "node_fixed"}
+        assert set(cal.uncrowded) == {
+            "alpha_intra",
+            "py_step",
+            "py_call",
+            "rd_step",
+            "node_fixed",
+            "slot_step",
+        }
         assert all(0 < v < 1e-2 for v in cal.uncrowded.values()), cal.uncrowded
         tiny = [model.allreduce_time(4096, 2, algorithm="hierarchical", calibration=c) for c in (cal, base)]
         assert tiny[0] != tiny[1]
     else:
         assert cal.uncrowded is None
+
+
+def test_one_hosts_exchanges_go_through_the_slots_where_measured():
+    """On one host (slot_step measured) the latency path is one exchange whatever p, the agreement
+    before a ring one exchange, and from three ranks "auto" reduces in the slots up to the node
+    phase (two exchanges past node_fold_bytes); across nodes nothing changes."""
+    from dataclasses import replace
+
+    from gflow.collectives.recursive_doubling import node_fold_bytes
+
+    mpi = model.Calibration(cores=64)
+    slots = replace(mpi, slot_step=7e-6)
+    one = [model.allreduce_time(256, p, calibration=slots) for p in (2, 3, 4, 8)]
+    assert one[0] < one[1] < one[2] < one[3]  # (only the fold grows with p)
+    assert one[3] - one[0] < 256 * 7 * slots.gamma + 1e-12
+    assert one[0] == pytest.approx(7e-6 + 256 * (slots.copy + slots.gamma))
+    assert model.allreduce_time(256, 8, calibration=mpi) > one[3]  # (3 rounds of 25 us over MPI)
+    ring = [model.allreduce_time(2**20, 4, algorithm="ring", calibration=c) for c in (mpi, slots)]
+    assert ring[0] - ring[1] == pytest.approx(2 * (mpi.alpha_intra + mpi.rd_step) - 7e-6)
+    for n in (node_fold_bytes(3), 1536 * 1024):  # (past the latency path's 128 KiB)
+        got = model.allreduce_time(n, 3, calibration=slots)
+        if n <= node_fold_bytes(3):
+            expected = slots.py_call + 7e-6 + n * (slots.copy + 2 * slots.gamma)
+        else:
+            expected = slots.py_call + 2 * 7e-6 + n * (2 * slots.copy + 2 / 3 * slots.gamma)
+        assert got == pytest.approx(expected)
+    node = [model.allreduce_time(4 * 2**20, 4, calibration=c) for c in (mpi, slots)]
+    assert node[0] - node[1] == pytest.approx(ring[0] - ring[1])  # (the node phase, its agreement the slots')
+    for kwargs in (dict(ranks_per_node=8), dict(ranks_per_node=8, algorithm="ring")):
+        far = [model.allreduce_time(4096, 512, calibration=c, **kwargs) for c in (mpi, slots)]
+        assert far[0] == far[1]
 
 
 def test_python_share_is_the_part_gflows_own_costs_make():

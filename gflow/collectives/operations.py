@@ -104,6 +104,9 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compr
 
     Arguments as for allreduce; they are checked now, in the caller's thread. Every rank must start
     its async collectives in the same order. Do not modify x (or read out) until the handle is done.
+    gflow.config is read when the operation runs, on the background thread: change a setting only
+    while no async collective is in flight (else ranks may read it on either side of the change, and
+    the call raises MismatchError on every rank).
     Bad arguments are reported by the handle: on this rank wait() raises the TypeError/ValueError,
     on its peers MismatchError (see rejected_in_background for why not at once).
 

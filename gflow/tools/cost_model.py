@@ -20,6 +20,10 @@ seconds, per byte or per element, for a rank that has a core to itself:
     rd_step                   gflow's own cost per round of recursive doubling (the latency path and
                               the agreement before a ring), the fast lane's share of its call included
     node_fixed                the node phase's fixed cost (two barriers and its bookkeeping)
+    slot_step                 one exchange through the shared slots of one host's ranks (the latency
+                              path's whole call, its Python included; collectives/shared_slots.py),
+                              where every exchange of a one-host communicator goes; None: not
+                              measured (the model then takes MPI's rounds there too)
     ring_scale                measured / modelled bandwidth terms of a ring inside a node (MPI's
                               shared-memory transport and cache effects the terms above miss)
 
@@ -39,7 +43,11 @@ follows its code:
   them (the code overlaps a segment's reduction with the next one's transfer, but the same cores do
   both, so the model adds them); a step waits for the slowest link it crosses.
 - recursive doubling (messages up to config.small_message_bytes, 16x that at p = 2): ceil(log2 p)
-  rounds (+2 when p is not a power of two), each a whole message.
+  rounds (+2 when p is not a power of two), each a whole message. On one host (slot_step measured):
+  one exchange through the slots, every rank copying its message in and folding all p; the agreement
+  before a bandwidth algorithm is one such exchange too, and from three ranks "auto" reduces up to
+  the node phase's threshold in the slots: whole below node_fold_bytes, else a share per rank in two
+  exchanges (a copy in, a fold of 1/p from every rank, a copy out).
 - hierarchical: the node phase (shared memory: node_passes copies per byte and two barriers; or
   a ring inside the node), then a ring per shard across the m nodes, whose k flows share each node's
   link, so 2(m-1)/m of the message crosses it instead of the flat ring's 2(p-1)/p.
@@ -60,6 +68,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from ..collectives.recursive_doubling import HEADER_BYTES, node_fold_bytes, slot_room
 from ..runtime.config import (
     DEFAULT_HIERARCHICAL_MIN_BYTES,
     DEFAULT_RING_SEGMENT_BYTES,
@@ -92,6 +101,7 @@ class Calibration:
     csc: float = 6e-9
     py_step: float = 25e-6
     py_call: float = 0.0  # (calibrations before it was measured folded it into py_step)
+    slot_step: float | None = None  # (calibrations before the slots have none)
     cores: int = 2
     source: str = "documented defaults (the 2-core development machine)"
     # The fixed costs (alpha_intra, py_step, py_call, rd_step, node_fixed) measured again with one rank per
@@ -164,7 +174,7 @@ def _for_node(cal: Calibration, ranks_on_node: int) -> Calibration:
     return cal
 
 
-_FIXED_COSTS = ("alpha_intra", "py_step", "py_call", "rd_step", "node_fixed")
+_FIXED_COSTS = ("alpha_intra", "py_step", "py_call", "rd_step", "node_fixed", "slot_step")
 _PYTHON_COSTS = ("py_step", "py_call", "rd_step")  # what gflow's own code costs, beside the machine's
 RING_SCALE_BYTES = (8 * 2**20, 32 * 2**20)  # where calibrate measures a ring inside a node
 
@@ -208,8 +218,11 @@ def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1, scale=1.0, network=False):
     return fixed + scale * bandwidth
 
 
-def _agreement(cal, p, alpha, cpu, inside: int = 0):
-    """The header-only exchange before a bandwidth algorithm; `inside` of its rounds stay in a node."""
+def _agreement(cal, p, alpha, cpu, inside: int = 0, one_host: bool = False):
+    """The header-only exchange before a bandwidth algorithm; `inside` of its rounds stay in a node;
+    one_host: host buffers of ranks on one host, one exchange through the slots where measured."""
+    if one_host and p > 1 and cal.slot_step is not None:
+        return cpu * cal.slot_step
     rounds = 0 if p == 1 else math.ceil(math.log2(p))
     inside = min(inside, rounds)
     return inside * (cal.alpha_intra + cpu * cal.rd_step) + (rounds - inside) * (alpha + cpu * cal.rd_step)
@@ -251,14 +264,22 @@ def allreduce_time(
     # Device memory through the host, whole: the latency path always (it reads its header there),
     # the flat ring where MPI is not CUDA-aware.
     through_host = 2 * nbytes * cal.pcie + 2 * cal.launch if cal.transport else 0.0
+    slots = m == 1 and not cal.transport and cal.slot_step is not None  # (shared_slots.py's exchanges)
     if algorithm == "auto":  # as collectives/dispatch.py settles it
         if nbytes <= latency_path_limit(ranks, DEFAULT_SMALL_MESSAGE_BYTES):
             algorithm = "recursive_doubling"
+        elif slots and ranks > 2 and nbytes < DEFAULT_SHARED_MEMORY_MIN_BYTES:
+            # (dispatch._may_reduce_in_slots; past a slot's room, the ring after the slots' agreement)
+            algorithm = "slots" if nbytes + HEADER_BYTES <= slot_room(ranks) else "ring"
         elif m > 1:
             algorithm = "hierarchical" if k > 1 and nbytes >= DEFAULT_HIERARCHICAL_MIN_BYTES else "ring"
         else:  # (device arrays: the IPC node phase from two ranks; host ones from three)
             least = 2 if cal.transport else 3
             algorithm = "hierarchical" if k >= least and nbytes >= DEFAULT_SHARED_MEMORY_MIN_BYTES else "ring"
+    if algorithm == "slots":
+        return codec + _slots_fold(cal, nbytes, ranks, cpu)
+    if slots and algorithm == "recursive_doubling":
+        return codec + cpu * (cal.slot_step + nbytes * (cal.copy + (ranks - 1) * cal.gamma))
     if algorithm == "recursive_doubling":
         rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
         # Round i pairs ranks 2**i apart: the first log2(k) rounds stay inside a node of consecutive ranks.
@@ -268,7 +289,7 @@ def allreduce_time(
         flows = k if m > 1 else 1
         far = alpha_x + cpu * cal.rd_step + nbytes * (flows * beta_x + cpu * cal.gamma)
         return codec + through_host + inside * near + (rounds - inside) * far
-    agree = cpu * cal.py_call + _agreement(cal, ranks, alpha_x, cpu, int(math.log2(k)) if m > 1 else 0)
+    agree = cpu * cal.py_call + _agreement(cal, ranks, alpha_x, cpu, int(math.log2(k)) if m > 1 else 0, slots)
     if algorithm == "ring":
         scale = _ring_scale(cal, nbytes) if m == 1 else 1.0
         ring = _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu, scale=scale, network=m > 1)
@@ -283,6 +304,15 @@ def allreduce_time(
         if cal.transport:  # peers' device memory through CUDA IPC: over the node's links, a kernel each
             node += 2 * (k - 1) / k * nbytes * cal.beta_intra + (k + 3) * cal.launch
     return codec + agree + node + _cross_node(cal, nbytes / k, m, k, cpu)
+
+
+def _slots_fold(cal: Calibration, nbytes: int, p: int, cpu: float) -> float:
+    """An "auto" allreduce past the latency path reduced in one host's slots (recursive_doubling's
+    reduce_in_slots): below node_fold_bytes one exchange, every rank folding every payload; past it
+    two, each rank folding its 1/p of every payload and then copying every share out."""
+    if nbytes <= node_fold_bytes(p):
+        return cpu * (cal.py_call + cal.slot_step + nbytes * (cal.copy + (p - 1) * cal.gamma))
+    return cpu * (cal.py_call + 2 * cal.slot_step + nbytes * (2 * cal.copy + (p - 1) / p * cal.gamma))
 
 
 def _cross_node(cal: Calibration, shard: float, m: int, k: int, cpu: float) -> float:
@@ -507,11 +537,13 @@ def calibrate(comm=None, progress=print) -> Calibration:
     )
     alpha = cal.alpha_inter if len(topo.nodes) > 1 else cal.alpha_intra
     if comm.size > 1:  # gflow's own cost per ring step, per call, per recursive-doubling round
-        cal.py_step, cal.py_call, cal.rd_step = (t / slow for t in _step_costs(comm, alpha))
+        cal.py_step, cal.py_call, cal.rd_step, slot_step = _step_costs(comm, alpha)
+        cal.py_step, cal.py_call, cal.rd_step = cal.py_step / slow, cal.py_call / slow, cal.rd_step / slow
+        cal.slot_step = None if slot_step is None else slot_step / slow
     if len(node) > 1:  # the node phase, and a ring, on this node alone
         node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         k = node_comm.size
-        agree = _agreement(cal, k, cal.alpha_intra, slow)
+        agree = _agreement(cal, k, cal.alpha_intra, slow, one_host=True)
         times = []
         for count in (k, n):  # into `out`, as a trainer's buffers: a new result array is page faults
             x = a[:count]
@@ -543,6 +575,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
         f"bandwidth x{cal.ring_scale:.2f} (8 MB), x{cal.ring_scale_large or cal.ring_scale:.2f} (32 MB); "
         f"gflow's own cost per ring step {cal.py_step * 1e6:.2f} us, per call {cal.py_call * 1e6:.1f} us, "
         f"per recursive-doubling round {cal.rd_step * 1e6:.1f} us"
+        + (f", per exchange through the slots {cal.slot_step * 1e6:.1f} us" if cal.slot_step else "")
     )
     return cal
 
@@ -593,11 +626,16 @@ def device_terms(reps: int = 200) -> dict:
 
 
 def _step_costs(comm, alpha: float) -> tuple:
-    """(py_step, py_call, rd_step) on comm, as measured (collective): tiny ring allreduces of one
-    element per segment, with 1 and with 33 segments per chunk (their difference over the 32 more
-    exchanges of each of p - 1 steps is one step's cost; what the one-segment ring costs beyond its
-    steps and its agreement is the call's), and a tiny recursive doubling."""
+    """(py_step, py_call, rd_step, slot_step) on comm, as measured (collective): tiny ring allreduces
+    of one element per segment, with 1 and with 33 segments per chunk (their difference over the 32
+    more exchanges of each of p - 1 steps is one step's cost; what the one-segment ring costs beyond
+    its steps and its agreement is the call's), and a tiny recursive doubling: over MPI's messages
+    (a duplicate of comm without the slots) for rd_step, and, where comm's ranks exchange through
+    one host's slots, as it goes there for slot_step (else None)."""
+
     import gflow
+
+    from ..runtime.context import context
 
     p, rounds = comm.size, math.ceil(math.log2(comm.size)) + (0 if comm.size & (comm.size - 1) == 0 else 2)
     one, many = np.ones(p, np.float32), np.ones(33 * p, np.float32)
@@ -609,11 +647,21 @@ def _step_costs(comm, alpha: float) -> tuple:
     finally:
         gflow.config.ring_segment_bytes = segment
     t_rd = _local_rate(comm, lambda: gflow.allreduce(one, comm=comm), 200)
+    slot_step = t_rd if context(comm).slots else None
+    if slot_step is not None:  # (rd_step: MPI's rounds, as between hosts)
+        apart, shared = comm.Dup(), gflow.config.shared_slots
+        try:
+            gflow.config.shared_slots = False  # (read by the context's first exchange only)
+            gflow.allreduce(one, comm=apart)
+        finally:
+            gflow.config.shared_slots = shared
+        t_rd = _local_rate(apart, lambda: gflow.allreduce(one, comm=apart), 200)
+        apart.Free()
     py_step = max(1e-8, (t_many - t_one) / (32 * (p - 1)) - alpha)
     rd_step = max(1e-7, t_rd / rounds - alpha)
-    agreement = math.ceil(math.log2(p)) * (alpha + rd_step)
+    agreement = slot_step if slot_step is not None else math.ceil(math.log2(p)) * (alpha + rd_step)
     py_call = max(1e-7, t_one - agreement - 2 * (p - 1) * (alpha + py_step))
-    return py_step, py_call, rd_step
+    return py_step, py_call, rd_step, slot_step
 
 
 def python_share(nbytes: int, ranks: int, *, calibration=None, **kwargs) -> float:
@@ -642,15 +690,16 @@ def _uncrowded(comm, cores: int) -> dict:
     if busy:
         p = sub.size
         alpha = sub.allreduce(_pingpong(sub, 0, 1, 8, 200), op=MPI.MAX)
-        py_step, py_call, rd_step = _step_costs(sub, alpha)
+        py_step, py_call, rd_step, slot_step = _step_costs(sub, alpha)
         x = np.ones(p, np.float32)
         out = np.empty_like(x)
         t = _local_rate(sub, lambda: gflow.allreduce(x, comm=sub, algorithm="hierarchical", out=out), 20)
-        node_fixed = max(
-            1e-6, t - py_call - math.ceil(math.log2(p)) * (alpha + rd_step)
-        )  # less the agreement
+        agreement = slot_step if slot_step is not None else math.ceil(math.log2(p)) * (alpha + rd_step)
+        node_fixed = max(1e-6, t - py_call - agreement)
         result = {"alpha_intra": alpha, "py_step": py_step, "py_call": py_call, "rd_step": rd_step,
                   "node_fixed": node_fixed}  # fmt: skip
+        if slot_step is not None:
+            result["slot_step"] = slot_step
         sub.Free()
     request = comm.Ibarrier()
     while not request.Test():
