@@ -35,6 +35,14 @@ from gflow.tools.cost_model import parse_rate  # noqa: E402 - --per-link here, a
 TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 CPU_LIMIT_BITS = 16e9  # aggregate loopback rate the 2-core machine really sustains (see above)
 
+
+def _one_thread() -> dict:
+    """One BLAS/OpenMP thread per rank unless this process's environment says otherwise (as
+    _common.launch): the ranks share the cores, and bench/fusion.py's compute, with a thread per core
+    each, ran 14x longer than it was sized for under bench/model_check.py."""
+    return {name: os.environ.get(name, "1") for name in _common.ONE_THREAD}
+
+
 _LATENCY_WORKER = """
 import time, numpy as np
 from mpi4py import MPI
@@ -113,7 +121,7 @@ class ShapedNetwork:
 
     def command(self, argv: list[str]) -> list[str]:
         """argv wrapped to run inside the namespace, with MPICH over TCP."""
-        env = [f"{k}={v}" for k, v in TCP_ENV.items()]
+        env = [f"{k}={v}" for k, v in {**_one_thread(), **TCP_ENV}.items()]
         return ["ip", "netns", "exec", self.name, "env", *env, *argv]
 
     def launch(self, script: str, nprocs: int, args: list[str], timeout: float = 3600) -> None:
@@ -220,7 +228,7 @@ class EmulatedCluster:
         Hydra's fork launcher with one "host" per node starts one local proxy per node, and MPICH takes
         the ranks of one proxy for one node: shared memory inside it (and in Split_type, so gflow finds
         the nodes from MPI as on a real cluster), its netmod (TCP over eth0) between nodes."""
-        env = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0"}
+        env = {**_one_thread(), "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0"}
         exports = " ".join(f"{k}={v}" for k, v in env.items())
         # PMI_RANK is the rank hydra gives each process; it places consecutive ranks on a host.
         rank_cmd = f'exec ip netns exec {self.prefix}-n$((PMI_RANK / {self.k})) env {exports} "$@"'
