@@ -135,3 +135,48 @@ def test_a_caught_exception_is_not_fatal():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("[handled MismatchError, then sum 3.0]") == 3, done.stdout
+
+
+INTERRUPTED_FIRST_CALL = """
+import _thread, sys, threading, time
+import numpy as np
+from mpi4py import MPI
+import gflow
+
+rank = MPI.COMM_WORLD.rank
+x = np.ones(300 * 1024 // 4, np.float32)
+if rank == 2:
+    time.sleep(3)  # late to the first collective: rank 1 is still waiting for the duplicates then
+if rank == 1:
+    threading.Timer(1.0, _thread.interrupt_main).start()
+try:
+    gflow.allreduce(x)
+except KeyboardInterrupt:
+    try:
+        gflow.allreduce(x)
+    except gflow.GflowError as exc:
+        print(f"[{rank} refused: {exc}]", flush=True)
+    sys.exit(0)  # (it leaves; the others wait in the first collective's making of duplicates)
+except gflow.GflowError as exc:
+    print(f"[{rank} told: {exc}]", flush=True)
+"""
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_a_rank_interrupted_in_the_first_collectives_making_is_named_when_it_leaves(size):
+    """Ctrl-C on one rank while the first collective on a communicator waits for a late rank to make
+    gflow's duplicates: the rank's next call is refused and it exits; the others, still in that first
+    collective, are told it left. They waited forever before (helper-31): the goodbye goes on the
+    monitor duplicate, made after the first, which the leaving rank never had (context.py,
+    finish_duplicates, at exit)."""
+    environment = dict(
+        os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GFLOW_ABORT_ON_EXCEPTION="0"
+    )
+    args = ["mpiexec", "-n", str(size), sys.executable, "-c", INTERRUPTED_FIRST_CALL]
+    try:
+        done = subprocess.run(args, env=environment, capture_output=True, text=True, timeout=45)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"p={size}: the job hung (still running after 45 s): {exc.stdout} {exc.stderr}")
+    output = done.stdout + done.stderr
+    assert output.count("[1 refused: collective #1 on this communicator was interrupted") == 1, output
+    assert output.count("told: rank 1 has left the job") == size - 1, output

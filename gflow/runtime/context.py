@@ -153,6 +153,7 @@ class CommContext:
         # started theirs yet could never return. The duplicate is waited for on first use (.comm).
         self._user_comm = comm
         self._comm, self._pending = (comm, None) if own else comm.Idup()
+        self.making_interrupted = False  # (an exception of the program's in the wait for the duplicates)
         # The stall inspector's questions travel on a duplicate of their own (none for gflow's own
         # node and cross-node communicators: their collectives are counted on the caller's context),
         # made from the first once it exists: Open MPI 4.1 can hang with two Idups of one communicator
@@ -250,6 +251,11 @@ class CommContext:
                 self.waitall([request])
             else:
                 watched(lambda requests: _wait_for_duplicates(requests, self))([request])
+        except GflowError:
+            raise
+        except BaseException:  # (Ctrl-C, a signal handler's exception: finish_duplicates, at exit)
+            self.making_interrupted = True
+            raise
         finally:
             mark.making = None
 
@@ -331,6 +337,43 @@ def free_all() -> None:
         ctx.free()
     _by_handle.clear()
     _world = None
+
+
+FINISH_DUPLICATES_S = 10.0  # at exit: how long a rank waits to finish duplicates an interrupt left
+
+
+def finish_duplicates(seconds: float = FINISH_DUPLICATES_S) -> None:
+    """At exit (lifecycle.py), before the goodbye: finish the duplicates of contexts whose first
+    collective was interrupted while they were being made (Ctrl-C in the wait for a late rank), within
+    `seconds` in all (only those: a context whose first collective failed otherwise may have peers
+    that never make them). The peers wait in that first collective; they can be told this rank left only
+    on the monitor duplicate, which is made after the first (helper-31: without it they waited
+    forever, warning that which rank was gone "cannot be told yet"). A duplicate not finished in time
+    is left to MPI_Finalize, as before."""
+    if MPI.Is_finalized() or stall.busy_elsewhere():
+        return
+    deadline = time.monotonic() + seconds
+    contexts = list(_by_handle.values())
+    contexts += [c._background for c in contexts if c._background is not None]
+    for ctx in contexts:
+        if not ctx.making_interrupted or ctx._pending is None or ctx._user_comm is None:
+            continue
+        if not _done_by(ctx._pending, deadline):
+            continue
+        ctx._pending = None
+        if ctx._wants_monitor and ctx.monitor_comm is None:
+            monitor, pending = ctx._comm.Idup()
+            if _done_by(pending, deadline):
+                ctx.monitor_comm = monitor
+                stall.watch(ctx)
+
+
+def _done_by(request, deadline: float) -> bool:
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def _delete_context(comm, keyval, ctx):

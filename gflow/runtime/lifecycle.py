@@ -17,6 +17,7 @@ def at_exit() -> None:
     left (those waiting for it in a collective it will never make raise at once), free the
     duplicates, then close the timeline file (it records up to the end)."""
     engine.shutdown()
+    context.finish_duplicates()  # (so that peers still waiting in their making can be told, below)
     stall.goodbye()
     context.free_all()
     timeline.stop_timeline()
