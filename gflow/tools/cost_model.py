@@ -537,8 +537,8 @@ def calibrate(comm=None, progress=print) -> Calibration:
     )
     alpha = cal.alpha_inter if len(topo.nodes) > 1 else cal.alpha_intra
     if comm.size > 1:  # gflow's own cost per ring step, per call, per recursive-doubling round
-        cal.py_step, cal.py_call, cal.rd_step, slot_step = _step_costs(comm, alpha)
-        cal.py_step, cal.py_call, cal.rd_step = cal.py_step / slow, cal.py_call / slow, cal.rd_step / slow
+        *costs, slot_step = _step_costs(comm, alpha)
+        cal.py_step, cal.py_call, cal.rd_step = (t / slow for t in costs)
         cal.slot_step = None if slot_step is None else slot_step / slow
     if len(node) > 1:  # the node phase, and a ring, on this node alone
         node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
@@ -659,9 +659,16 @@ def _step_costs(comm, alpha: float) -> tuple:
         apart.Free()
     py_step = max(1e-8, (t_many - t_one) / (32 * (p - 1)) - alpha)
     rd_step = max(1e-7, t_rd / rounds - alpha)
-    agreement = slot_step if slot_step is not None else math.ceil(math.log2(p)) * (alpha + rd_step)
-    py_call = max(1e-7, t_one - agreement - 2 * (p - 1) * (alpha + py_step))
+    py_call = max(
+        1e-7, t_one - _measured_agreement(p, alpha, rd_step, slot_step) - 2 * (p - 1) * (alpha + py_step)
+    )
     return py_step, py_call, rd_step, slot_step
+
+
+def _measured_agreement(p: int, alpha: float, rd_step: float, slot_step) -> float:
+    """The agreement before a bandwidth algorithm on a communicator of p ranks as calibrate measured
+    it: one exchange through the slots where they were measured, else MPI's rounds."""
+    return slot_step if slot_step is not None else math.ceil(math.log2(p)) * (alpha + rd_step)
 
 
 def python_share(nbytes: int, ranks: int, *, calibration=None, **kwargs) -> float:
@@ -694,8 +701,7 @@ def _uncrowded(comm, cores: int) -> dict:
         x = np.ones(p, np.float32)
         out = np.empty_like(x)
         t = _local_rate(sub, lambda: gflow.allreduce(x, comm=sub, algorithm="hierarchical", out=out), 20)
-        agreement = slot_step if slot_step is not None else math.ceil(math.log2(p)) * (alpha + rd_step)
-        node_fixed = max(1e-6, t - py_call - agreement)
+        node_fixed = max(1e-6, t - py_call - _measured_agreement(p, alpha, rd_step, slot_step))
         result = {"alpha_intra": alpha, "py_step": py_step, "py_call": py_call, "rd_step": rd_step,
                   "node_fixed": node_fixed}  # fmt: skip
         if slot_step is not None:
