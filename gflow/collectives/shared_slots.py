@@ -148,7 +148,9 @@ def _host_id() -> int:
 def _one_mpi_node(comm) -> bool:
     """Whether MPI, too, holds every rank of comm on one node (Split_type; alike on every rank). Ranks
     it keeps apart on one host (an emulated cluster's network namespaces, bench/netem.py; MPICH's
-    MPIR_CVAR_NOLOCAL) talk over MPI's network: the slots would bypass it. Collective."""
+    MPIR_CVAR_NOLOCAL) talk over MPI's network: the slots would bypass it. Collective, and blocking
+    (MPI has no nonblocking Split_type): called right after the watched allreduce that every rank
+    of comm has entered, as topology.discover calls it."""
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     try:
         return shared.size == comm.size
