@@ -3,20 +3,21 @@
     python bench/model_check.py                     # shared memory p = 2, 3, 4 and a 2 x 2 emulated cluster
     python bench/model_check.py --quick             # fewer sizes and repetitions
 
-`gflow.tools.cost_model.calibrate` runs once per environment (shared memory at p = 4; the emulated
-cluster of 2
-nodes x 2 ranks at 1 Gbit/s per node link, bench/netem.py), in the same job as that environment's
-first timings, just before them (this machine's speed drifts by up to 1.5x between runs minutes
-apart), measuring ping-pongs, local loops and gflow's own allreduces at a few sizes that are not among
-those checked (see gflow/tools/cost_model.py; on shared memory it also measures the fixed costs with
-one rank per
-core). Then gflow.allreduce is timed at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring,
-the hierarchical allreduce and auto, at p = 4, 3, 2 on shared memory and p = 4 in the cluster: none of
-these timings was used to calibrate, so all are held out. Contenders alternate; medians of the slowest rank.
+`gflow.tools.cost_model.calibrate` runs at every p of every environment (shared memory at p = 4, 3, 2:
+a calibration describes nodes of the size it ran on; the emulated cluster of 2 nodes x 2 ranks at 1
+Gbit/s per node link, bench/netem.py), in the same job as that p's timings, just before them (this
+machine's speed drifts by up to 1.5x between runs minutes apart), measuring ping-pongs, local loops and
+gflow's own allreduces at a few sizes that are not among those checked (see gflow/tools/cost_model.py;
+on shared memory it also measures the fixed costs with one rank per core). Then gflow.allreduce is timed
+at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring, the hierarchical allreduce and auto, at
+p = 4, 3, 2 on shared memory and p = 4 in the cluster: none of these timings was used to calibrate, so
+all are held out. Each point is timed as MPI's benchmarks time a collective (calls back to back after a
+barrier, per call: about 4 MB of payload a batch), contenders alternating batch by batch; medians over
+the batches of the slowest rank.
 Last, bench/fusion.py's lazy ResNet-50 step at p = 4 under the emulated network (every rank a host, 1
-Gbit/s per link), without and with compute, against gflow.tools.cost_model.step_time
-(`--fusion-only` runs just
-that). Writes bench/out/model_check.{json,md,png}: predicted against measured, and the share within 20%.
+Gbit/s per link), without and with compute, against gflow.tools.cost_model.step_time (`--fusion-only`
+runs just that). Writes bench/out/model_check.{json,md,png}: predicted against measured, and the share
+within 20%.
 """
 
 import argparse
@@ -53,15 +54,17 @@ def worker(args) -> None:
         runs = {a: (lambda a=a, x=x, y=y: gflow.allreduce(x, out=y, algorithm=a)) for a in ALGORITHMS}
         for fn in runs.values():
             fn()
-        reps = 3 if nbytes >= 32 * 2**20 else 7 if nbytes >= 2**20 else 30
-        times = {a: [] for a in runs}
-        for _ in range(reps if not args.quick else max(3, reps // 3)):
-            for a, fn in runs.items():
-                times[a].append(_common.timed(comm, fn))
+        # As MPI's own benchmarks time a collective (OSU's osu_allreduce): calls back to back after a
+        # barrier, per call; a lone call after a barrier would add the barrier's exit skew, which on
+        # more ranks than cores is the scheduler's and outweighs a small allreduce.
+        calls = max(1, min(100, 2**22 // nbytes))  # (about 4 MB of payload a batch)
+        rounds = 3 if nbytes >= 32 * 2**20 else 7 if nbytes >= 2**20 else 15
+        rounds = rounds if not args.quick else max(3, rounds // 3)
+        times = _common.alternated_medians_us(comm, runs, calls, rounds)
         for a, t in times.items():
-            rows.append({"bytes": nbytes, "algorithm": a, "measured_s": float(np.median(t))})
+            rows.append({"bytes": nbytes, "algorithm": a, "measured_s": t * 1e-6})
         if comm.rank == 0:
-            cells = "  ".join(f"{a} {np.median(t) * 1e3:.3f} ms" for a, t in times.items())
+            cells = "  ".join(f"{a} {t * 1e-3:.3f} ms" for a, t in times.items())
             print(f"  p={comm.size} {_common.human_bytes(nbytes):>7}: {cells}", flush=True)
     if comm.rank == 0:
         with open(args.result, "w") as f:
@@ -76,18 +79,16 @@ def run_environment(args, name, nprocs_list, sizes, ranks_per_node, cluster=None
     """Calibrate, then measure at each p, in one environment; returns the result records."""
     from gflow.tools import cost_model as model
 
-    calib = os.path.join(args.out, f"calibration_{name}.json")
     records = []
     script = os.path.abspath(__file__)
-    for p in sorted(nprocs_list, reverse=True):  # the largest p calibrates, then the others follow
+    for p in sorted(nprocs_list, reverse=True):
+        # Each p calibrates for itself: a calibration describes nodes of the size it ran on (on this
+        # machine's 2 cores, 2, 3 and 4 ranks share them differently), as a cluster's is taken on its nodes.
+        calib = os.path.join(args.out, f"calibration_{name}_p{p}.json")
         result = os.path.join(args.out, f"model_check_{name}_p{p}.json")
-        worker_args = ["--worker", "--result", result, "--sizes", *map(str, sizes)] + (
-            ["--quick"] if args.quick else []
-        )
-        first = p == max(nprocs_list)
-        if first:
-            worker_args += ["--calibrate", calib]
-        print(f"--- {name}: {'calibrate and ' if first else ''}measure at p = {p} ---", flush=True)
+        worker_args = ["--worker", "--result", result, "--sizes", *map(str, sizes), "--calibrate", calib]
+        worker_args += ["--quick"] if args.quick else []
+        print(f"--- {name}: calibrate and measure at p = {p} ---", flush=True)
         if args.reuse and os.path.exists(result):
             pass
         elif cluster is None:

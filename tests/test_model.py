@@ -2,6 +2,7 @@
 bad input."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -275,6 +276,9 @@ def test_calibrate_measures_every_constant():
     ):
         assert 0 < getattr(cal, name) < 1e-2, name
     assert cal.node_passes >= 1
+    # The size-resolved terms: the node phase and a ring at 512 KiB, the slots' bytes (one host).
+    assert cal.node_passes_small > 0 and cal.slots_scale > 0
+    assert all(s > 0 for s in (cal.ring_scale_small, cal.ring_scale, cal.ring_scale_large))
     assert f"on {WORLD.size} ranks" in cal.source
     # More ranks than cores on one node: the fixed costs again with one rank per core, used by the
     # model for nodes that small.
@@ -323,6 +327,43 @@ def test_one_hosts_exchanges_go_through_the_slots_where_measured():
     for kwargs in (dict(ranks_per_node=8), dict(ranks_per_node=8, algorithm="ring")):
         far = [model.allreduce_time(4096, 512, calibration=c, **kwargs) for c in (mpi, slots)]
         assert far[0] == far[1]
+
+
+def test_size_resolved_terms_interpolate_in_log_size(tmp_path):
+    """ring_scale_small/ring_scale/ring_scale_large, node_passes_small/node_passes: each measured value
+    holds at its size, log-size interpolation between, the end values beyond; slots_scale multiplies
+    only the bytes of the slots' paths. A calibration without them (older) loads and costs as before."""
+    from dataclasses import replace
+
+    base = model.Calibration(cores=64, slot_step=5e-6)
+    sized = replace(base, ring_scale_small=0.5, ring_scale=1.0, ring_scale_large=2.0, node_passes_small=1.0)
+    small, mid, large = model.SMALL_BYTES, model.RING_SCALE_BYTES[0], model.RING_SCALE_BYTES[1]
+    assert model._ring_scale(sized, small // 8) == 0.5 and model._ring_scale(sized, small) == 0.5
+    assert model._ring_scale(sized, mid) == 1.0 and model._ring_scale(sized, 4 * large) == 2.0
+    halfway = int(2 ** ((math.log2(small) + math.log2(mid)) / 2))
+    assert model._ring_scale(sized, halfway) == pytest.approx(0.75)
+    assert model._node_passes(sized, small) == 1.0 and model._node_passes(sized, model.LOCAL_BYTES) == 4.0
+    assert model._node_passes(base, small) == base.node_passes  # (not measured: one value)
+    ring = [model.allreduce_time(2 * small, 2, algorithm="ring", calibration=c) for c in (base, sized)]
+    assert ring[1] < ring[0]  # (its bytes at scale 0.5 .. 1.0 there, against 1.0)
+    # slots_scale: the latency path's bytes only, its fixed exchange untouched
+    n = 64 * 2**10
+    fast = replace(base, slots_scale=0.25)
+    got, before = (model.allreduce_time(n, 2, calibration=c) for c in (fast, base))
+    assert got == pytest.approx(5e-6 + 0.25 * (before - 5e-6))
+    assert model.allreduce_time(8, 2, calibration=fast) == pytest.approx(
+        5e-6 + 0.25 * 8 * (base.copy + base.gamma)
+    )
+    path = tmp_path / "old.json"
+    base.save(str(path))
+    old = {k: v for k, v in json.load(open(path)).items()}
+    for name in ("ring_scale_small", "slots_scale", "node_passes_small"):
+        del old[name]
+    path.write_text(json.dumps(old))
+    loaded = model.Calibration.load(str(path))
+    assert model.allreduce_time(3 * small, 3, calibration=loaded) == model.allreduce_time(
+        3 * small, 3, calibration=base
+    )
 
 
 def test_python_share_is_the_part_gflows_own_costs_make():

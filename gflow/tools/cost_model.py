@@ -26,11 +26,18 @@ seconds, per byte or per element, for a rank that has a core to itself:
                               measured (the model then takes MPI's rounds there too)
     ring_scale                measured / modelled bandwidth terms of a ring inside a node (MPI's
                               shared-memory transport and cache effects the terms above miss)
+    slots_scale               the same for the bytes reduced in one host's slots (a payload copied
+                              in and folded by every rank, from the caches at these sizes)
+    node_passes_small         node_passes at NODE_SMALL_BYTES, where the node phase's buffers stay in
+                              the caches (node_passes itself is measured at 32 MB); the model
+                              interpolates in log size between the two
 
-`calibrate` fits the last six from gflow's own allreduces at a few sizes on the calibration's
+`calibrate` fits the last nine from gflow's own allreduces at a few sizes on the calibration's
 communicator (a tiny ring of one segment per chunk and of 33, whose difference is the cost of a
-step and whose rest is the call's; a tiny and a 32 MB node phase, an 8 MB and a 32 MB ring inside
-the node, a tiny recursive doubling); everything else it predicts is held out (bench/model_check.py).
+step and whose rest is the call's; a tiny, a 512 KiB and a 32 MB node phase, an 8 MB and a 32 MB
+ring inside the node, a tiny and a 512 KiB "auto" allreduce through the slots, a tiny recursive
+doubling); everything else it predicts is held out (bench/model_check.py). Each timing is the median
+of REPEATS batches.
 
 A node of k ranks on c cores runs its CPU-bound terms ceil(k/c) times slower when k > c (`cores`),
 which is what happens on the 2-core development machine at p = 3 and 4. Its fixed costs (latency,
@@ -107,9 +114,13 @@ class Calibration:
     # The fixed costs (alpha_intra, py_step, py_call, rd_step, node_fixed) measured again with one rank per
     # core, when the calibration ran more ranks than cores on one node; None: not measured.
     uncrowded: dict | None = None
-    # ring_scale measured at RING_SCALE_BYTES[1] (ring_scale: at [0]); between them the model
-    # interpolates in log size (caches make a ring's bytes dearer as messages grow). None: one scale.
+    # ring_scale measured at RING_SCALE_BYTES[1] and at SMALL_BYTES (ring_scale: at [0]); between them
+    # the model interpolates in log size (caches make a ring's bytes dearer as messages grow). None:
+    # not measured (older calibrations).
     ring_scale_large: float | None = None
+    ring_scale_small: float | None = None
+    slots_scale: float = 1.0  # (calibrations before it was measured: 1)
+    node_passes_small: float | None = None  # None: node_passes at every size
     # The device path (cluster(gpu=True) sets it; None: host arrays): "direct" (a CUDA-aware MPI reads
     # device memory; the latency path still stages its small messages through the host) or "staged"
     # (through pinned host memory: the flat ring and the latency path stage the whole message, the
@@ -142,7 +153,7 @@ class Calibration:
             raise ValueError(f"calibration {path}: expected a JSON object of constants")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         optional = {"source", "uncrowded", "ring_scale_large", "py_call", "transport", "pcie", "launch"}
-        optional |= {"device"}
+        optional |= {"device", "slots_scale", "node_passes_small", "ring_scale_small"}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(
@@ -177,16 +188,27 @@ def _for_node(cal: Calibration, ranks_on_node: int) -> Calibration:
 _FIXED_COSTS = ("alpha_intra", "py_step", "py_call", "rd_step", "node_fixed", "slot_step")
 _PYTHON_COSTS = ("py_step", "py_call", "rd_step")  # what gflow's own code costs, beside the machine's
 RING_SCALE_BYTES = (8 * 2**20, 32 * 2**20)  # where calibrate measures a ring inside a node
+SMALL_BYTES = 512 * 2**10  # where it measures the node phase in the caches and the slots' bytes
+LOCAL_BYTES = 32 * 2**20  # where it measures gamma, copy and node_passes
+
+
+def _by_size(nbytes: float, points) -> float:
+    """The value at nbytes of (bytes, value) points measured at a few sizes (those whose value is None
+    left out): interpolated in log size between them, the end values beyond them."""
+    known = [(math.log2(b), v) for b, v in points if v is not None]
+    sizes, values = zip(*known, strict=True)
+    return float(np.interp(math.log2(max(nbytes, 1)), sizes, values))
 
 
 def _ring_scale(cal: Calibration, nbytes: int) -> float:
-    small, large = RING_SCALE_BYTES
-    if cal.ring_scale_large is None or nbytes <= small:
-        return cal.ring_scale
-    if nbytes >= large:
-        return cal.ring_scale_large
-    share = math.log2(nbytes / small) / math.log2(large / small)
-    return cal.ring_scale + share * (cal.ring_scale_large - cal.ring_scale)
+    points = [(SMALL_BYTES, cal.ring_scale_small), (RING_SCALE_BYTES[0], cal.ring_scale)]
+    return _by_size(nbytes, [*points, (RING_SCALE_BYTES[1], cal.ring_scale_large)])
+
+
+def _node_passes(cal: Calibration, nbytes: int) -> float:
+    """node_passes for a node phase of nbytes: node_passes_small at SMALL_BYTES, node_passes at
+    LOCAL_BYTES."""
+    return _by_size(nbytes, [(SMALL_BYTES, cal.node_passes_small), (LOCAL_BYTES, cal.node_passes)])
 
 
 def _slowdown(cal: Calibration, ranks_on_node: int) -> float:
@@ -276,10 +298,9 @@ def allreduce_time(
         else:  # (device arrays: the IPC node phase from two ranks; host ones from three)
             least = 2 if cal.transport else 3
             algorithm = "hierarchical" if k >= least and nbytes >= DEFAULT_SHARED_MEMORY_MIN_BYTES else "ring"
-    if algorithm == "slots":
-        return codec + _slots_fold(cal, nbytes, ranks, cpu)
-    if slots and algorithm == "recursive_doubling":
-        return codec + cpu * (cal.slot_step + nbytes * (cal.copy + (ranks - 1) * cal.gamma))
+    if algorithm == "slots" or (slots and algorithm == "recursive_doubling"):
+        fixed, bandwidth = _slots_parts(cal, nbytes, ranks, latency_path=algorithm != "slots")
+        return codec + cpu * (fixed + cal.slots_scale * bandwidth)
     if algorithm == "recursive_doubling":
         rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
         # Round i pairs ranks 2**i apart: the first log2(k) rounds stay inside a node of consecutive ranks.
@@ -300,19 +321,23 @@ def allreduce_time(
         )
     node = 0.0
     if k > 1:
-        node = cpu * (cal.node_fixed + cal.node_passes * cal.copy * nbytes)
+        node = cpu * (cal.node_fixed + _node_passes(cal, nbytes) * cal.copy * nbytes)
         if cal.transport:  # peers' device memory through CUDA IPC: over the node's links, a kernel each
             node += 2 * (k - 1) / k * nbytes * cal.beta_intra + (k + 3) * cal.launch
     return codec + agree + node + _cross_node(cal, nbytes / k, m, k, cpu)
 
 
-def _slots_fold(cal: Calibration, nbytes: int, p: int, cpu: float) -> float:
-    """An "auto" allreduce past the latency path reduced in one host's slots (recursive_doubling's
-    reduce_in_slots): below node_fold_bytes one exchange, every rank folding every payload; past it
-    two, each rank folding its 1/p of every payload and then copying every share out."""
+def _slots_parts(cal: Calibration, nbytes: int, p: int, latency_path: bool) -> tuple:
+    """(fixed, bytes) seconds, on a core of one's own and before slots_scale, of an allreduce reduced in
+    one host's slots: the latency path (one exchange, every rank folding every payload) or "auto"
+    past it (recursive_doubling's reduce_in_slots: below node_fold_bytes one exchange, every rank
+    folding every payload; past it two, each rank folding its 1/p of every payload and then copying
+    every share out)."""
+    if latency_path:
+        return cal.slot_step, nbytes * (cal.copy + (p - 1) * cal.gamma)
     if nbytes <= node_fold_bytes(p):
-        return cpu * (cal.py_call + cal.slot_step + nbytes * (cal.copy + (p - 1) * cal.gamma))
-    return cpu * (cal.py_call + 2 * cal.slot_step + nbytes * (2 * cal.copy + (p - 1) / p * cal.gamma))
+        return cal.py_call + cal.slot_step, nbytes * (cal.copy + (p - 1) * cal.gamma)
+    return cal.py_call + 2 * cal.slot_step, nbytes * (2 * cal.copy + (p - 1) / p * cal.gamma)
 
 
 def _cross_node(cal: Calibration, shard: float, m: int, k: int, cpu: float) -> float:
@@ -460,17 +485,21 @@ def _fit(sizes, times) -> tuple[float, float]:
 
 
 def _local_rate(comm, fn, reps: int) -> float:
-    """Seconds per fn() with every rank running it over and over at once (the slowest rank's mean:
-    a throughput under the node's real contention, not one lucky run on a free core)."""
+    """Seconds per fn() with every rank running it over and over at once: the median of REPEATS
+    batches of the slowest rank's mean (a throughput under the node's real contention, not one lucky
+    run on a free core, nor one unlucky batch)."""
     from mpi4py import MPI
 
     fn()
     fn()  # twice: the node phase alternates two slots, each faulted in on first use
-    comm.Barrier()
-    start = MPI.Wtime()
-    for _ in range(reps):
-        fn()
-    return comm.allreduce((MPI.Wtime() - start) / reps, op=MPI.MAX)
+    batches = []
+    for _ in range(REPEATS):
+        comm.Barrier()
+        start = MPI.Wtime()
+        for _ in range(reps):
+            fn()
+        batches.append(comm.allreduce((MPI.Wtime() - start) / reps, op=MPI.MAX))
+    return float(np.median(batches))
 
 
 def calibrate(comm=None, progress=print) -> Calibration:
@@ -482,6 +511,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
     from ..arrays import host_ops as host
     from ..arrays.codecs import WIRE_DTYPE, decode, encode
     from ..collectives.topology import discover
+    from ..runtime.context import context
 
     comm = comm or MPI.COMM_WORLD
     topo = discover(comm)
@@ -520,7 +550,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
         alpha, beta = pairs_fit([(nodes[i][0], nodes[i + 1][0]) for i in range(0, len(nodes) - 1, 2)])
         cal.alpha_inter, cal.beta_inter = alpha, beta
         progress(f"between nodes: alpha {alpha * 1e6:.1f} us, {8 / beta / 1e9:.3f} Gbit/s one flow")
-    n = 8 * 2**20
+    n = LOCAL_BYTES // 4
     a, b = np.random.default_rng(comm.rank).random((2, n), dtype=np.float32)
     out = np.empty_like(a)
     cal.gamma = _local_rate(comm, lambda: host.reduce(out, a, b, "sum"), 5) / slow / out.nbytes
@@ -545,7 +575,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
         k = node_comm.size
         agree = _agreement(cal, k, cal.alpha_intra, slow, one_host=True)
         times = []
-        for count in (k, n):  # into `out`, as a trainer's buffers: a new result array is page faults
+        for count in (k, n, SMALL_BYTES // 4):  # into `out`, as a trainer's: a new array is page faults
             x = a[:count]
             t = _local_rate(
                 node_comm,
@@ -555,24 +585,35 @@ def calibrate(comm=None, progress=print) -> Calibration:
             times.append(comm.allreduce(t, op=MPI.MAX))
         cal.node_fixed = max(1e-6, (times[0] - agree) / slow - cal.py_call)
         cal.node_passes = max(0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
+        cal.node_passes_small = max(0.1, (times[2] - times[0]) / (slow * cal.copy * SMALL_BYTES))
+        if context(node_comm).slots:  # the bytes of an "auto" allreduce reduced in the slots
+            x = a[: SMALL_BYTES // 4]
+            t = _local_rate(node_comm, lambda: gflow.allreduce(x, comm=node_comm, out=out[: x.size]), 20)
+            t = comm.allreduce(t, op=MPI.MAX)
+            latency_path = SMALL_BYTES <= latency_path_limit(k, DEFAULT_SMALL_MESSAGE_BYTES)
+            fixed, bandwidth = _slots_parts(cal, SMALL_BYTES, k, latency_path)
+            cal.slots_scale = max(0.05, (t / slow - fixed) / bandwidth)
         scales = []
-        for x in (a[: RING_SCALE_BYTES[0] // 4], a[: RING_SCALE_BYTES[1] // 4]):
+        for nbytes in (SMALL_BYTES, *RING_SCALE_BYTES):
+            x = a[: nbytes // 4]
             t = _local_rate(
                 node_comm,
                 lambda x=x: gflow.allreduce(x, comm=node_comm, algorithm="ring", out=out[: x.size]),
-                10 if x.nbytes < 2**24 else 4,
+                40 if nbytes < 2**20 else 10 if nbytes < 2**24 else 4,
             )
             t = comm.allreduce(t, op=MPI.MAX)
             fixed, bandwidth = _ring_parts(cal, x.nbytes, k, cal.alpha_intra, slow * cal.beta_intra, slow)
             scales.append(max(0.2, (t - agree - fixed) / bandwidth))
-        cal.ring_scale, cal.ring_scale_large = scales
+        cal.ring_scale_small, cal.ring_scale, cal.ring_scale_large = scales
         node_comm.Free()
     if len(topo.nodes) == 1 and comm.size > cores > 1:
         cal.uncrowded = _uncrowded(comm, cores)
         progress("one rank per core: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in cal.uncrowded.items()))
     progress(
-        f"node phase {cal.node_passes:.2f} copies per byte + {cal.node_fixed * 1e6:.0f} us; ring "
-        f"bandwidth x{cal.ring_scale:.2f} (8 MB), x{cal.ring_scale_large or cal.ring_scale:.2f} (32 MB); "
+        f"node phase {cal.node_passes:.2f} copies per byte ({cal.node_passes_small or cal.node_passes:.2f} "
+        f"at 512 KiB) + {cal.node_fixed * 1e6:.0f} us; slots' bytes x{cal.slots_scale:.2f}; ring bandwidth "
+        f"x{cal.ring_scale_small or cal.ring_scale:.2f} (512 KiB), x{cal.ring_scale:.2f} (8 MB), "
+        f"x{cal.ring_scale_large or cal.ring_scale:.2f} (32 MB); "
         f"gflow's own cost per ring step {cal.py_step * 1e6:.2f} us, per call {cal.py_call * 1e6:.1f} us, "
         f"per recursive-doubling round {cal.rd_step * 1e6:.1f} us"
         + (f", per exchange through the slots {cal.slot_step * 1e6:.1f} us" if cal.slot_step else "")
@@ -750,6 +791,7 @@ def cluster(
     cal.cores = max(cal.cores, ranks_per_node)
     if gpu:
         cal.copy, cal.gamma, cal.codec, cal.csc = (GPU_NODE[k] for k in ("copy", "gamma", "codec", "csc"))
+        cal.node_passes_small = None  # (the host's caches: device memory has no such step)
         cal.beta_intra, cal.alpha_intra = 1 / GPU_NODE["intra_Bps"], 5e-6
         cal.transport = transport
         if not base.device:  # (measured by `calibrate --device`: kept)
