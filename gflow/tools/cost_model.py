@@ -586,7 +586,9 @@ def calibrate(comm=None, progress=print) -> Calibration:
         cal.node_fixed = max(1e-6, (times[0] - agree) / slow - cal.py_call)
         cal.node_passes = max(0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
         cal.node_passes_small = max(0.1, (times[2] - times[0]) / (slow * cal.copy * SMALL_BYTES))
-        if context(node_comm).slots:  # the bytes of an "auto" allreduce reduced in the slots
+        # The bytes of an "auto" allreduce reduced in the slots, where the model takes them: every rank
+        # of the job on one host (slot_step measured; so alike on every rank).
+        if cal.slot_step is not None and context(node_comm).slots:
             x = a[: SMALL_BYTES // 4]
             t = _local_rate(node_comm, lambda: gflow.allreduce(x, comm=node_comm, out=out[: x.size]), 20)
             t = comm.allreduce(t, op=MPI.MAX)
