@@ -12,8 +12,8 @@ on shared memory it also measures the fixed costs with one rank per core). Then 
 at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring, the hierarchical allreduce and auto, at
 p = 4, 3, 2 on shared memory and p = 4 in the cluster: none of these timings was used to calibrate, so
 all are held out. Each point is timed as MPI's benchmarks time a collective (calls back to back after a
-barrier, per call: about 4 MB of payload a batch), contenders alternating batch by batch; medians over
-the batches of the slowest rank.
+barrier, per call: about 4 MB of payload a batch, at most 100 calls), contenders alternating batch by
+batch; medians over the batches of the slowest rank.
 Last, bench/fusion.py's lazy ResNet-50 step at p = 4 under the emulated network (every rank a host, 1
 Gbit/s per link), without and with compute, against gflow.tools.cost_model.step_time (`--fusion-only`
 runs just that). Writes bench/out/model_check.{json,md,png}: predicted against measured, and the share

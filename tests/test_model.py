@@ -298,6 +298,25 @@ def test_calibrate_measures_every_constant():
         assert cal.uncrowded is None
 
 
+@pytest.mark.parallel([3, 4])
+def test_calibrate_on_nodes_of_different_sizes():
+    """Nodes of 2 ranks posed over the world (at p = 3: a node of 2 and a rank alone): every rank
+    takes part in the node measurements' collectives (a rank alone in its node once skipped them and
+    the others hung), and the node terms are the largest node's."""
+    import gflow
+
+    before = gflow.config.ranks_per_node
+    gflow.config.ranks_per_node = 2
+    try:
+        cal = model.calibrate(comm=WORLD.Dup(), progress=lambda line: None)
+    finally:
+        gflow.config.ranks_per_node = before
+    assert WORLD.allgather(json.dumps(vars(cal))) == [json.dumps(vars(cal))] * WORLD.size
+    if WORLD.size > 1:
+        assert cal.node_passes >= 0.5 and cal.node_passes_small > 0 and cal.ring_scale_small > 0
+    assert f"on {WORLD.size} ranks" in cal.source
+
+
 def test_one_hosts_exchanges_go_through_the_slots_where_measured():
     """On one host (slot_step measured) the latency path is one exchange whatever p, the agreement
     before a ring one exchange, and from three ranks "auto" reduces in the slots up to the node
@@ -355,6 +374,11 @@ def test_size_resolved_terms_interpolate_in_log_size(tmp_path):
         5e-6 + 0.25 * 8 * (base.copy + base.gamma)
     )
     path = tmp_path / "old.json"
+    for bad in (None, "fast", -1.0, True):
+        base.save(str(path))
+        path.write_text(json.dumps({**json.load(open(path)), "slots_scale": bad}))
+        with pytest.raises(ValueError, match="slots_scale must be a positive number"):
+            model.Calibration.load(str(path))
     base.save(str(path))
     old = {k: v for k, v in json.load(open(path)).items()}
     for name in ("ring_scale_small", "slots_scale", "node_passes_small"):

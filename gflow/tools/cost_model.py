@@ -25,19 +25,21 @@ seconds, per byte or per element, for a rank that has a core to itself:
                               where every exchange of a one-host communicator goes; None: not
                               measured (the model then takes MPI's rounds there too)
     ring_scale                measured / modelled bandwidth terms of a ring inside a node (MPI's
-                              shared-memory transport and cache effects the terms above miss)
+                              shared-memory transport and cache effects the terms above miss), at
+                              8 MB; ring_scale_small and ring_scale_large the same at 512 KiB and
+                              32 MB, and the model interpolates in log size between the three
     slots_scale               the same for the bytes reduced in one host's slots (a payload copied
                               in and folded by every rank, from the caches at these sizes)
-    node_passes_small         node_passes at NODE_SMALL_BYTES, where the node phase's buffers stay in
+    node_passes_small         node_passes at SMALL_BYTES, where the node phase's buffers stay in
                               the caches (node_passes itself is measured at 32 MB); the model
                               interpolates in log size between the two
 
-`calibrate` fits the last nine from gflow's own allreduces at a few sizes on the calibration's
-communicator (a tiny ring of one segment per chunk and of 33, whose difference is the cost of a
-step and whose rest is the call's; a tiny, a 512 KiB and a 32 MB node phase, an 8 MB and a 32 MB
-ring inside the node, a tiny and a 512 KiB "auto" allreduce through the slots, a tiny recursive
-doubling); everything else it predicts is held out (bench/model_check.py). Each timing is the median
-of REPEATS batches.
+`calibrate` fits the terms from py_step on from gflow's own allreduces at a few sizes on the
+calibration's communicator (a tiny ring of one segment per chunk and of 33, whose difference is the
+cost of a step and whose rest is the call's; a tiny, a 512 KiB and a 32 MB node phase, a 512 KiB, an
+8 MB and a 32 MB ring inside the node, a tiny and a 512 KiB "auto" allreduce through the slots, a
+tiny recursive doubling); everything else it predicts is held out (bench/model_check.py). Each
+timing is the median of REPEATS batches.
 
 A node of k ranks on c cores runs its CPU-bound terms ceil(k/c) times slower when k > c (`cores`),
 which is what happens on the 2-core development machine at p = 3 and 4. Its fixed costs (latency,
@@ -114,9 +116,9 @@ class Calibration:
     # The fixed costs (alpha_intra, py_step, py_call, rd_step, node_fixed) measured again with one rank per
     # core, when the calibration ran more ranks than cores on one node; None: not measured.
     uncrowded: dict | None = None
-    # ring_scale measured at RING_SCALE_BYTES[1] and at SMALL_BYTES (ring_scale: at [0]); between them
-    # the model interpolates in log size (caches make a ring's bytes dearer as messages grow). None:
-    # not measured (older calibrations).
+    # ring_scale measured at RING_SCALE_BYTES[1] (_large) and at SMALL_BYTES (_small), ring_scale itself
+    # at [0]; between them the model interpolates in log size (caches make a ring's bytes dearer as
+    # messages grow). None: not measured (older calibrations).
     ring_scale_large: float | None = None
     ring_scale_small: float | None = None
     slots_scale: float = 1.0  # (calibrations before it was measured: 1)
@@ -160,6 +162,12 @@ class Calibration:
                 f"calibration {path}: missing {', '.join(missing)} "
                 "(from an older gflow? run `gflow calibrate` again)"
             )
+        for name in ("slots_scale", "ring_scale_small", "node_passes_small"):
+            value = known.get(name, 1.0)
+            if value is None and name != "slots_scale":
+                continue
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"calibration {path}: {name} must be a positive number, got {value!r}")
         uncrowded = known.get("uncrowded")
         if uncrowded is not None and not (
             isinstance(uncrowded, dict)
@@ -300,7 +308,8 @@ def allreduce_time(
             algorithm = "hierarchical" if k >= least and nbytes >= DEFAULT_SHARED_MEMORY_MIN_BYTES else "ring"
     if algorithm == "slots" or (slots and algorithm == "recursive_doubling"):
         fixed, bandwidth = _slots_parts(cal, nbytes, ranks, latency_path=algorithm != "slots")
-        return codec + cpu * (fixed + cal.slots_scale * bandwidth)
+        scale = cal.slots_scale if nbytes + HEADER_BYTES <= slot_room(ranks) else 1.0  # (where measured)
+        return codec + cpu * (fixed + scale * bandwidth)
     if algorithm == "recursive_doubling":
         rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
         # Round i pairs ranks 2**i apart: the first log2(k) rounds stay inside a node of consecutive ranks.
@@ -570,9 +579,9 @@ def calibrate(comm=None, progress=print) -> Calibration:
         *costs, slot_step = _step_costs(comm, alpha)
         cal.py_step, cal.py_call, cal.rd_step = (t / slow for t in costs)
         cal.slot_step = None if slot_step is None else slot_step / slow
-    if len(node) > 1:  # the node phase, and a ring, on this node alone
-        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-        k = node_comm.size
+    if k_here > 1:  # the node phase, and a ring, on each node alone (every rank: collectives of comm)
+        node_comm = comm.Split(topo.node_of[comm.rank], key=comm.rank)  # (nodes as discover found or posed)
+        k = k_here  # (the times are the slowest rank's, so the largest node's; a rank alone times copies)
         agree = _agreement(cal, k, cal.alpha_intra, slow, one_host=True)
         times = []
         for count in (k, n, SMALL_BYTES // 4):  # into `out`, as a trainer's: a new array is page faults
@@ -586,9 +595,16 @@ def calibrate(comm=None, progress=print) -> Calibration:
         cal.node_fixed = max(1e-6, (times[0] - agree) / slow - cal.py_call)
         cal.node_passes = max(0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
         cal.node_passes_small = max(0.1, (times[2] - times[0]) / (slow * cal.copy * SMALL_BYTES))
-        # The bytes of an "auto" allreduce reduced in the slots, where the model takes them: every rank
-        # of the job on one host (slot_step measured; so alike on every rank).
-        if cal.slot_step is not None and context(node_comm).slots:
+        # The bytes of an "auto" allreduce reduced in the slots, where the model takes them: one node
+        # (alike on every rank), whose ranks share one host (slot_step measured).
+        if (
+            len(topo.nodes) == 1
+            and cal.slot_step is not None
+            and context(node_comm).slots
+            and SMALL_BYTES + HEADER_BYTES <= slot_room(k)  # (else "auto" takes the ring there)
+            and gflow.config.small_message_bytes == DEFAULT_SMALL_MESSAGE_BYTES  # (as the model's dispatch)
+            and gflow.config.shared_memory_min_bytes == DEFAULT_SHARED_MEMORY_MIN_BYTES
+        ):
             x = a[: SMALL_BYTES // 4]
             t = _local_rate(node_comm, lambda: gflow.allreduce(x, comm=node_comm, out=out[: x.size]), 20)
             t = comm.allreduce(t, op=MPI.MAX)
@@ -605,7 +621,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
             )
             t = comm.allreduce(t, op=MPI.MAX)
             fixed, bandwidth = _ring_parts(cal, x.nbytes, k, cal.alpha_intra, slow * cal.beta_intra, slow)
-            scales.append(max(0.2, (t - agree - fixed) / bandwidth))
+            scales.append(max(0.2, (t - slow * cal.py_call - agree - fixed) / bandwidth))  # (as the model)
         cal.ring_scale_small, cal.ring_scale, cal.ring_scale_large = scales
         node_comm.Free()
     if len(topo.nodes) == 1 and comm.size > cores > 1:
@@ -793,7 +809,7 @@ def cluster(
     cal.cores = max(cal.cores, ranks_per_node)
     if gpu:
         cal.copy, cal.gamma, cal.codec, cal.csc = (GPU_NODE[k] for k in ("copy", "gamma", "codec", "csc"))
-        cal.node_passes_small = None  # (the host's caches: device memory has no such step)
+        cal.node_passes_small = cal.ring_scale_small = None  # (the host's caches: not device memory's)
         cal.beta_intra, cal.alpha_intra = 1 / GPU_NODE["intra_Bps"], 5e-6
         cal.transport = transport
         if not base.device:  # (measured by `calibrate --device`: kept)
