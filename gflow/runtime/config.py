@@ -82,8 +82,11 @@ def latency_path_limit(ranks: int, small_message_bytes: int) -> int:
 
 
 # The ring's reduce-scatter moves each chunk in segments of this size, so that what a rank has just
-# received is still in cache when it is reduced (bench/RESULTS.md).
-DEFAULT_RING_SEGMENT_BYTES = 256 * 1024
+# received is still in cache when it is reduced, and a segment lasts long enough on a slow link that a
+# background thread woken late by the scheduler finds the next one still moving (1 MiB against 256 KiB:
+# 0.81-0.99x the time on shared memory, and under 1 Gbit/s in training the ring ran 190 ms a step
+# closer to the link's rate: bench/RESULTS.md, "The ring's segments").
+DEFAULT_RING_SEGMENT_BYTES = 2**20
 # The background thread sleeps this long between polls of its messages, leaving the core to the
 # computation it overlaps with (bench/fusion.py, bench/RESULTS.md); the pause doubles while a wait
 # lasts, up to 64x (a slow link's waits: bench/RESULTS.md, "AlexNet against DDP").
