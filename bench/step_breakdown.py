@@ -12,6 +12,7 @@ alternating its contenders round by round (the order rotating), one BLAS/torch t
 2. step: forward, backward and the optimizer's step (which for gflow waits for the reduction) of
    "DDP gloo" and "gflow dense views" (bench/train.py's contenders), and the CPU time each rank used
    in them (user and system): on shared cores, the CPU communication takes is taken from compute.
+   Also each step's communication span: from its first segment's (bucket's) start to its last one's end.
 3. timeline: the last timed step's communication as it ran, on every rank: gflow's background jobs
    (when each segment was handed over, began and ended, and the CPU its thread used), and DDP's buckets
    through a communication hook that does what DDP's default does (divide, allreduce) and notes when
@@ -153,10 +154,12 @@ def _step_part(comm, torch, base, data, target, args) -> dict:
                 end, after = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
                 loss.item()
                 if step >= args.warmup:
+                    # communication's span: from the first job's (bucket's) start to the last one's end
+                    span = max(e[3] for e in log) - min(e[2] for e in log) if log else 0.0
                     results[name].append(
                         {"forward": forward - start, "backward": backward - forward, "step": end - backward,
                          "total": end - start, "user": after.ru_utime - usage.ru_utime,
-                         "system": after.ru_stime - usage.ru_stime}
+                         "system": after.ru_stime - usage.ru_stime, "comm_span": span}
                     )  # fmt: skip
                     timelines[name] = [(d, h - start, b - start, e - start, c) for d, h, b, e, c in log]
             runner.close()
@@ -193,13 +196,13 @@ def _print(everyone: list) -> None:
     print(f"comm alone ({comm['bytes'] / 1e6:.1f} MB; buckets {buckets} MB), slowest rank, median (ms):")
     for name, seconds in comm["seconds"].items():
         print(f"  {name:22s} {_ms(seconds)}")
-    print("step, median per rank (ms): forward, backward, step, total; CPU user, system")
+    print("step, median per rank (ms): forward, backward, step, total; CPU user, system; comm span")
     for name in STEP_CONTENDERS:
         for rank, mine in enumerate(everyone):
             rows = mine["steps"][name]
             cells = " ".join(_ms([row[k] for row in rows]) for k in ("forward", "backward", "step", "total"))
             cpu = " ".join(_ms([row[k] for row in rows]) for k in ("user", "system"))
-            print(f"  {name:18s} rank {rank}: {cells} | {cpu}")
+            print(f"  {name:18s} rank {rank}: {cells} | {cpu} | {_ms([row['comm_span'] for row in rows])}")
     print("the last timed step's communication (ms from its start): handed over, began, ended, thread CPU")
     for name in STEP_CONTENDERS:
         for rank, mine in enumerate(everyone):
