@@ -5,8 +5,9 @@
 
 `gflow.tools.cost_model.calibrate` runs at every p of every environment (shared memory at p = 4, 3, 2:
 a calibration describes nodes of the size it ran on; the emulated cluster of 2 nodes x 2 ranks at 1
-Gbit/s per node link, bench/netem.py), in the same job as that p's timings, just before them (this
-machine's speed drifts by up to 1.5x between runs minutes apart), measuring ping-pongs, local loops and
+Gbit/s per node link, bench/netem.py), in the same job as that p's timings, just before them and just
+after them, and the model predicts with the mean of the two (this machine's speed drifts by up to 1.5x
+between runs minutes apart, and by 1.3x within one), measuring ping-pongs, local loops and
 gflow's own allreduces at a few sizes that are not among those checked (see gflow/tools/cost_model.py;
 on shared memory it also measures the fixed costs with one rank per core). Then gflow.allreduce is timed
 at sizes 4 KB .. 256 MB (64 MB in the cluster), with the ring, the hierarchical allreduce and auto, at
@@ -43,10 +44,14 @@ def worker(args) -> None:
     import gflow.tools.cost_model
 
     comm = MPI.COMM_WORLD
-    if args.calibrate:  # in this job, just before the timings: the machine's speed drifts between runs
+
+    def calibrate(path):
         cal = gflow.tools.cost_model.calibrate(comm, progress=print if comm.rank == 0 else lambda _: None)
         if comm.rank == 0:
-            cal.save(args.calibrate)
+            cal.save(path)
+
+    if args.calibrate:  # in this job, just before the timings: the machine's speed drifts between runs
+        calibrate(args.calibrate)
     rows = []
     for nbytes in args.sizes:
         x = np.random.default_rng(comm.rank).random(nbytes // 4, dtype=np.float32)
@@ -66,6 +71,8 @@ def worker(args) -> None:
         if comm.rank == 0:
             cells = "  ".join(f"{a} {t * 1e-3:.3f} ms" for a, t in times.items())
             print(f"  p={comm.size} {_common.human_bytes(nbytes):>7}: {cells}", flush=True)
+    if args.calibrate:  # and just after them: the two bracket the timings
+        calibrate(_after(args.calibrate))
     if comm.rank == 0:
         with open(args.result, "w") as f:
             json.dump({"p": comm.size, "rows": rows}, f)
@@ -73,6 +80,31 @@ def worker(args) -> None:
 
 def calibrate_cmd(out: str) -> list[str]:
     return ["-m", "gflow", "calibrate", "--out", out]
+
+
+def _after(path: str) -> str:
+    return path.removesuffix(".json") + "_after.json"
+
+
+def bracketing(before, after):
+    """The mean of two calibrations of one machine taken just before and just after the timings (each
+    constant the mean of its two measurements): this machine's speed drifts by 1.3x within minutes,
+    and a calibration on one side only of the timings then misses them by that much."""
+    from dataclasses import asdict
+
+    from gflow.tools import cost_model as model
+
+    first, second = asdict(before), asdict(after)
+    merged = {}
+    for name, value in first.items():
+        other = second[name]
+        if isinstance(value, float) and isinstance(other, (int, float)):
+            merged[name] = (value + other) / 2
+        elif isinstance(value, dict) and isinstance(other, dict):
+            merged[name] = {k: (v + other[k]) / 2 for k, v in value.items() if k in other}
+        else:
+            merged[name] = value
+    return model.Calibration(**merged)
 
 
 def run_environment(args, name, nprocs_list, sizes, ranks_per_node, cluster=None):
@@ -95,18 +127,20 @@ def run_environment(args, name, nprocs_list, sizes, ranks_per_node, cluster=None
             _common.launch(script, p, worker_args)
         else:
             cluster.launch(script, worker_args)
-        cal = model.Calibration.load(calib)
+        before = model.Calibration.load(calib)
+        after = model.Calibration.load(_after(calib)) if os.path.exists(_after(calib)) else before
+        cals = {"predicted_s": bracketing(before, after), "before_s": before, "after_s": after}
         with open(result) as f:
             measured = json.load(f)
         for row in measured["rows"]:
-            predicted = model.allreduce_time(
-                row["bytes"],
-                p,
-                algorithm=row["algorithm"],
-                ranks_per_node=ranks_per_node or p,
-                calibration=cal,
-            )
-            records.append({"environment": name, "p": p, **row, "predicted_s": predicted})
+            predicted = {
+                key: model.allreduce_time(
+                    row["bytes"], p, algorithm=row["algorithm"], ranks_per_node=ranks_per_node or p,
+                    calibration=cal,
+                )
+                for key, cal in cals.items()
+            }  # fmt: skip
+            records.append({"environment": name, "p": p, **row, **predicted})
     return records
 
 
@@ -154,11 +188,19 @@ def fusion_check(args) -> list[dict]:
 def report(args, records, name: str) -> None:
     ratios = np.array([r["predicted_s"] / r["measured_s"] for r in records])
     within = float(np.mean(np.abs(ratios - 1) <= 0.2))
+    bracketed = [r for r in records if "before_s" in r]
+    before = np.array([r["before_s"] / r["measured_s"] for r in bracketed])
+    drift = np.array([r["after_s"] / r["before_s"] for r in bracketed])
     lines = [
         f"Machine: {_common.machine()['cores']} cores; "
         f"command: python bench/model_check.py {' '.join(sys.argv[1:])}",
         "",
         f"Held-out points: {len(records)}; predicted within 20% of measured: {within:.0%}",
+        "",
+        f"Predicted with the calibrations taken before and after the timings (their mean). With the one "
+        f"before alone: {np.mean(np.abs(before - 1) <= 0.2):.0%} of those {len(bracketed)} points within "
+        f"20%; the two calibrations predict a point more than 20% apart for "
+        f"{np.mean(np.abs(drift - 1) > 0.2):.0%} of them (the machine's drift during the timings).",
         "",
         "| environment | p | size | algorithm | measured (ms) | predicted (ms) | predicted / measured |",
         "|---|---|---|---|---|---|---|",
