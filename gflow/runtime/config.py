@@ -85,7 +85,7 @@ def latency_path_limit(ranks: int, small_message_bytes: int) -> int:
 # received is still in cache when it is reduced, and a segment lasts long enough on a slow link that a
 # background thread woken late by the scheduler finds the next one still moving (1 MiB against 256 KiB:
 # 0.81-0.99x the time on shared memory, and under 1 Gbit/s in training the ring ran 190 ms a step
-# closer to the link's rate: bench/RESULTS.md, "The ring's segments").
+# closer to the link's rate: bench/RESULTS.md, "Where AlexNet's step goes against DDP").
 DEFAULT_RING_SEGMENT_BYTES = 2**20
 # The background thread sleeps this long between polls of its messages, leaving the core to the
 # computation it overlaps with (bench/fusion.py, bench/RESULTS.md); the pause doubles while a wait
