@@ -173,7 +173,7 @@ def worker(args) -> None:
     comm = MPI.COMM_WORLD
     train._init_gloo(comm)
     base = train._make_model(args.model)
-    side, batch = (128, 8) if args.model == "resnet18" else (224, 4)
+    side, batch = train.INPUTS[args.model]  # (bench/train.py's inputs for the model)
     generator = torch.Generator().manual_seed(comm.rank)
     data = torch.randn(batch, 3, side, side, generator=generator)
     target = torch.randint(0, 1000, (batch,), generator=generator)
