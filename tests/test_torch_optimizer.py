@@ -6,6 +6,7 @@ means bitwise equal on every rank (MPI's own allgather of the bytes).
 """
 
 import copy
+import gc
 import io
 import warnings
 
@@ -321,6 +322,51 @@ def test_gradient_clipping_and_grad_scaler_patterns():
 
     on_all_ranks(clipping, "clipping")
 
+    def step_after_synchronize_with_sum():
+        """step() without skip_synchronize() after synchronize(): the reduced gradients once (Horovod
+        reduces them again, which multiplies a sum by the number of ranks)."""
+        model = make_model()
+        ref = copy.deepcopy(model).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), op=hvd.Sum
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for x, y in data[:2]:
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            opt.synchronize()
+            reduced = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            before = {name: p.detach().clone() for name, p in model.named_parameters()}
+            if x is data[1][0]:  # replaced (one rank: a clone; the others: clamped), not changed in place
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad = p.grad.clone() if r == 0 else p.grad.clamp(-1e6, 1e6)
+            with pytest.warns(UserWarning, match="does not reduce them again"):
+                opt.step()
+            for name, p in model.named_parameters():
+                if name in reduced:
+                    assert torch.equal(p.grad, reduced[name]), name
+                    assert torch.equal(p.detach(), before[name].add(reduced[name], alpha=-0.1)), name
+            reference_step(ref, ref_opt, x, y, op="sum")
+            assert_identical(model)
+            assert_close_to(model, ref, atol=1e-5)
+        # A backward inside no_sync() after synchronize(): step() reduces the sum again, on every rank
+        opt.zero_grad()
+        rank_loss(model, *data[2], r)
+        opt.synchronize()
+        with opt.no_sync():
+            rank_loss(model, *data[3], r)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (gradients changed by a backward: no warning, reduced)
+            opt.step()
+        assert_identical(model)
+        opt.zero_grad()  # and the next step is paired with the next step on every rank
+        rank_loss(model, *data[0], r)
+        opt.step()
+        assert_identical(model)
+
+    on_all_ranks(step_after_synchronize_with_sum, "step after synchronize, op=Sum")
+
     def grad_scaler():
         model = make_model()
         ref = copy.deepcopy(model).double()
@@ -546,6 +592,43 @@ def test_threshold_auto_tunes_while_training_stays_exact():
         assert_identical(model)
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel(SIZES)
+def test_a_replaced_optimizer_still_alive_is_named_when_its_hooks_fail():
+    """A new DistributedOptimizer over the same parameters while the old one lives on (its LR scheduler
+    holds it): the old one's hooks still fire, and its error says so instead of only suggesting more
+    backward_passes_per_step; once the old one is gone the new one trains on."""
+    r = WORLD.rank
+    data = batches(4)
+
+    def replace():
+        model = make_model()
+        old = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        schedule = torch.optim.lr_scheduler.StepLR(old, step_size=1)
+        old.zero_grad()
+        rank_loss(model, *data[0], r)
+        old.step()
+        schedule.step()
+        new = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+        )
+        new.zero_grad()
+        rank_loss(model, *data[1], r)  # the old one's hooks count this backward...
+        new.step()
+        new.zero_grad()
+        with pytest.raises(AssertionError, match="another DistributedOptimizer, still alive"):
+            rank_loss(model, *data[2], r)  # ... and refuse the next, before the new one's hook runs
+        del schedule, old
+        gc.collect()
+        new.zero_grad()
+        rank_loss(model, *data[3], r)
+        new.step()
+        assert_identical(model)
+
+    on_all_ranks(replace, "replaced optimizer")
 
 
 @pytest.mark.parallel(SIZES)

@@ -21,6 +21,7 @@ from ._optimizer_state import OptimizerCheckpoint
 from .compression import wire_compression
 
 _VIEW_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # gradient_as_bucket_view
+_LIVE = weakref.WeakSet()  # every DistributedOptimizer not yet collected
 
 
 class _DistributedOptimizer(OptimizerCheckpoint):
@@ -62,6 +63,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self.op = op
         self.gradient_predivide_factor = predivide
         self._grad_hooks: dict = {}  # id(parameter) -> its hook's handle (one per parameter, ever)
+        _LIVE.add(self)  # (a parameter two live optimizers hook fails in _on_grad: its message says so)
         self._gflow_params: list = []
         self._should_synchronize = True
         self._reduced = False  # synchronize() ended this step: p.grad holds the reduced gradients
@@ -236,18 +238,26 @@ class _DistributedOptimizer(OptimizerCheckpoint):
     # --- the hook -------------------------------------------------------------------------------
 
     def _on_grad(self, p) -> None:
-        if self._no_sync:
-            return  # accumulated in p.grad; the first backward after no_sync() pushes the sum
+        if self._no_sync:  # accumulated in p.grad; the first backward after no_sync() pushes the sum,
+            self._reduced = self._user_synchronized = False  # and a step straight after it reduces it
+            return
         if not self._touched:
             self._gflow_begin_step()
         index = self._index_of.get(p)
         if index is None:
             return  # no longer reduced (frozen or removed from the groups); its gradient stays local
         if self._delay[index] <= 0:
-            raise AssertionError(
+            message = (
                 "Gradients were computed more than backward_passes_per_step times before call to "
                 "step(). Increase backward_passes_per_step to accumulate gradients locally."
             )
+            if any(other is not self and p in getattr(other, "_index_of", ()) for other in list(_LIVE)):
+                message += (
+                    " Or: another DistributedOptimizer, still alive, reduces this parameter too, so both "
+                    "hook its gradient. If the new one replaces this one, drop every reference to the old "
+                    "(a learning-rate scheduler holds one) before the next backward."
+                )
+            raise AssertionError(message)
         self._delay[index] -= 1
         if self._delay[index] == 0:
             self._push(index, p)
@@ -684,15 +694,19 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             return super().step(self._synchronized_closure(closure))
         if self._should_synchronize:
             if self._user_synchronized:
+                # Reduced by the program's synchronize(), whatever it did to them since (the flag is
+                # alike on every rank, tensors replaced on one rank are not): a second reduction would
+                # multiply a sum by the number of ranks
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() context after "
-                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
-                    "your code.",
+                    "optimizer.synchronize(). The gradients are reduced already, so step() applies them as "
+                    "they are now and does not reduce them again (Horovod does, which with op=Sum multiplies "
+                    "them by the number of ranks); "
+                    "use optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+                    "code.",
                     stacklevel=2,
                 )
-                self.synchronize()
-            elif not self._still_reduced(unchanged=False):  # (GradScaler unscaled them in place)
+            elif not self._still_reduced(unchanged=False):  # (GradScaler's reduced them, unscaled in place)
                 self.synchronize()
         self._reduced = self._user_synchronized = False
         self._raise_overflow()
