@@ -139,7 +139,31 @@ FIRST_LINES = {
                     "the shape (with the same number of elements), or in gflow.torch the op, scale factors "
                     "or name=: rank {a} passed an array of shape (2, 5000), rank {last} passed an array of "
                     "shape (10000,)"),
+    "compression": (lambda: gflow.allreduce(np.ones(4, np.float32)),
+                    lambda: gflow.allreduce(np.ones(4, np.float32), compression="fp16"),
+                    "the dtype on the wire (the array's own, or the one compression= sends): rank {a} passed "
+                    "float32 (an array of shape (4,)), rank {last} passed float16 (an array of shape (4,) of "
+                    "float32, compression='fp16')"),
+    "fused segments": (lambda: _lazy_step([7, 2000, 13]), lambda: _lazy_step([7, 2000]),
+                       "how many fused segments the step has (the ranks pushed different tensors, or one "
+                       "flushed a step the others did not: compare the push-order checksums below): rank {a} "
+                       "sent a segment of 13 float32 elements, rank {last} ended its step after 1 segment"),
+    "int64 segments": (lambda: _lazy_step([10], np.int64, "max"), lambda: _lazy_step([12], np.int64, "max"),
+                       "the number of elements in a fused segment (a different model, or fusion threshold): "
+                       "rank {a} passed 10, rank {last} passed 12"),
+    "CSC settings": (lambda: gflow.SparseAllreduce(density=0.1, chunk_elems=16)(np.ones(1000, np.float32)),
+                     lambda: gflow.SparseAllreduce(density=0.1, chunk_elems=17)(np.ones(1000, np.float32)),
+                     "the gradient or the CSC settings: rank {a} passed chunk_elems=16, rank {last} passed "
+                     "chunk_elems=17"),
 }  # fmt: skip
+
+
+def _lazy_step(sizes, dtype=np.float32, op="mean"):
+    """One LazyAllreduce step over tensors of these sizes (7 and 2000 float32s fill a segment)."""
+    lazy = gflow.LazyAllreduce(threshold_bytes=4096, op=op)
+    for n in sizes:
+        lazy.push(np.ones(n, dtype))
+    lazy.flush()
 
 
 @pytest.mark.parallel(MULTI)

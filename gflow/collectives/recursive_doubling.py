@@ -39,7 +39,7 @@ from ..errors import GflowError, MismatchError
 from ..runtime import stall, timeline
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import TAG_AGREE, CommContext
-from ..runtime.signature import CODE_COLLECTIVE, SIG_LEN, describe, difference
+from ..runtime.signature import CODE_COLLECTIVE, COLLECTIVE_CODE, SIG_LEN, describe, difference
 from . import native, ring, shared_slots
 
 _MAGIC = 0x67666C6F77  # "gflow"
@@ -798,6 +798,16 @@ def share_what_passed(ctx: CommContext, header, about: str | None) -> list:
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in everyone]
 
 
+def _differing(words_a: str, words_b: str) -> tuple:
+    """The comma-separated fields in which two descriptions of one form differ (all of them, where
+    the forms differ)."""
+    a, b = words_a.split(", "), words_b.split(", ")
+    if len(a) != len(b):
+        return a, b
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x != y]
+    return [x for x, _ in pairs], [y for _, y in pairs]
+
+
 def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
     """One line saying what the two ranks recorded disagree on (their world ranks too, on another
     communicator), then each one's call in full; `passed`: each rank's words for its call, where the
@@ -810,8 +820,15 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
         return f"ranks disagree: {first}; {second}"
     what, said_a, said_b = difference(sig_a, sig_b, world)
     words_a, words_b = (passed[rank_a], passed[rank_b]) if passed else ("", "")
-    if said_b == "another" and words_a and words_b and words_a != words_b:
-        said_a, said_b = f"passed {words_a}", f"passed {words_b}"  # (the signature holds a checksum)
+    if words_a and words_b and words_a != words_b:
+        if int(sig_a[0]) == int(sig_b[0]) == COLLECTIVE_CODE["sparse"]:  # (CSC: sizes, a checksum)
+            what = "the gradient or the CSC settings"
+            said_a, said_b = (f"passed {', '.join(fields)}" for fields in _differing(words_a, words_b))
+        elif said_b == "another":  # (the signature holds a checksum)
+            said_a, said_b = f"passed {words_a}", f"passed {words_b}"
+        elif what == "the dtype" and "compression=" in words_a + words_b:  # (the wire's dtype differs)
+            what = "the dtype on the wire (the array's own, or the one compression= sends)"
+            said_a, said_b = f"{said_a} ({words_a})", f"{said_b} ({words_b})"
     headline = (
         f"ranks disagree on {what}: rank {rank_a}{world([rank_a])} {said_a}, "
         f"rank {rank_b}{world([rank_b])} {said_b}"

@@ -39,6 +39,7 @@ import numpy as np
 
 from ..arrays.codecs import check_compression, overflow_message, wire_dtype
 from ..arrays.kinds import check_array, from_host, ops_for_memory, to_host
+from ..collectives import recursive_doubling
 from ..collectives.operations import allreduce_on, reject
 from ..errors import CompressionOverflowError, MismatchError, NonFiniteError
 from ..runtime import timeline
@@ -185,11 +186,14 @@ class SparseAllreduce:
         return zlib.crc32(struct.pack("<dddqqqqqq", *fields))
 
     def _describe(self, n: int, dtype, density: float) -> str:
+        return f"This rank's SparseAllreduce: {self._words(n, dtype, density)}"
+
+    def _words(self, n: int, dtype, density: float) -> str:
         return (
-            f"This rank's SparseAllreduce: a gradient of {n} {np.dtype(dtype).name} elements, step "
-            f"{self.step_count} (density {density:g}), density={self.density:g}, "
-            f"chunk_elems={self.chunk_elems}, momentum={self.momentum:g}, warmup_steps={self.warmup_steps}, "
-            f"op={self.op}, compression={self.compression}"
+            f"a gradient of {n} {np.dtype(dtype).name} elements, step {self.step_count} (density "
+            f"{density:g}), density={self.density:g}, chunk_elems={self.chunk_elems}, "
+            f"momentum={self.momentum:g}, warmup_steps={self.warmup_steps}, op={self.op}, "
+            f"compression={self.compression}"
         )
 
     def step_on(self, ctx: CommContext, grad, extra: int = 0, out=None):
@@ -218,6 +222,8 @@ class SparseAllreduce:
         except Exception:
             reject(ctx, "sparse")
             raise
+        calling = recursive_doubling.calling  # what this rank passed, shared with its peers on a mismatch
+        about_before, calling.about = getattr(calling, "about", None), self._words(n, dtype, density)
         try:
             norms = allreduce_on(ctx, local_norms, "sum", tag=tag)
             if not np.isfinite(norms).all():
@@ -253,6 +259,8 @@ class SparseAllreduce:
                 ops.zero_chunks(v_new, device_ids, chunk)  # all of it was sent
         except MismatchError as exc:
             raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
+        finally:
+            calling.about = about_before
 
         t = time.perf_counter()
         with timeline.span("CSC scatter-add", elements=n):

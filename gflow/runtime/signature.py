@@ -149,6 +149,8 @@ def describe(sig) -> str:
     elements = f"{int(sig[2])} {dtype.name if dtype else '?'} elements"
     if collective in ("allgather", "alltoall"):
         elements = f"rows of {elements}"
+    if collective == "lazy" and _final_exchange([int(v) for v in sig]) and not int(sig[4]):
+        elements = f"its step's final exchange ({int(sig[2])} segments fired)"
     text = f"called {collective} with {elements} ({memory} array)"
     if int(sig[4]):
         text += f", op={CODE_OP.get(int(sig[4]), '?')}"
@@ -195,6 +197,25 @@ _EXTRA_MEANS = {
 _AS_WORDS = ("allgather", "broadcast", "alltoall")  # (gflow.torch moves other dtypes as int32 words)
 
 
+def _final_exchange(sig) -> bool:
+    """Whether a "lazy" signature may be a step's final exchange (LazyAllreduce's flush: the segment
+    count as int64, no op, or max with agree=); int64 and max may also be a segment of int64s."""
+    return sig[3] == DTYPE_CODE[np.dtype(np.int64)] and sig[4] in (0, OP_CODE["max"])
+
+
+def _one_step_ended(a, b) -> bool:
+    """Whether of two "lazy" signatures one is certainly a step's final exchange and the other a
+    segment (of another dtype), or both are final exchanges without agree= (no op)."""
+    fa, fb = _final_exchange(a), _final_exchange(b)
+    return (fa != fb and a[3] != b[3]) or (fa and fb and a[4] == b[4] == 0)
+
+
+def _segment_or_end(sig) -> str:
+    if _final_exchange(sig):
+        return f"ended its step after {sig[2]} segment{'s' * (sig[2] != 1)}"
+    return f"sent a segment of {sig[2]} {getattr(CODE_DTYPE.get(sig[3]), 'name', '?')} elements"
+
+
 def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
     """What two ranks' signatures first disagree on, as (what, rank A's value, rank B's value) in
     words: the line a person reads first in a MismatchError (describe() gives the details); `world`
@@ -207,6 +228,10 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
         return "the collective", *(f"called {CODE_COLLECTIVE.get(s[0], s[0])}" for s in (a, b))
     if a[6] != b[6]:
         return "where the array lives", *(f"passed a {CODE_MEMORY.get(s[6], '?')} array" for s in (a, b))
+    if collective == "lazy" and (a[2], a[3]) != (b[2], b[3]) and _one_step_ended(a, b):
+        what = "how many fused segments the step has (the ranks pushed different tensors, or one flushed "
+        what += "a step the others did not: compare the push-order checksums below)"
+        return what, *(_segment_or_end(s) for s in (a, b))
     if a[3] != b[3]:
         words = " (or a dtype gflow.torch moves as int32 words)" if collective in _AS_WORDS else ""
         names = [getattr(CODE_DTYPE.get(s[3]), "name", "?") for s in (a, b)]
