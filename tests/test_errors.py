@@ -121,6 +121,7 @@ def test_ranks_that_disagree_all_raise():
         on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(x), x, "sum"))
 
 
+_PUSHES_DIFFER = "the tensors pushed so far (their order or sizes), the fusion threshold, or its tuning"
 FIRST_LINES = {
     "count": (lambda: gflow.allreduce(np.ones(10)), lambda: gflow.allreduce(np.ones(11)),
               "the number of elements: rank {a} passed 10, rank {last} passed 11"),
@@ -155,14 +156,22 @@ FIRST_LINES = {
                      lambda: gflow.SparseAllreduce(density=0.1, chunk_elems=17)(np.ones(1000, np.float32)),
                      "the gradient or the CSC settings: rank {a} passed chunk_elems=16, rank {last} passed "
                      "chunk_elems=17"),
+    "pushed names": (lambda: _lazy_step([4, 4], names=["a", "b"]),
+                     lambda: _lazy_step([4, 4], names=["b", "a"]),
+                     f"{_PUSHES_DIFFER}: rank {{a}} pushed a (4,) float32 as its push 1, "
+                     "rank {last} pushed b (4,) float32"),
+    "pushed shapes": (lambda: _lazy_step([7, (3, 4), 2000]), lambda: _lazy_step([7, (4, 3), 2000]),
+                      f"{_PUSHES_DIFFER}: rank {{a}} pushed (3, 4) float32 as its push 2, "
+                      "rank {last} pushed (4, 3) float32"),
 }  # fmt: skip
 
 
-def _lazy_step(sizes, dtype=np.float32, op="mean"):
-    """One LazyAllreduce step over tensors of these sizes (7 and 2000 float32s fill a segment)."""
+def _lazy_step(sizes, dtype=np.float32, op="mean", names=None):
+    """One LazyAllreduce step over tensors of these sizes or shapes (7 and 2000 float32s fill a
+    segment), under these names."""
     lazy = gflow.LazyAllreduce(threshold_bytes=4096, op=op)
-    for n in sizes:
-        lazy.push(np.ones(n, dtype))
+    for n, name in zip(sizes, names or [None] * len(sizes), strict=True):
+        lazy.push(np.ones(n, dtype), name=name)
     lazy.flush()
 
 
@@ -227,6 +236,38 @@ def test_bad_input_on_one_rank_fails_every_rank(n):
             )
 
     on_all_ranks(check)
+
+
+def _lazy_push(x):
+    lazy = gflow.LazyAllreduce(threshold_bytes=1 << 20)
+    lazy.push(x)
+    lazy.flush()
+
+
+@pytest.mark.parallel(MULTI)
+@pytest.mark.parametrize(
+    "call",
+    [gflow.allreduce, lambda x: gflow.allreduce_async(x).wait(), _lazy_push],
+    ids=["blocking", "async", "lazy push"],
+)
+def test_the_peers_first_line_shows_the_rejecting_ranks_error(call):
+    """The peers of a rank whose own checks failed read that rank's error in their first line."""
+    last = WORLD.size - 1
+    x = np.ones(8, np.complex64 if WORLD.rank == last else np.float32)
+
+    def check():
+        if WORLD.rank == last:
+            raises_on_this_rank(TypeError, "unsupported dtype complex64", lambda: call(x))
+            return
+        with pytest.raises(gflow.MismatchError) as info:
+            call(x)
+        first = str(info.value).split("\n")[0]
+        expected = f"rank {last} rejected its own arguments (TypeError: "
+        assert "ranks disagree on the arguments" in first and expected in first, str(info.value)
+        assert "unsupported dtype complex64" in first, str(info.value)
+
+    on_all_ranks(check)
+    on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(np.ones(8)), np.ones(8), "sum"))
 
 
 def test_an_mpi_without_thread_multiple_is_named_before_any_data_moves():

@@ -8,6 +8,8 @@ the memory MPI sees; the *_flat functions of collectives/dispatch.py do the rest
 the kind, so they are of the caller's kind (a tensor for a tensor, CuPy for CuPy).
 """
 
+import sys
+
 import numpy as np
 
 from ..arrays.codecs import decode, encode, overflow_message, wire_dtype
@@ -29,16 +31,23 @@ from .recursive_doubling import allreduce_with_agreement
 _USER_CALL = ("allreduce", 0)  # a user's call: the ranks agree on x's shape (allreduce_on)
 
 
-def reject(ctx: CommContext, collective: str) -> None:
+def reject(ctx: CommContext, collective: str, error: BaseException | None = None) -> None:
     """This rank's arguments failed its local checks: tell the peers (when validating), so they raise
-    MismatchError instead of waiting for this rank forever. The caller then raises the local error.
-    Every exception the local checks raise takes this path, not only TypeError and ValueError."""
+    MismatchError instead of waiting for this rank forever, with this rank's error (`error`, or the one
+    being handled) in its first line. The caller then raises the local error. Every exception the
+    local checks raise takes this path, not only TypeError and ValueError."""
     if config.validate and ctx.size > 1 and ctx.failed is None:
+        error = error or sys.exc_info()[1]
+        words = None if error is None else f"{type(error).__name__}: {(str(error) or '-').splitlines()[0]}"
+        calling = recursive_doubling.calling
+        before, calling.about = getattr(calling, "about", None), words
         try:
             allreduce_with_agreement(ctx, rejected_signature(collective), config.small_message_bytes)
         except MismatchError as exc:
             if ctx.is_background:  # as the peers' engines mark theirs (see CommContext.check_usable)
                 ctx.failed = f"{collective} (rejected arguments): {exc}"
+        finally:
+            calling.about = before
 
 
 def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
@@ -91,7 +100,7 @@ def rejected_in_background(parent: CommContext, collective: str, error: Exceptio
     ctx = parent.background()
 
     def run():
-        reject(ctx, collective)
+        reject(ctx, collective, error)
         raise error
 
     return engine.submit(

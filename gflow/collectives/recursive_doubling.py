@@ -39,7 +39,16 @@ from ..errors import GflowError, MismatchError
 from ..runtime import stall, timeline
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import TAG_AGREE, CommContext
-from ..runtime.signature import CODE_COLLECTIVE, COLLECTIVE_CODE, SIG_LEN, describe, difference
+from ..runtime.signature import (
+    CODE_COLLECTIVE,
+    COLLECTIVE_CODE,
+    PASSED_BYTES,
+    SIG_LEN,
+    SIG_REJECTED,
+    describe,
+    difference,
+    first_push_apart,
+)
 from . import native, ring, shared_slots
 
 _MAGIC = 0x67666C6F77  # "gflow"
@@ -245,7 +254,6 @@ def _forget_plans(ctx: CommContext) -> None:
 # What the call this thread is in passed, in words (operations.annotated sets it): after a mismatch
 # the ranks share theirs, so that a MismatchError shows the other rank's call, not a fingerprint.
 calling = threading.local()
-_PASSED_BYTES = 240  # each rank's words are cut there: the exchange has one fixed size
 
 
 def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=None, dst=None, op=None):
@@ -790,10 +798,10 @@ def share_what_passed(ctx: CommContext, header, about: str | None) -> list:
     none does where a peer spoke another protocol, which may not."""
     if not _two_calls(header):
         return []
-    mine = np.zeros(_PASSED_BYTES, np.uint8)
-    text = (about or "").encode()[:_PASSED_BYTES]
+    mine = np.zeros(PASSED_BYTES, np.uint8)
+    text = ("" if about is None else str(about)).encode()[:PASSED_BYTES]  # (str: see PushesSoFar)
     mine[: len(text)] = np.frombuffer(text, np.uint8)
-    everyone = np.empty((ctx.size, _PASSED_BYTES), np.uint8)
+    everyone = np.empty((ctx.size, PASSED_BYTES), np.uint8)
     ctx.waitall([ctx.comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])])
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in everyone]
 
@@ -820,12 +828,18 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
         return f"ranks disagree: {first}; {second}"
     what, said_a, said_b = difference(sig_a, sig_b, world)
     words_a, words_b = (passed[rank_a], passed[rank_b]) if passed else ("", "")
-    if words_a and words_b and words_a != words_b:
+    rejected = [int(sig[7]) == SIG_REJECTED for sig in (sig_a, sig_b)]
+    if any(rejected):  # (the rejecting rank shared its error's first line)
+        said_a, said_b = (
+            f"rejected its own arguments ({words})" if refused and words else said
+            for refused, words, said in zip(rejected, (words_a, words_b), (said_a, said_b), strict=True)
+        )
+    elif words_a and words_b and words_a != words_b:
         if int(sig_a[0]) == int(sig_b[0]) == COLLECTIVE_CODE["sparse"]:  # (CSC: sizes, a checksum)
             what = "the gradient or the CSC settings"
             said_a, said_b = (f"passed {', '.join(fields)}" for fields in _differing(words_a, words_b))
         elif said_b == "another":  # (the signature holds a checksum)
-            said_a, said_b = f"passed {words_a}", f"passed {words_b}"
+            said_a, said_b = first_push_apart(words_a, words_b) or (f"passed {words_a}", f"passed {words_b}")
         elif what == "the dtype" and "compression=" in words_a + words_b:  # (the wire's dtype differs)
             what = "the dtype on the wire (the array's own, or the one compression= sends)"
             said_a, said_b = f"{said_a} ({words_a})", f"{said_b} ({words_b})"
@@ -834,7 +848,11 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
         f"rank {rank_b}{world([rank_b])} {said_b}"
     )
     details = [
-        f"  rank {rank}{world([rank])} {describe(sig)}" + (f"; it passed {words}" if words else "")
-        for rank, sig, words in ((rank_a, sig_a, words_a), (rank_b, sig_b, words_b))
+        f"  rank {rank}{world([rank])} {describe(sig)}"
+        + (f"; {'its error:' if refused else 'it passed'} {words}" if words else "")
+        for rank, sig, words, refused in (
+            (rank_a, sig_a, words_a, rejected[0]),
+            (rank_b, sig_b, words_b, rejected[1]),
+        )
     ]
     return "\n".join([headline, details[0] + ";", details[1]])

@@ -30,7 +30,7 @@ from ..collectives.exchange import allgather_on
 from ..collectives.operations import allreduce_on, reject
 from ..errors import GflowError, NonFiniteError
 from ..runtime import engine
-from ..runtime.signature import holds, is_floating
+from ..runtime.signature import holds, is_floating, pushes_in_words
 from .sparse import SparseAllreduce
 
 
@@ -56,6 +56,7 @@ class Segment:
     out: object = field(default=None, repr=False)
     checksum: int = field(default=0, repr=False)
     dtype: object = field(default=None, repr=False)
+    about: object = field(default=None, repr=False)  # this rank's pushes so far (PushesSoFar)
 
     @property
     def rank(self) -> int:
@@ -72,6 +73,18 @@ class Segment:
     def allgather(self, x):
         """gflow.allgather of x over the segment's ranks, on the background channel (a new array)."""
         return allgather_on(self.context, x)
+
+
+class PushesSoFar:
+    """This rank's pushes of a step up to a segment, in words only when a MismatchError asks (str):
+    a push records a tuple, and the ranks share these words after a mismatch, so the first line
+    names the first push in which two ranks differ."""
+
+    def __init__(self, pushes: list, count: int):
+        self.pushes, self.count = pushes, count
+
+    def __str__(self) -> str:
+        return pushes_in_words(self.pushes[: self.count])
 
 
 class Dense:
@@ -100,7 +113,7 @@ class Dense:
         ctx, source, out, dtype = segment.context, segment.buffer, segment.out, segment.dtype
         tag = ("lazy", segment.checksum)
         op = self.wire_op(segment.op)
-        run = lambda: allreduce_on(ctx, source, op, out=out, tag=tag, holds=dtype)  # noqa: E731
+        run = lambda: allreduce_on(ctx, source, op, out=out, tag=tag, holds=dtype, about=segment.about)  # noqa: E731
         handle = engine.submit(f"lazy allreduce segment {segment.index}", kind.in_background(run),
                                keep=(source, out), ctx=ctx)  # fmt: skip
         return handle, None

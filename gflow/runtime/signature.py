@@ -216,6 +216,45 @@ def _segment_or_end(sig) -> str:
     return f"sent a segment of {sig[2]} {getattr(CODE_DTYPE.get(sig[3]), 'name', '?')} elements"
 
 
+PASSED_BYTES = 512  # each rank's words for its call, shared after a mismatch, are cut there
+_PUSHED = " arrays pushed in its step: "
+
+
+def pushes_in_words(pushes) -> str:
+    """A LazyAllreduce step's pushes so far ((name or None, shape, dtype) each), in words that
+    first_push_apart reads back: what a rank shares with its peers after a mismatch."""
+    items = (
+        f"{'' if name is None else f'{name} '}{tuple(shape)} {dtype.name}" for name, shape, dtype in pushes
+    )
+    return f"{len(pushes)}{_PUSHED}" + "; ".join(items)
+
+
+def first_push_apart(words_a: str, words_b: str):
+    """Where two ranks' pushes_in_words first differ, as (rank A's, rank B's) words; None where the
+    words are not both such, or their shared part (each cut at the exchange's size) shows none."""
+    lists = []
+    for words in (words_a, words_b):
+        count, found, items = words.partition(_PUSHED)
+        if not found or not count.isdigit():
+            return None
+        items = items.split("; ") if items else []
+        whole = len(items) == int(count) and len(words.encode()) < PASSED_BYTES
+        lists.append((items if whole else items[:-1], whole))
+    (a, whole_a), (b, whole_b) = lists
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return f"pushed {x} as its push {index + 1}", f"pushed {y}"
+    if len(a) != len(b) and (whole_a if len(a) < len(b) else whole_b):
+        index = min(len(a), len(b))
+        ended = "had pushed no more" if index else "had pushed nothing"
+        return (
+            (ended, f"pushed {b[index]} as its push {index + 1}")
+            if len(a) < len(b)
+            else (f"pushed {a[index]} as its push {index + 1}", ended)
+        )
+    return None
+
+
 def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
     """What two ranks' signatures first disagree on, as (what, rank A's value, rank B's value) in
     words: the line a person reads first in a MismatchError (describe() gives the details); `world`
@@ -223,7 +262,8 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
     a, b = [int(v) for v in sig_a], [int(v) for v in sig_b]
     collective = CODE_COLLECTIVE.get(a[0], f"<collective {a[0]}>")
     if a[7] == SIG_REJECTED or b[7] == SIG_REJECTED:
-        return "the arguments", *("rejected its own (see its error)" if s[7] else "did not" for s in (a, b))
+        words = ("rejected its own (see its error)", "accepted its own")
+        return "the arguments", *(words[0] if s[7] else words[1] for s in (a, b))
     if a[0] != b[0]:
         return "the collective", *(f"called {CODE_COLLECTIVE.get(s[0], s[0])}" for s in (a, b))
     if a[6] != b[6]:

@@ -77,7 +77,7 @@ def reject_blocking(collective: str, exc: Exception, on=None):
     """This rank's arguments are bad: make the peers' blocking collective on `on` (default the global
     communicator) fail too, then raise. on=False: raise only (see set_comm)."""
     if on is not False:
-        reject(context(comm() if on is None else on), collective)
+        reject(context(comm() if on is None else on), collective, exc)
     raise exc
 
 
