@@ -367,27 +367,35 @@ def test_gradient_clipping_and_grad_scaler_patterns():
 
     on_all_ranks(step_after_synchronize_with_sum, "step after synchronize, op=Sum")
 
-    def grad_scaler():
+    def grad_scaler(op=hvd.Average, touch=False):
+        """Horovod's recipe; `touch`: the program changes the reduced gradients in place between
+        synchronize() and the scaler (here by 1.0), which must not reduce them again (op=Sum: x p)."""
         model = make_model()
         ref = copy.deepcopy(model).double()
         opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), op=op
         )
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        for x, y in data:
+        for step, (x, y) in enumerate(data):
             opt.zero_grad()
             rank_loss(model, x, y, r, scaler=scaler)
             opt.synchronize()
-            scaler.unscale_(opt)
+            if touch:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(1.0)
+            if step % 2 == 0:  # (else scaler.step unscales, inside skip_synchronize)
+                scaler.unscale_(opt)
             with opt.skip_synchronize():
                 scaler.step(opt)
             scaler.update()
-            reference_step(ref, ref_opt, x, y)
+            reference_step(ref, ref_opt, x, y, op="sum" if op == hvd.Sum else "mean")
             assert_identical(model)
             assert_close_to(model, ref, atol=1e-5)
 
     on_all_ranks(grad_scaler, "GradScaler, dense")
+    on_all_ranks(lambda: grad_scaler(hvd.Sum, touch=True), "GradScaler, op=Sum, gradients changed in place")
 
     def grad_scaler_fp16_overflow():
         # float16 on the wire overflows at a scale of 2**24: every rank sees inf, GradScaler skips

@@ -631,7 +631,10 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         program's own (Horovod's recipe) the ranks only agree on the scale."""
         self._check_synced("GradScaler.unscale_() or step()")
         scale = float(scaler.get_scale())
-        if not self._still_reduced(unchanged=True):
+        # After the program's own synchronize() the gradients are reduced, whatever it did to them
+        # since (clipped, rescaled: alike on every rank), as step() takes them; a second reduction
+        # would multiply a sum by the number of ranks
+        if not self._user_synchronized and not self._still_reduced(unchanged=True):
             self._gflow_synchronize(scale)
             return
         try:
