@@ -350,19 +350,35 @@ def test_gradient_clipping_and_grad_scaler_patterns():
             reference_step(ref, ref_opt, x, y, op="sum")
             assert_identical(model)
             assert_close_to(model, ref, atol=1e-5)
-        # A backward inside no_sync() after synchronize(): step() reduces the sum again, on every rank
+        # no_sync() after synchronize() refuses under op=Sum: a backward inside would add to the
+        # reduced gradients, and step() would count them once per rank
         opt.zero_grad()
         rank_loss(model, *data[2], r)
         opt.synchronize()
-        with opt.no_sync():
-            rank_loss(model, *data[3], r)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # (gradients changed by a backward: no warning, reduced)
+        with pytest.raises(RuntimeError, match=r"no_sync\(\) after synchronize\(\).*op=Sum"):
+            with opt.no_sync():
+                pass
+        with opt.skip_synchronize():
             opt.step()
         assert_identical(model)
         opt.zero_grad()  # and the next step is paired with the next step on every rank
         rank_loss(model, *data[0], r)
         opt.step()
+        assert_identical(model)
+        # Under op=Average it accumulates: step() reduces the sum again (the mean of both), on every rank
+        averaging = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        del opt
+        gc.collect()  # (its hooks must not fire again: see test_a_replaced_optimizer...)
+        averaging.zero_grad()
+        rank_loss(model, *data[2], r)
+        averaging.synchronize()
+        with averaging.no_sync():
+            rank_loss(model, *data[3], r)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (gradients changed by a backward: no warning, reduced)
+            averaging.step()
         assert_identical(model)
 
     on_all_ranks(step_after_synchronize_with_sum, "step after synchronize, op=Sum")

@@ -15,7 +15,7 @@ import torch
 import gflow
 
 from ..training.data_parallel import DataParallel
-from ._basics import Average, as_horovod_error
+from ._basics import OP_NAMES, Average, as_horovod_error
 from ._gather import sparse_allreduce_on
 from ._optimizer_state import OptimizerCheckpoint
 from .compression import wire_compression
@@ -653,6 +653,13 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             raise RuntimeError(
                 "no_sync(): this step's gradients are being reduced already (a backward pass outside "
                 "no_sync() came first); enter no_sync() for the first backward passes of a step"
+            )
+        if self._user_synchronized and self.op != Average:
+            # (with Average, reducing reduced gradients plus local ones again gives the mean of the sums)
+            raise RuntimeError(
+                "no_sync() after synchronize(): a backward inside would add local gradients to the "
+                "reduced ones, which step() would reduce again, counting the reduced part once per rank "
+                f"under op={OP_NAMES.get(self.op, self.op)}; call step() (or zero_grad()) before no_sync()"
             )
         self._no_sync = True
         try:
