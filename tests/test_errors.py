@@ -163,7 +163,23 @@ FIRST_LINES = {
     "pushed shapes": (lambda: _lazy_step([7, (3, 4), 2000]), lambda: _lazy_step([7, (4, 3), 2000]),
                       f"{_PUSHES_DIFFER}: rank {{a}} pushed (3, 4) float32 as its push 2, "
                       "rank {last} pushed (4, 3) float32"),
+    "rows": (lambda: gflow.reduce_scatter(np.ones((10, 2)), rows=True),
+             lambda: gflow.reduce_scatter(np.ones((10, 2))),
+             "the shape or rows= (or, in gflow.torch, the op, scale factors or name=): rank {a} passed an "
+             "array of shape (10, 2), rows=True, rank {last} passed an array of shape (10, 2), rows=False"),
+    "settings": (lambda: gflow.allreduce(np.ones(64), algorithm="ring"), lambda: _segments_of(4096),
+                 "gflow.config's settings for the algorithm: rank {a} has ring_segment_bytes=1048576, "
+                 "rank {last} has ring_segment_bytes=4096"),
 }  # fmt: skip
+
+
+def _segments_of(nbytes):
+    """A ring allreduce with gflow.config.ring_segment_bytes set to nbytes on this rank alone."""
+    before, gflow.config.ring_segment_bytes = gflow.config.ring_segment_bytes, nbytes
+    try:
+        gflow.allreduce(np.ones(64), algorithm="ring")
+    finally:
+        gflow.config.ring_segment_bytes = before
 
 
 def _lazy_step(sizes, dtype=np.float32, op="mean", names=None):

@@ -52,7 +52,9 @@ def reduce_scatter_on(ctx: CommContext, x, op, *, rows=False, fingerprint=None, 
         reject(ctx, "reduce_scatter")
         raise
     if rows and fingerprint is None:
-        fingerprint, about = shape_fingerprint(shape), f"an array of shape {shape}"
+        fingerprint = shape_fingerprint(shape)
+    if about is None:
+        about = f"an array of shape {shape}, rows={bool(rows)}"
     transport = kind.transport()
     src = transport.send(ctx, kind.read(x))
     split = (shape[0], fingerprint) if rows else None

@@ -48,6 +48,8 @@ from ..runtime.signature import (
     describe,
     difference,
     first_push_apart,
+    settings_differ,
+    settings_words,
 )
 from . import native, ring, shared_slots
 
@@ -412,6 +414,8 @@ def _conclude(ctx: CommContext, header, about) -> None:
         header = np.array(header)
         if about is None:
             about = getattr(calling, "about", None)
+        if _two_calls(header) and settings_differ(_record(header)[1], _record(header)[3]):
+            about = settings_words(_record(header)[1])  # (this rank's values of them: which one differs)
         passed = share_what_passed(ctx, header, about)
         raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx), passed))
     if header[_RANK_B] != 0:
@@ -838,6 +842,8 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
         if int(sig_a[0]) == int(sig_b[0]) == COLLECTIVE_CODE["sparse"]:  # (CSC: sizes, a checksum)
             what = "the gradient or the CSC settings"
             said_a, said_b = (f"passed {', '.join(fields)}" for fields in _differing(words_a, words_b))
+        elif settings_differ(sig_a, sig_b):
+            said_a, said_b = (f"has {', '.join(fields)}" for fields in _differing(words_a, words_b))
         elif said_b == "another":  # (the signature holds a checksum)
             said_a, said_b = first_push_apart(words_a, words_b) or (f"passed {words_a}", f"passed {words_b}")
         elif what == "the dtype" and "compression=" in words_a + words_b:  # (the wire's dtype differs)

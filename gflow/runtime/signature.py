@@ -44,23 +44,39 @@ CODE_ALGORITHM = {code: name for name, code in ALGORITHM_CODE.items()}
 _AUTO_SHIFT = 8
 
 
+_SETTINGS = {  # the gflow.config settings each algorithm's shape depends on
+    "ring": ("ring_segment_bytes",),
+    "hierarchical": ("shared_memory_max_bytes", "ring_segment_bytes"),
+    "auto": (
+        "shared_memory_min_bytes",
+        "hierarchical_min_bytes",
+        "shared_memory_max_bytes",
+        "ring_segment_bytes",
+    ),
+}
+
+
 def settings_checksum(algorithm: str) -> int:
     """A 24-bit checksum of the gflow.config settings `algorithm` depends on (0: none). The ring's
     segment size is among them: ranks cutting its messages differently would truncate them."""
-    if algorithm == "ring":
-        values = (config.ring_segment_bytes,)
-    elif algorithm == "hierarchical":
-        values = (config.shared_memory_max_bytes, config.ring_segment_bytes)
-    elif algorithm == "auto":
-        values = (
-            config.shared_memory_min_bytes,
-            config.hierarchical_min_bytes,
-            config.shared_memory_max_bytes,
-            config.ring_segment_bytes,
-        )
-    else:
+    values = [getattr(config, name) for name in _SETTINGS.get(algorithm, ())]
+    if not values:
         return 0
     return zlib.crc32(struct.pack(f"<{len(values)}q", *values)) & 0xFFFFFF
+
+
+def settings_words(sig) -> str | None:
+    """This rank's values of the settings in sig's checksum, in words (shared after a mismatch on
+    them, so that the message names the setting that differs); None where sig has none."""
+    names = _SETTINGS.get(CODE_ALGORITHM.get(int(sig[1]) & 0xFF), ())
+    return ", ".join(f"{name}={getattr(config, name)}" for name in names) or None
+
+
+def settings_differ(sig_a, sig_b) -> bool:
+    """Whether two signatures differ first in their settings checksum (difference() says so)."""
+    a, b = [int(v) for v in sig_a], [int(v) for v in sig_b]
+    same = a[0] == b[0] and a[6] == b[6] and a[2:5] == b[2:5] and a[7] == b[7] == SIG_OK
+    return same and a[1] & 0xFF == b[1] & 0xFF and a[1] != b[1]
 
 
 # A rank whose local checks failed sends this status so its peers fail with it instead of hanging.
@@ -187,7 +203,7 @@ _EXTRA_MEANS = {
     "or name=",
     "allgather": "the trailing axes (or, in gflow.torch, the dtype or name=)",
     "alltoall": "the trailing axes (or, in gflow.torch, the dtype or name=)",
-    "reduce_scatter": "the shape (or, in gflow.torch, the op, scale factors or name=)",
+    "reduce_scatter": "the shape or rows= (or, in gflow.torch, the op, scale factors or name=)",
     "broadcast": "the shape (with the same number of elements), or in gflow.torch the dtype or name=",
     "lazy": "the tensors pushed so far (their order or sizes), the fusion threshold, or its tuning",
     "sparse": "the gradient size or the CSC settings",
