@@ -140,7 +140,7 @@ class HostArrays:
         if np.may_share_memory(out, x) and not _same_memory(out, x):
             raise ValueError(
                 f"{name} overlaps x in part: pass out=x (or an array over exactly x's memory) to "
-                "reduce in place, or a separate array"
+                "write the result over x, or a separate array"
             )
         return out
 
