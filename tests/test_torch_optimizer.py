@@ -323,8 +323,9 @@ def test_gradient_clipping_and_grad_scaler_patterns():
     on_all_ranks(clipping, "clipping")
 
     def step_after_synchronize_with_sum():
-        """step() without skip_synchronize() after synchronize(): the reduced gradients once (Horovod
-        reduces them again, which multiplies a sum by the number of ranks)."""
+        """step() without skip_synchronize() after synchronize(): gradients changed in place are the
+        reduced ones, applied once (Horovod reduces them again, which multiplies a sum by the number
+        of ranks); a gradient set anew on some rank (p.grad = ...) is reduced again on every rank."""
         model = make_model()
         ref = copy.deepcopy(model).double()
         opt = hvd.DistributedOptimizer(
@@ -337,11 +338,11 @@ def test_gradient_clipping_and_grad_scaler_patterns():
             opt.synchronize()
             reduced = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
             before = {name: p.detach().clone() for name, p in model.named_parameters()}
-            if x is data[1][0]:  # replaced (one rank: a clone; the others: clamped), not changed in place
+            if x is data[1][0]:  # changed in place on every rank (clipping would), values kept
                 for p in model.parameters():
                     if p.grad is not None:
-                        p.grad = p.grad.clone() if r == 0 else p.grad.clamp(-1e6, 1e6)
-            with pytest.warns(UserWarning, match="does not reduce them again"):
+                        p.grad.clamp_(-1e6, 1e6)
+            with pytest.warns(UserWarning, match="reduces them again only where a rank set"):
                 opt.step()
             for name, p in model.named_parameters():
                 if name in reduced:
@@ -350,6 +351,24 @@ def test_gradient_clipping_and_grad_scaler_patterns():
             reference_step(ref, ref_opt, x, y, op="sum")
             assert_identical(model)
             assert_close_to(model, ref, atol=1e-5)
+        # Set anew after synchronize(): rank r's own gradient (r + 1 times the reduced one); on rank 0
+        # alone, or on every rank. step() reduces them again, on every rank: the sum of the new ones.
+        for anew_on in ([0], range(WORLD.size)):
+            opt.zero_grad()
+            rank_loss(model, *data[2], r)
+            opt.synchronize()
+            reduced = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            factor = sum(q + 1 if q in anew_on else 1 for q in range(WORLD.size))
+            if r in anew_on:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad = p.grad * (r + 1)
+            with pytest.warns(UserWarning):
+                opt.step()
+            for name, p in model.named_parameters():
+                if name in reduced:
+                    torch.testing.assert_close(p.grad, reduced[name] * factor, msg=name)
+            assert_identical(model)
         # no_sync() after synchronize() refuses under op=Sum: a backward inside would add to the
         # reduced gradients, and step() would count them once per rank
         opt.zero_grad()
@@ -360,6 +379,15 @@ def test_gradient_clipping_and_grad_scaler_patterns():
                 pass
         with opt.skip_synchronize():
             opt.step()
+        assert_identical(model)
+        # ... but not once the gradients are gone (the module's zero_grad(): no reduced part left)
+        rank_loss(model, *data[2], r)
+        opt.synchronize()
+        model.zero_grad()
+        with opt.no_sync():
+            rank_loss(model, *data[3], r)
+        rank_loss(model, *data[2], r)
+        opt.step()
         assert_identical(model)
         opt.zero_grad()  # and the next step is paired with the next step on every rank
         rank_loss(model, *data[0], r)

@@ -387,6 +387,17 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._reduced = True
         self._reduced_grads = [(g, g._version) for g in (p.grad for p in params) if g is not None]
 
+    def _set_anew_anywhere(self, unchanged: bool) -> bool:
+        """Whether on some rank the gradients are no longer those the last synchronize() reduced
+        (_still_reduced, with `unchanged`): agreed over the ranks, so that every rank reduces them
+        again or none does (a gradient set anew on one rank, p.grad = ..., is that rank's alone)."""
+        mine = np.array([0 if self._still_reduced(unchanged) else 1], np.int64)
+        try:
+            anywhere = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
+        except gflow.GflowError as exc:
+            raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+        return bool(anywhere[0])
+
     def _still_reduced(self, unchanged: bool) -> bool:
         """Whether the gradients are still those the last synchronize() reduced: no new step began
         (a hook fired, or zero_grad()), and every gradient is the same tensor (and, with `unchanged`,
@@ -631,17 +642,23 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         program's own (Horovod's recipe) the ranks only agree on the scale."""
         self._check_synced("GradScaler.unscale_() or step()")
         scale = float(scaler.get_scale())
-        # After the program's own synchronize() the gradients are reduced, whatever it did to them
-        # since (clipped, rescaled: alike on every rank), as step() takes them; a second reduction
-        # would multiply a sum by the number of ranks
-        if not self._user_synchronized and not self._still_reduced(unchanged=True):
+        if not self._reduced:  # (a backward or zero_grad() since the last reduction: the usual AMP step)
             self._gflow_synchronize(scale)
             return
+        # Reduced already: by the program's synchronize() (changed in place since or not, clipped say,
+        # they stay reduced, as step() takes them: a second reduction would multiply a sum by the
+        # number of ranks), or before a step GradScaler skipped (a change since is a new gradient).
+        # The ranks agree on the scale, and on whether some rank set a gradient anew, in one exchange.
+        anew = 0 if self._still_reduced(unchanged=not self._user_synchronized) else 1
         try:
-            agreed = gflow.allreduce_async(np.array(_bounds(scale)), "max", comm=self._gflow_comm).wait()
+            mine = np.array([*_bounds(scale), anew], np.int64)
+            agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
             raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
-        _check_scales(agreed, scale)
+        if agreed[2]:
+            self._gflow_synchronize(scale)
+            return
+        _check_scales(agreed[:2], scale)
 
     @contextmanager
     def no_sync(self):
@@ -654,7 +671,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 "no_sync(): this step's gradients are being reduced already (a backward pass outside "
                 "no_sync() came first); enter no_sync() for the first backward passes of a step"
             )
-        if self._user_synchronized and self.op != Average:
+        reduced = {id(g) for g, _ in self._reduced_grads} if self._user_synchronized else set()
+        if self.op != Average and any(id(p.grad) in reduced for p in self._gflow_params):
             # (with Average, reducing reduced gradients plus local ones again gives the mean of the sums)
             raise RuntimeError(
                 "no_sync() after synchronize(): a backward inside would add local gradients to the "
@@ -704,18 +722,17 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             return super().step(self._synchronized_closure(closure))
         if self._should_synchronize:
             if self._user_synchronized:
-                # Reduced by the program's synchronize(), whatever it did to them since (the flag is
-                # alike on every rank, tensors replaced on one rank are not): a second reduction would
-                # multiply a sum by the number of ranks
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(). The gradients are reduced already, so step() applies them as "
-                    "they are now and does not reduce them again (Horovod does, which with op=Sum multiplies "
-                    "them by the number of ranks); "
-                    "use optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
-                    "code.",
+                    "they are now, changed in place or not, and reduces them again only where a rank set "
+                    "a gradient anew (Horovod reduces them again, which with op=Sum multiplies them by "
+                    "the number of ranks); use optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.",
                     stacklevel=2,
                 )
+                if self._set_anew_anywhere(unchanged=False):
+                    self.synchronize()
             elif not self._still_reduced(unchanged=False):  # (GradScaler's reduced them, unscaled in place)
                 self.synchronize()
         self._reduced = self._user_synchronized = False
