@@ -9,7 +9,7 @@ import numpy as np
 
 from ..arrays.kinds import check_array
 from ..runtime.context import CommContext, context
-from ..runtime.signature import check_op, check_root
+from ..runtime.signature import Words, check_op, check_root
 from .checks import shape_fingerprint
 from .dispatch import allgather_flat, alltoall_flat, broadcast_flat, reduce_scatter_flat
 from .operations import annotated, reject
@@ -53,8 +53,8 @@ def reduce_scatter_on(ctx: CommContext, x, op, *, rows=False, fingerprint=None, 
         raise
     if rows and fingerprint is None:
         fingerprint = shape_fingerprint(shape)
-    if about is None:
-        about = f"an array of shape {shape}, rows={bool(rows)}"
+    if about is None:  # (words made only for a MismatchError)
+        about = Words("an array of shape {}, rows={}".format, shape, bool(rows))
     transport = kind.transport()
     src = transport.send(ctx, kind.read(x))
     split = (shape[0], fingerprint) if rows else None

@@ -18,7 +18,7 @@ from ..errors import CompressionOverflowError, MismatchError
 from ..runtime import engine, timeline
 from ..runtime.config import config
 from ..runtime.context import CommContext, context
-from ..runtime.signature import rejected_signature, signature
+from ..runtime.signature import PASSED_BYTES, Words, rejected_signature, signature
 from . import latency, recursive_doubling
 from .adasum import adasum, check_adasum
 from .checks import check_allreduce, shape_fingerprint
@@ -38,7 +38,7 @@ def reject(ctx: CommContext, collective: str, error: BaseException | None = None
     local checks raise takes this path, not only TypeError and ValueError."""
     if config.validate and ctx.size > 1 and ctx.failed is None:
         error = error or sys.exc_info()[1]
-        words = None if error is None else f"{type(error).__name__}: {(str(error) or '-').splitlines()[0]}"
+        words = None if error is None else Words(_first_line, error)
         calling = recursive_doubling.calling
         before, calling.about = getattr(calling, "about", None), words
         try:
@@ -48,6 +48,14 @@ def reject(ctx: CommContext, collective: str, error: BaseException | None = None
                 ctx.failed = f"{collective} (rejected arguments): {exc}"
         finally:
             calling.about = before
+
+
+def _first_line(error: BaseException) -> str:
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 - the rank raises its own error all the same
+        text = ""
+    return f"{type(error).__name__}: {(text or '-').splitlines()[0]}"
 
 
 def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression=None):
@@ -166,7 +174,9 @@ def annotated(call, about):
     try:
         return call()
     except MismatchError as exc:
-        raise MismatchError(f"{exc}.\nThis rank passed {about}") from exc
+        words = str(about)
+        words = words if len(words) <= PASSED_BYTES else words[: PASSED_BYTES - 3] + "..."
+        raise MismatchError(f"{exc}.\nThis rank passed {words}") from exc
     finally:
         recursive_doubling.calling.about = before
 

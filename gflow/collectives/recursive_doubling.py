@@ -803,11 +803,11 @@ def share_what_passed(ctx: CommContext, header, about: str | None) -> list:
     if not _two_calls(header):
         return []
     mine = np.zeros(PASSED_BYTES, np.uint8)
-    text = ("" if about is None else str(about)).encode()[:PASSED_BYTES]  # (str: see PushesSoFar)
+    text = ("" if about is None else str(about)).encode()[:PASSED_BYTES]  # (str: see signature.Words)
     mine[: len(text)] = np.frombuffer(text, np.uint8)
     everyone = np.empty((ctx.size, PASSED_BYTES), np.uint8)
     ctx.waitall([ctx.comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])])
-    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in everyone]
+    return [bytes(row).rstrip(b"\0").decode(errors="ignore") for row in everyone]  # (a character cut: gone)
 
 
 def _differing(words_a: str, words_b: str) -> tuple:

@@ -44,12 +44,12 @@ from ..errors import CompressionOverflowError
 from ..runtime import engine, timeline
 from ..runtime.config import DEFAULT_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import context
-from ..runtime.signature import DTYPE_CODE, check_op, holds, signature
+from ..runtime.signature import DTYPE_CODE, Words, check_op, holds, pushes_in_words, signature
 from .autotune import ThresholdTuner
 from .lazy_state import LazyCheckpoint
 from .pool import GradientPool, PooledGradients, shape_bytes
 from .sparse import SparseAllreduce
-from .strategies import Codec, Dense, Hook, PushesSoFar, Segment, Sparse
+from .strategies import Codec, Dense, Hook, Segment, Sparse
 
 # What the push-order checksum covers, per tensor: size, dtype and number of axes, then the shape.
 _SIZE_AND_TYPE = struct.Struct("<qqq")
@@ -154,7 +154,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._fired: list = []  # (handle, members to write the result into, SparseAllreduce or None)
         self._checksum = 0
         self._pushes = 0  # arrays pushed in this step (alone, they need no segment)
-        self._pushed: list = []  # (name, shape, dtype) of each, for a MismatchError's words (PushesSoFar)
+        self._pushed: list = []  # (name, shape, dtype) of each, for a MismatchError's words
         self._error = None  # the error of a push that failed its checks: flush() raises it
         self._filling_since = None  # with a timeline on: when the pending segment's first push came
         self._step_started = 0.0  # when the step's first push came (for threshold tuning)
@@ -307,7 +307,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             shapes = [tuple(kind.shape(a)) for a in pushed] if isinstance(strategy, Hook) else None
             segment = Segment(
                 index, source, name, shapes, context=ctx, out=buffer, checksum=self._checksum, dtype=dtype,
-                about=PushesSoFar(self._pushed, len(self._pushed)),
+                about=Words(pushes_in_words, self._pushed, len(self._pushed)),
             )  # fmt: skip
             handle, to_commit = strategy.start(segment, kind)
         except Exception as exc:  # noqa: BLE001 - this rank's step fails; the peers' fail with it
@@ -442,7 +442,9 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             payload = (src, step_agreed, op) if step_agreed is not None else (None, None, None)
             # (bound now: allreduce_with_agreement checks that ctx is usable)
             final = functools.partial(allreduce_with_agreement, ctx, ends, capacity, *payload)
-            final = functools.partial(annotated, final, PushesSoFar(self._pushed, len(self._pushed)))
+            final = functools.partial(
+                annotated, final, Words(pushes_in_words, self._pushed, len(self._pushed))
+            )
             self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx), [], None))
         elif step_agreed is not None:
             step_agreed[:] = src  # alone: the maximum over one rank

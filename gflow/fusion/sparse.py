@@ -44,7 +44,7 @@ from ..collectives.operations import allreduce_on, reject
 from ..errors import CompressionOverflowError, MismatchError, NonFiniteError
 from ..runtime import timeline
 from ..runtime.context import CommContext, context
-from ..runtime.signature import DTYPE_CODE, check_op
+from ..runtime.signature import DTYPE_CODE, Words, check_op
 
 # 1024 float32 per chunk: the norms then add 1/1024 (0.1%) of the dense bytes, so CSC at 1% sends
 # about 1.1% of what a dense allreduce sends (bench/RESULTS.md).
@@ -223,7 +223,7 @@ class SparseAllreduce:
             reject(ctx, "sparse")
             raise
         calling = recursive_doubling.calling  # what this rank passed, shared with its peers on a mismatch
-        about_before, calling.about = getattr(calling, "about", None), self._words(n, dtype, density)
+        about_before, calling.about = getattr(calling, "about", None), Words(self._words, n, dtype, density)
         try:
             norms = allreduce_on(ctx, local_norms, "sum", tag=tag)
             if not np.isfinite(norms).all():

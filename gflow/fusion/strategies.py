@@ -30,7 +30,7 @@ from ..collectives.exchange import allgather_on
 from ..collectives.operations import allreduce_on, reject
 from ..errors import GflowError, NonFiniteError
 from ..runtime import engine
-from ..runtime.signature import holds, is_floating, pushes_in_words
+from ..runtime.signature import holds, is_floating
 from .sparse import SparseAllreduce
 
 
@@ -56,7 +56,7 @@ class Segment:
     out: object = field(default=None, repr=False)
     checksum: int = field(default=0, repr=False)
     dtype: object = field(default=None, repr=False)
-    about: object = field(default=None, repr=False)  # this rank's pushes so far (PushesSoFar)
+    about: object = field(default=None, repr=False)  # this rank's pushes so far, as signature.Words
 
     @property
     def rank(self) -> int:
@@ -73,18 +73,6 @@ class Segment:
     def allgather(self, x):
         """gflow.allgather of x over the segment's ranks, on the background channel (a new array)."""
         return allgather_on(self.context, x)
-
-
-class PushesSoFar:
-    """This rank's pushes of a step up to a segment, in words only when a MismatchError asks (str):
-    a push records a tuple, and the ranks share these words after a mismatch, so the first line
-    names the first push in which two ranks differ."""
-
-    def __init__(self, pushes: list, count: int):
-        self.pushes, self.count = pushes, count
-
-    def __str__(self) -> str:
-        return pushes_in_words(self.pushes[: self.count])
 
 
 class Dense:

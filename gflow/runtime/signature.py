@@ -233,16 +233,30 @@ def _segment_or_end(sig) -> str:
 
 
 PASSED_BYTES = 512  # each rank's words for its call, shared after a mismatch, are cut there
+
+
+class Words:
+    """A call's words for a MismatchError, made only when one asks (str(words) calls make(*args)):
+    a call on the hot path records what it has, not a sentence."""
+
+    def __init__(self, make, *args):
+        self.make, self.args = make, args
+
+    def __str__(self) -> str:
+        return self.make(*self.args)
+
+
 _PUSHED = " arrays pushed in its step: "
 
 
-def pushes_in_words(pushes) -> str:
-    """A LazyAllreduce step's pushes so far ((name or None, shape, dtype) each), in words that
+def pushes_in_words(pushes, count: int) -> str:
+    """A LazyAllreduce step's first `count` pushes ((name or None, shape, dtype) each), in words that
     first_push_apart reads back: what a rank shares with its peers after a mismatch."""
     items = (
-        f"{'' if name is None else f'{name} '}{tuple(shape)} {dtype.name}" for name, shape, dtype in pushes
+        f"{'' if name is None else f'{name} '}{tuple(shape)} {dtype.name}"
+        for name, shape, dtype in pushes[:count]
     )
-    return f"{len(pushes)}{_PUSHED}" + "; ".join(items)
+    return f"{count}{_PUSHED}" + "; ".join(items)
 
 
 def first_push_apart(words_a: str, words_b: str):
