@@ -352,8 +352,9 @@ def test_gradient_clipping_and_grad_scaler_patterns():
             assert_identical(model)
             assert_close_to(model, ref, atol=1e-5)
         # Set anew after synchronize(): rank r's own gradient (r + 1 times the reduced one); on rank 0
-        # alone, or on every rank. step() reduces them again, on every rank: the sum of the new ones.
-        for anew_on in ([0], range(WORLD.size)):
+        # alone, or on every rank, or through .data. step() reduces them again, on every rank: the sum
+        # of the new ones.
+        for anew_on, by_data in (([0], False), (range(WORLD.size), False), ([0], True)):
             opt.zero_grad()
             rank_loss(model, *data[2], r)
             opt.synchronize()
@@ -361,7 +362,9 @@ def test_gradient_clipping_and_grad_scaler_patterns():
             factor = sum(q + 1 if q in anew_on else 1 for q in range(WORLD.size))
             if r in anew_on:
                 for p in model.parameters():
-                    if p.grad is not None:
+                    if p.grad is not None and by_data:
+                        p.grad.data = p.grad * (r + 1)  # (the same tensor over new memory)
+                    elif p.grad is not None:
                         p.grad = p.grad * (r + 1)
             with pytest.warns(UserWarning):
                 opt.step()

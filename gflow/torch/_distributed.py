@@ -67,7 +67,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._gflow_params: list = []
         self._should_synchronize = True
         self._reduced = False  # synchronize() ended this step: p.grad holds the reduced gradients
-        self._reduced_grads: list = []  # (each p.grad then, its version then), for _still_reduced
+        self._reduced_grads: list = []  # (each p.grad then, its version, its memory), for _still_reduced
         self._user_synchronized = False  # ... and the program called it (Horovod's warning in step)
         self._overflow = None
         self._touched = False
@@ -385,7 +385,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             self._gflow_reset_step()
         self._refused = []
         self._reduced = True
-        self._reduced_grads = [(g, g._version) for g in (p.grad for p in params) if g is not None]
+        self._reduced_grads = [(g, g._version, _memory(g)) for g in (p.grad for p in params) if g is not None]
 
     def _set_anew_anywhere(self, unchanged: bool) -> bool:
         """Whether on some rank the gradients are no longer those the last synchronize() reduced
@@ -401,14 +401,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
     def _still_reduced(self, unchanged: bool) -> bool:
         """Whether the gradients are still those the last synchronize() reduced: no new step began
         (a hook fired, or zero_grad()), and every gradient is the same tensor (and, with `unchanged`,
-        unchanged since). Else a step whose gradients were set by hand, after a step GradScaler
-        skipped, would be taken for reduced."""
+        unchanged since), over the same memory (p.grad.data = ... sets a gradient anew too). Else a
+        step whose gradients were set by hand, after a step GradScaler skipped, would be taken for
+        reduced."""
         if not self._reduced:
             return False
         live = [p.grad for p in self._gflow_params if p.grad is not None]
         still = len(live) == len(self._reduced_grads) and all(
-            g is was and (not unchanged or g._version == version)
-            for g, (was, version) in zip(live, self._reduced_grads, strict=True)
+            g is was and _memory(g) == memory and (not unchanged or g._version == version)
+            for g, (was, version, memory) in zip(live, self._reduced_grads, strict=True)
         )
         self._reduced = still
         return still
@@ -671,7 +672,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 "no_sync(): this step's gradients are being reduced already (a backward pass outside "
                 "no_sync() came first); enter no_sync() for the first backward passes of a step"
             )
-        reduced = {id(g) for g, _ in self._reduced_grads} if self._user_synchronized else set()
+        reduced = {id(g) for g, _, _ in self._reduced_grads} if self._user_synchronized else set()
         if self.op != Average and any(id(p.grad) in reduced for p in self._gflow_params):
             # (with Average, reducing reduced gradients plus local ones again gives the mean of the sums)
             raise RuntimeError(
@@ -804,6 +805,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
 # The wrapped class's step already runs torch's step hooks; torch must not wrap this one again.
 _DistributedOptimizer.step.hooked = True
+
+
+def _memory(grad):
+    """Where a dense gradient's values are (None for a sparse one)."""
+    return grad.data_ptr() if grad.layout == torch.strided else None
 
 
 def _left_over_zeros(grad) -> bool:
