@@ -640,7 +640,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         finds inf/NaN in them alike on every rank (then every rank skips the step, and the scales
         stay alike). PyTorch's AMP lines (scaler.scale(loss).backward(); scaler.step(opt);
         scaler.update()) are then right without optimizer.synchronize(); after a synchronize() of the
-        program's own (Horovod's recipe) the ranks only agree on the scale."""
+        program's own (Horovod's recipe) the ranks agree on the scale, and reduce again only where a
+        rank set a gradient anew."""
         self._check_synced("GradScaler.unscale_() or step()")
         scale = float(scaler.get_scale())
         if not self._reduced:  # (a backward or zero_grad() since the last reduction: the usual AMP step)
