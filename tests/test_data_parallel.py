@@ -620,3 +620,70 @@ def test_one_buffer_pushed_for_two_parameters_is_refused_in_either_order():
     dp.push("a")
     dp.synchronize()
     assert (grads["a"] == 1.0).all() and (grads["b"] == 2.0).all()
+
+
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_join_with_uneven_data_averages_over_every_rank(compression):
+    """Rank r has 2 + r batches, then calls dp.join(): each rank's steps average the ranks still
+    training with the joined ones' zeros, over every rank (Horovod's division), against float64;
+    join() returns the last rank, whose parameters then go to every rank; the kit trains on."""
+    r, size = WORLD.rank, WORLD.size
+    params = make_params(3, np.float64 if compression is None else np.float32)
+    start = {k: p.astype(np.float64) for k, p in params.items()}
+    dp = DataParallel(params, compression=compression)
+
+    def grads_of(step, rank):  # every rank's gradients, known everywhere (seeded by step and rank)
+        return random_grads(np.random.default_rng([step, rank]), params)
+
+    def reference(steps):  # float64: step s averages the ranks with more than s batches, over size
+        ref = {k: v.copy() for k, v in start.items()}
+        for s in range(steps):
+            for k in ref:
+                ref[k] -= (
+                    0.1 * sum(grads_of(s, q)[k].astype(np.float64) for q in range(size) if s < 2 + q) / size
+                )
+        return ref
+
+    def train():
+        for step in range(2 + r):
+            grads = grads_of(step, r)
+            push_in_backward_order(dp, list(params), grads, None)
+            assert dp.synchronize()
+            for k, p in params.items():
+                p -= (0.1 * dp.gradients()[k]).astype(p.dtype)
+        last = dp.join()
+        assert last == size - 1
+        tol = 1e-12 if compression is None else 5e-3
+        for k, want in reference(2 + r).items():
+            np.testing.assert_allclose(params[k], want, rtol=tol, atol=tol, err_msg=k)
+        broadcast_parameters(params, root=last)
+        identical(params)
+        push_in_backward_order(dp, list(params), grads_of(9, r), None)  # every rank steps again
+        assert dp.synchronize()
+        for k, got in dp.gradients().items():
+            want = sum(grads_of(9, q)[k].astype(np.float64) for q in range(size)) / size
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=k)
+        again = dp.join()  # (every rank at once: the last by the clocks, the same everywhere)
+        assert WORLD.allgather(again) == [again] * size and 0 <= again < size
+
+    on_all_ranks(train)
+
+
+@pytest.mark.parallel([1, 2])
+def test_join_refuses_sparse_and_a_step_in_flight():
+    """Refused on the joining rank before it serves anything: with sparse= (a joined rank takes part
+    only in allreduces), and between a push and synchronize()."""
+    params = make_params(4)
+    sparse = DataParallel(params, sparse={"density": 0.1, "chunk_elems": 16})
+    with pytest.raises(ValueError, match="not with sparse="):
+        sparse.join()
+    dp = DataParallel(params)
+    dp.push("b2", np.ones(SHAPES["b2"], np.float32))
+    with pytest.raises(RuntimeError, match="a step is in flight"):
+        dp.join()
+    for key in reversed(list(params)):
+        if key != "b2":
+            dp.push(key, np.ones(SHAPES[key], np.float32))
+    assert dp.synchronize()
+    assert dp.join() in range(WORLD.size)

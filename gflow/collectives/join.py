@@ -16,6 +16,7 @@ A rank in join() serves one channel per call of serve(): gflow.torch's join runs
 channel and on the background one at once (the others may use either).
 """
 
+import time
 from functools import partial
 
 import numpy as np
@@ -23,12 +24,13 @@ from mpi4py import MPI
 
 from ..arrays import host_ops as host
 from ..errors import GflowError
-from ..runtime import stall
+from ..runtime import engine, stall
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
-from ..runtime.context import TAG_AGREE, CommContext
+from ..runtime.context import TAG_AGREE, CommContext, context
 from ..runtime.signature import CODE_ALGORITHM, CODE_COLLECTIVE, CODE_DTYPE, CODE_OP, SIG_REJECTED
 from . import hierarchical, ring
 from .dispatch import settle_auto
+from .operations import allreduce_on
 from .recursive_doubling import (
     _FOLLOWS,
     _MAGIC,
@@ -48,6 +50,31 @@ from .recursive_doubling import (
     scatter_gather,
     share_what_passed,
 )
+
+
+def join(comm=None) -> int:
+    """This rank has no more data: until every rank of comm has called join(), take part with zeros
+    in the others' allreduces, on the caller's channel and gflow's background one at once (the others
+    may use either: blocking calls, async ones, LazyAllreduce's segments); return the rank that
+    called join() last, by each rank's wall clock at the call (exact on one node; ties: the lowest).
+    A rank that joins first waits for the async work it started (it runs before)."""
+    arrival = time.time()
+    parent = context(comm)
+    parent.check_usable()  # (before its background channel is made or used)
+    background = parent.background()
+    handle = engine.submit(
+        "join", partial(serve, background), ctx=background, on_failure=parent.reset_background
+    )
+    try:
+        serve(parent)
+        handle.wait()
+    except BaseException as interrupted:
+        if not isinstance(interrupted, GflowError):  # (Ctrl-C: the other channel's serve would hold
+            stall.give_up(background)  # gflow's thread, and every async call, for ever)
+        raise
+    times = np.full(parent.size, -np.inf)
+    times[parent.rank] = arrival
+    return int(np.argmax(allreduce_on(parent, times, "max")))
 
 
 def serve(ctx: CommContext) -> None:

@@ -2,7 +2,6 @@
 see _allreduce.py's docstring)."""
 
 import math
-import time
 
 import numpy as np
 import torch
@@ -10,9 +9,8 @@ import torch
 import gflow
 
 from ..collectives.exchange import allgather_on, broadcast_on
-from ..collectives.join import serve
+from ..collectives.join import join as join_on
 from ..collectives.operations import allreduce_on, background_on
-from ..runtime import engine, stall
 from ..runtime.context import context
 from . import _basics
 from ._allreduce import allreduce
@@ -286,27 +284,10 @@ def join(device=-1) -> int:
     and ignored (zeros are on the host; CUDA tensors of the others are staged or direct as usual).
     The last rank is found by each rank's wall clock at the call (exact on one node).
     """
-    arrival = time.time()
-    parent = context(comm())
     try:
-        parent.check_usable()  # (before its background channel is made or used)
-        background = parent.background()
-        handle = engine.submit(
-            "join", lambda: serve(background), ctx=background, on_failure=parent.reset_background
-        )
-        try:
-            serve(parent)  # the caller's channel here, the background one on gflow's thread
-            handle.wait()
-        except BaseException as interrupted:
-            if not isinstance(interrupted, gflow.GflowError):  # (Ctrl-C: the other channel's serve
-                stall.give_up(background)  # would hold gflow's thread, and every async call, for ever)
-            raise
-        times = torch.full((_basics.size(),), -np.inf, dtype=torch.float64)
-        times[_basics.rank()] = arrival
-        latest = gflow.allreduce(times, "max", comm=comm())
+        return join_on(comm())
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
-    return int(torch.argmax(latest).item())  # ties: the lowest rank
 
 
 # --- sparse tensors --------------------------------------------------------------------------------

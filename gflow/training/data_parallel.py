@@ -28,6 +28,7 @@ import numpy as np
 
 from ..arrays.kinds import check_array, check_writable
 from ..collectives.exchange import broadcast
+from ..collectives.join import join
 from ..collectives.operations import reject
 from ..errors import NonFiniteError
 from ..fusion.lazy import LazyAllreduce
@@ -457,6 +458,24 @@ class DataParallel:
         if commit:
             self.commit_step()
         return apply
+
+    def join(self) -> int:
+        """This rank has run out of data (uneven inputs: Horovod's join, DDP's Join): until every rank
+        has called join(), take part with zeros in the other ranks' steps, so their synchronize()
+        goes on; a joined rank counts as zeros and a mean still divides by every rank, as Horovod
+        divides. Returns the rank that joined last (the one with the most data: broadcast the
+        parameters from it if the ranks' steps differed). Call it between steps, on every rank once;
+        not with sparse= (CSC's exchanges are not allreduces: the other ranks' steps would fail)."""
+        if self.sparse is not None:  # (refused here, not in the others' next step: see join.py)
+            raise ValueError(
+                "DataParallel.join: not with sparse= (CSC's exchanges are not allreduces, which is all a "
+                "joined rank takes part in): run the last steps dense, or give every rank the same batches"
+            )
+        if any(ready is not None and ready is not _ABSENT for ready in self._ready):
+            raise RuntimeError(
+                "DataParallel.join: a step is in flight (pushed, not synchronized): join between steps"
+            )
+        return join(self._comm)
 
     def commit_step(self) -> None:
         """Commit the step of the last synchronize(commit=False) (sparse residuals, step_count)."""
