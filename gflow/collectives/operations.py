@@ -38,16 +38,12 @@ def reject(ctx: CommContext, collective: str, error: BaseException | None = None
     local checks raise takes this path, not only TypeError and ValueError."""
     if config.validate and ctx.size > 1 and ctx.failed is None:
         error = error or sys.exc_info()[1]
-        words = None if error is None else Words(_first_line, error)
-        calling = recursive_doubling.calling
-        before, calling.about = getattr(calling, "about", None), words
         try:
-            allreduce_with_agreement(ctx, rejected_signature(collective), config.small_message_bytes)
+            with recursive_doubling.passing(None if error is None else Words(_first_line, error)):
+                allreduce_with_agreement(ctx, rejected_signature(collective), config.small_message_bytes)
         except MismatchError as exc:
             if ctx.is_background:  # as the peers' engines mark theirs (see CommContext.check_usable)
                 ctx.failed = f"{collective} (rejected arguments): {exc}"
-        finally:
-            calling.about = before
 
 
 def _first_line(error: BaseException) -> str:
@@ -169,16 +165,13 @@ def annotated(call, about):
     """call(), its MismatchError naming what this rank passed (when `about` says)."""
     if about is None:
         return call()
-    before = getattr(recursive_doubling.calling, "about", None)
-    recursive_doubling.calling.about = about  # (shared with the peers after a mismatch)
     try:
-        return call()
+        with recursive_doubling.passing(about):  # (shared with the peers after a mismatch)
+            return call()
     except MismatchError as exc:
         words = str(about)
         words = words if len(words) <= PASSED_BYTES else words[: PASSED_BYTES - 3] + "..."
         raise MismatchError(f"{exc}.\nThis rank passed {words}") from exc
-    finally:
-        recursive_doubling.calling.about = before
 
 
 def allreduce_on(

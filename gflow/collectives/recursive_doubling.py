@@ -30,6 +30,7 @@ The lower-ranked operand always goes first, so every rank computes bitwise the s
 
 import sys
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
@@ -256,6 +257,17 @@ def _forget_plans(ctx: CommContext) -> None:
 # What the call this thread is in passed, in words (operations.annotated sets it): after a mismatch
 # the ranks share theirs, so that a MismatchError shows the other rank's call, not a fingerprint.
 calling = threading.local()
+
+
+@contextmanager
+def passing(about):
+    """Within: this thread's call passed `about` (a str, or signature.Words), for calling."""
+    before = getattr(calling, "about", None)
+    calling.about = about
+    try:
+        yield
+    finally:
+        calling.about = before
 
 
 def allreduce_with_agreement(ctx: CommContext, sig: tuple, capacity: int, src=None, dst=None, op=None):

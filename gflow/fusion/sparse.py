@@ -222,45 +222,46 @@ class SparseAllreduce:
         except Exception:
             reject(ctx, "sparse")
             raise
-        calling = recursive_doubling.calling  # what this rank passed, shared with its peers on a mismatch
-        about_before, calling.about = getattr(calling, "about", None), Words(self._words, n, dtype, density)
-        try:
-            norms = allreduce_on(ctx, local_norms, "sum", tag=tag)
-            if not np.isfinite(norms).all():
-                error = CompressionOverflowError if self.compression else NonFiniteError
-                raise error(
-                    "SparseAllreduce: a gradient holds inf or NaN on some rank; this step was not applied "
-                    "and every rank's residual is as before it (under loss scaling: skip the step)"
-                )
-            t = time.perf_counter()
-            k = min(nchunks, math.ceil(density * nchunks))
-            with timeline.span("CSC selection", chunks=nchunks, sent=k):
-                order = np.lexsort((np.arange(nchunks), -norms))  # by norm, descending; ties: lower index
-                ids = np.sort(order[:k]).astype(np.int64)
-            times["selection"] = time.perf_counter() - t
+        # what this rank passed, shared with its peers on a mismatch
+        with recursive_doubling.passing(Words(self._words, n, dtype, density)):
+            try:
+                norms = allreduce_on(ctx, local_norms, "sum", tag=tag)
+                if not np.isfinite(norms).all():
+                    error = CompressionOverflowError if self.compression else NonFiniteError
+                    raise error(
+                        "SparseAllreduce: a gradient holds inf or NaN on some rank; this step was not "
+                        "applied and every rank's residual is as before it (under loss scaling: skip the "
+                        "step)"
+                    )
+                t = time.perf_counter()
+                k = min(nchunks, math.ceil(density * nchunks))
+                with timeline.span("CSC selection", chunks=nchunks, sent=k):
+                    order = np.lexsort((np.arange(nchunks), -norms))  # by norm, descending; ties: lower index
+                    ids = np.sort(order[:k]).astype(np.int64)
+                times["selection"] = time.perf_counter() - t
 
-            t = time.perf_counter()
-            packed_len = k * chunk - (chunk * nchunks - n if k and ids[-1] == nchunks - 1 else 0)
-            with timeline.span("CSC pack", elements=packed_len):
-                packed = ops.empty(packed_len, dtype)
-                device_ids = ops.index_array(ids)
-                ops.pack(packed, v_new, device_ids, chunk)
-            times["pack"] = time.perf_counter() - t
-            scale = self._wire_scale(norms[ids], ctx.size) if self.compression else None
-            if scale is not None:
-                self._allreduce_compressed(ctx, packed, v_new, ops=ops, ids=device_ids, scale=scale, tag=tag)
-            else:  # uncompressed, or values beyond the wire's reach even scaled (every rank agrees)
-                op = self.op
-                if self.compression and op == "mean":  # huge values: divide first, as fp16 would
-                    ops.cast_scaled(packed, packed, 1.0 / ctx.size)
-                    op = "sum"
-                ops.fence()
-                allreduce_on(ctx, packed, op, out=packed, tag=tag)
-                ops.zero_chunks(v_new, device_ids, chunk)  # all of it was sent
-        except MismatchError as exc:
-            raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
-        finally:
-            calling.about = about_before
+                t = time.perf_counter()
+                packed_len = k * chunk - (chunk * nchunks - n if k and ids[-1] == nchunks - 1 else 0)
+                with timeline.span("CSC pack", elements=packed_len):
+                    packed = ops.empty(packed_len, dtype)
+                    device_ids = ops.index_array(ids)
+                    ops.pack(packed, v_new, device_ids, chunk)
+                times["pack"] = time.perf_counter() - t
+                scale = self._wire_scale(norms[ids], ctx.size) if self.compression else None
+                if scale is not None:
+                    self._allreduce_compressed(
+                        ctx, packed, v_new, ops=ops, ids=device_ids, scale=scale, tag=tag
+                    )
+                else:  # uncompressed, or values beyond the wire's reach even scaled (every rank agrees)
+                    op = self.op
+                    if self.compression and op == "mean":  # huge values: divide first, as fp16 would
+                        ops.cast_scaled(packed, packed, 1.0 / ctx.size)
+                        op = "sum"
+                    ops.fence()
+                    allreduce_on(ctx, packed, op, out=packed, tag=tag)
+                    ops.zero_chunks(v_new, device_ids, chunk)  # all of it was sent
+            except MismatchError as exc:
+                raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
 
         t = time.perf_counter()
         with timeline.span("CSC scatter-add", elements=n):
