@@ -426,8 +426,9 @@ def _conclude(ctx: CommContext, header, about) -> None:
         header = np.array(header)
         if about is None:
             about = getattr(calling, "about", None)
-        if _two_calls(header) and settings_differ(_record(header)[1], _record(header)[3]):
-            about = settings_words(_record(header)[1])  # (this rank's values of them: which one differs)
+        _, sig_a, _, sig_b = _record(header)
+        if _two_calls(header) and settings_differ(sig_a, sig_b):
+            about = settings_words(sig_a)  # (this rank's values of them: which one differs)
         passed = share_what_passed(ctx, header, about)
         raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx), passed))
     if header[_RANK_B] != 0:
