@@ -471,7 +471,7 @@ class DataParallel:
                 "DataParallel.join: not with sparse= (CSC's exchanges are not allreduces, which is all a "
                 "joined rank takes part in): run the last steps dense, or give every rank the same batches"
             )
-        if any(ready is not None and ready is not _ABSENT for ready in self._ready):
+        if self._in_step():
             raise RuntimeError(
                 "DataParallel.join: a step is in flight (pushed, not synchronized): join between steps"
             )
