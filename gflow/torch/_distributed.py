@@ -392,11 +392,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         (_still_reduced, with `unchanged`): agreed over the ranks, so that every rank reduces them
         again or none does (a gradient set anew on one rank, p.grad = ..., is that rank's alone)."""
         mine = np.array([0 if self._still_reduced(unchanged) else 1], np.int64)
+        return bool(self._max_over_ranks(mine)[0])
+
+    def _max_over_ranks(self, mine):
+        """mine's elementwise maximum over the ranks, on the background channel (behind the step's
+        segments, as every rank queues it), gflow's errors raised as Horovod's."""
         try:
-            anywhere = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
+            return gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
             raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
-        return bool(anywhere[0])
 
     def _still_reduced(self, unchanged: bool) -> bool:
         """Whether the gradients are still those the last synchronize() reduced: no new step began
@@ -444,10 +448,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         `changed` and `scale` as _agreement took them (for the messages)."""
         n, stale, factor = len(self._pushed), bool(mine[-1]), self.gradient_predivide_factor
         if agreed is None:
-            try:
-                agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
-            except gflow.GflowError as exc:
-                raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+            agreed = self._max_over_ranks(mine)
         if agreed[3 * n + 7]:
             raise RuntimeError(
                 "DistributedOptimizer: the gradients are still those of a step that was not applied, "
@@ -652,11 +653,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         # number of ranks), or before a step GradScaler skipped (a change since is a new gradient).
         # The ranks agree on the scale, and on whether some rank set a gradient anew, in one exchange.
         anew = 0 if self._still_reduced(unchanged=not self._user_synchronized) else 1
-        try:
-            mine = np.array([*_bounds(scale), anew], np.int64)
-            agreed = gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
-        except gflow.GflowError as exc:
-            raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
+        agreed = self._max_over_ranks(np.array([*_bounds(scale), anew], np.int64))
         if agreed[2]:
             self._gflow_synchronize(scale)
             return
