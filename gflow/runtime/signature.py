@@ -72,11 +72,13 @@ def settings_words(sig) -> str | None:
     return ", ".join(f"{name}={getattr(config, name)}" for name in names) or None
 
 
+_SETTINGS_DIFFER = "gflow.config's settings for the algorithm"
+
+
 def settings_differ(sig_a, sig_b) -> bool:
-    """Whether two signatures differ first in their settings checksum (difference() says so)."""
-    a, b = [int(v) for v in sig_a], [int(v) for v in sig_b]
-    same = a[0] == b[0] and a[6] == b[6] and a[2:5] == b[2:5] and a[7] == b[7] == SIG_OK
-    return same and a[1] & 0xFF == b[1] & 0xFF and a[1] != b[1]
+    """Whether what two signatures first disagree on is their settings checksum (as difference()
+    says)."""
+    return difference(sig_a, sig_b)[0] == _SETTINGS_DIFFER
 
 
 # A rank whose local checks failed sends this status so its peers fail with it instead of hanging.
@@ -321,7 +323,7 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
         what = "the algorithm (as passed, or as chosen by gflow.config's settings: small_message_bytes, ...)"
         return what, *(f"algorithm={CODE_ALGORITHM.get(s[1] & 0xFF, '?')}" for s in (a, b))
     if a[1] != b[1]:
-        return "gflow.config's settings for the algorithm", "has one checksum of them", "another"
+        return _SETTINGS_DIFFER, "has one checksum of them", "another"
     if collective == "broadcast" and a[5] & 0xFFFFFFFF != b[5] & 0xFFFFFFFF:
         return "the root", *(f"root={s[5] & 0xFFFFFFFF}{world([s[5] & 0xFFFFFFFF])}" for s in (a, b))
     means = _EXTRA_MEANS.get(collective, "the call's extra field")
