@@ -623,18 +623,24 @@ def test_one_buffer_pushed_for_two_parameters_is_refused_in_either_order():
 
 
 @pytest.mark.parallel([2, 3, 4])
-@pytest.mark.parametrize("compression", [None, "fp16"])
-def test_join_with_uneven_data_averages_over_every_rank(compression):
+@pytest.mark.parametrize(("compression", "scaled"), [(None, False), ("fp16", False), ("fp16", True)])
+def test_join_with_uneven_data_averages_over_every_rank(compression, scaled):
     """Rank r has 2 + r batches, then calls dp.join(): each rank's steps average the ranks still
     training with the joined ones' zeros, over every rank (Horovod's division), against float64;
-    join() returns the last rank, whose parameters then go to every rank; the kit trains on."""
+    join() returns the last rank, whose parameters then go to every rank; the kit trains on. With a
+    LossScaler too (its agreement on the scale counted a joined rank's zero as a scale of -0, and
+    every step after the first join failed)."""
     r, size = WORLD.rank, WORLD.size
     params = make_params(3, np.float64 if compression is None else np.float32)
     start = {k: p.astype(np.float64) for k, p in params.items()}
-    dp = DataParallel(params, compression=compression)
+    scaler = gflow.LossScaler(init_scale=2.0**6, growth_interval=100) if scaled else None
+    dp = DataParallel(params, compression=compression, loss_scaler=scaler)
 
     def grads_of(step, rank):  # every rank's gradients, known everywhere (seeded by step and rank)
         return random_grads(np.random.default_rng([step, rank]), params)
+
+    def pushed(step):  # this rank's gradients as backward leaves them: times the loss scale
+        return {k: np.array(g * dp.loss_scale, g.dtype) for k, g in grads_of(step, r).items()}
 
     def reference(steps):  # float64: step s averages the ranks with more than s batches, over size
         ref = {k: v.copy() for k, v in start.items()}
@@ -647,8 +653,7 @@ def test_join_with_uneven_data_averages_over_every_rank(compression):
 
     def train():
         for step in range(2 + r):
-            grads = grads_of(step, r)
-            push_in_backward_order(dp, list(params), grads, None)
+            push_in_backward_order(dp, list(params), pushed(step), None)
             assert dp.synchronize()
             for k, p in params.items():
                 p -= (0.1 * dp.gradients()[k]).astype(p.dtype)
@@ -659,7 +664,7 @@ def test_join_with_uneven_data_averages_over_every_rank(compression):
             np.testing.assert_allclose(params[k], want, rtol=tol, atol=tol, err_msg=k)
         broadcast_parameters(params, root=last)
         identical(params)
-        push_in_backward_order(dp, list(params), grads_of(9, r), None)  # every rank steps again
+        push_in_backward_order(dp, list(params), pushed(9), None)  # every rank steps again
         assert dp.synchronize()
         for k, got in dp.gradients().items():
             want = sum(grads_of(9, q)[k].astype(np.float64) for q in range(size)) / size

@@ -15,6 +15,7 @@ import torch
 import gflow
 
 from ..training.data_parallel import DataParallel
+from ..training.loss_scaler import bounds, value_range
 from ._basics import OP_NAMES, Average, as_horovod_error
 from ._gather import sparse_allreduce_on
 from ._optimizer_state import OptimizerCheckpoint
@@ -423,7 +424,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         reads: which parameters some rank had a gradient for, which some rank changed after pushing
         (as the highest such rank + 1), whether the reduced set changed during the step somewhere,
         and the ranges of what every rank must hold alike (the loss scale, gradient_predivide_factor:
-        see _bounds; sparse_as_dense, as a flag and its complement, whose maxima are both 1 where
+        see bounds; sparse_as_dense, as a flag and its complement, whose maxima are both 1 where
         ranks differ), and whether some rank steps on gradients a refused step reduced (`stale`: see
         self._refused)."""
         n, rank = len(self._pushed), self._gflow_comm.Get_rank()
@@ -431,7 +432,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         mine[:n] = [entry is not None for entry in self._pushed]
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
         factor = self.gradient_predivide_factor
-        mine[2 * n : 2 * n + 5] = (*_bounds(scale or 0.0), *_bounds(factor), int(moved))
+        mine[2 * n : 2 * n + 5] = (*bounds(scale or 0.0), *bounds(factor), int(moved))
         mine[2 * n + 5 : 3 * n + 5] = [i in self._sparse_pushed or i in self._densified for i in range(n)]
         mine[3 * n + 5 : 3 * n + 7] = (int(self._sparse_as_dense), 1 - int(self._sparse_as_dense))
         mine[3 * n + 7] = int(stale)
@@ -468,7 +469,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 "any rank. Change them between steps; zero_grad() and run the step again"
             )
         _check_scales(agreed[2 * n : 2 * n + 2], scale)
-        largest, smallest = _range(agreed[2 * n + 2 : 2 * n + 4])
+        largest, smallest = value_range(agreed[2 * n + 2 : 2 * n + 4])
         if largest != smallest:
             raise as_horovod_error(
                 gflow.MismatchError(
@@ -653,7 +654,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         # number of ranks), or before a step GradScaler skipped (a change since is a new gradient).
         # The ranks agree on the scale, and on whether some rank set a gradient anew, in one exchange.
         anew = 0 if self._still_reduced(unchanged=not self._user_synchronized) else 1
-        agreed = self._max_over_ranks(np.array([*_bounds(scale), anew], np.int64))
+        agreed = self._max_over_ranks(np.array([*bounds(scale), anew], np.int64))
         if agreed[2]:
             self._gflow_synchronize(scale)
             return
@@ -824,28 +825,10 @@ def _changed_set(params: list, before: list) -> bool:
     return len(params) != len(before) or any(a is not b for a, b in zip(params, before, strict=True))
 
 
-_TOP = np.iinfo(np.int64).max
-
-
-def _bounds(value: float) -> tuple:
-    """A value >= 0 as two int64 whose max over the ranks gives the largest and the smallest value,
-    exactly: its IEEE bits (ordered as the values are) and _TOP minus them. A rank in join() sends
-    zeros (collectives/join.py), which neither maximum sees."""
-    bits = int(np.array(value, np.float64).view(np.int64))
-    return bits, _TOP - bits
-
-
-def _range(agreed) -> tuple:
-    """(largest, smallest) of the values whose _bounds were maximized over the ranks."""
-    largest = float(np.array(agreed[0], np.int64).view(np.float64))
-    smallest = float(np.array(_TOP - agreed[1], np.int64).view(np.float64))
-    return largest, smallest
-
-
 def _check_scales(agreed, scale) -> None:
-    """agreed: the ranks' _bounds of their loss scale (a rank without a GradScaler gives 0), maximized:
+    """agreed: the ranks' bounds of their loss scale (a rank without a GradScaler gives 0), maximized:
     they must match."""
-    largest, smallest = _range(agreed)
+    largest, smallest = value_range(agreed)
     if smallest == 0 and largest > 0:
         raise as_horovod_error(
             gflow.MismatchError(

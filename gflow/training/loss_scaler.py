@@ -9,6 +9,23 @@ from ..errors import MismatchError
 from ..runtime import checkpoint as st
 from ..runtime.signature import is_floating
 
+_TOP = np.iinfo(np.int64).max
+
+
+def bounds(value: float) -> tuple:
+    """A value >= 0 as two int64 whose max over the ranks gives the largest and the smallest value,
+    exactly: its IEEE bits (ordered as the values are) and _TOP minus them. A rank in join() sends
+    zeros (collectives/join.py), which neither maximum sees (where max(-value) would see 0)."""
+    bits = int(np.array(value, np.float64).view(np.int64))
+    return bits, _TOP - bits
+
+
+def value_range(agreed) -> tuple:
+    """(largest, smallest) of the values whose bounds() were maximized over the ranks."""
+    largest = float(np.array(agreed[0], np.int64).view(np.float64))
+    smallest = float(np.array(_TOP - agreed[1], np.int64).view(np.float64))
+    return largest, smallest
+
 
 class LossScaler:
     """Dynamic loss scaling for mixed-precision training, agreed across ranks.
@@ -90,13 +107,13 @@ class LossScaler:
                 sum by its own factor. A checkpoint loaded on some ranks only does that: load the
                 scaler's state on every rank (it is the same on all of them).
         """
-        # One exchange: max(overflow), max(scale) and max(-scale), so the scales agree iff the last two
-        # are opposite.
-        mine = np.array([1.0 if overflow else 0.0, self._scale, -self._scale])
-        agreed = allreduce(mine, "max", comm=self._comm)
-        if agreed[1] != -agreed[2]:
+        # One exchange: max(overflow) and the largest and smallest scale (ranks in join() count as
+        # zeros, which bounds() keeps out of both).
+        agreed = allreduce(np.array([int(overflow), *bounds(self._scale)], np.int64), "max", comm=self._comm)
+        largest, smallest = value_range(agreed[1:])
+        if largest != smallest:
             raise MismatchError(
-                f"LossScaler.update: the ranks' loss scales differ (from {-agreed[2]:g} to {agreed[1]:g}; "
+                f"LossScaler.update: the ranks' loss scales differ (from {smallest:g} to {largest:g}; "
                 f"this rank's is {self._scale:g}), so each unscaled the reduced gradients by its own "
                 "factor; the step is not applied. Load the scaler's state_dict on every rank, not on one"
             )
