@@ -89,6 +89,15 @@ elif mode == "exit-before-async":  # the others' first async call on a communica
         fail(how)
     time.sleep(0.5)
     gflow.allreduce_async(x, comm=sub).wait()
+elif mode == "exit-before-blocking":  # the others' first blocking call on a communicator whose
+    # calls were all async (a trainer's steps, then a metric on some ranks): its goodbye went out on
+    # the background channel only
+    sub = world.Split(0, me)
+    gflow.allreduce_async(x, comm=sub).wait()
+    if me == failing:
+        fail(how)
+    time.sleep(0.5)
+    gflow.allreduce(x[:1], comm=sub)
 elif mode in ("raise-async", "exit-async"):  # with an async allreduce in flight on this rank: an
     # exception ends the job; an exit lets the engine finish it first (the others are on their way)
     if me != failing:

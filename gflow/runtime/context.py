@@ -163,9 +163,10 @@ class CommContext:
         self.stall_report = (-1, 0)  # (collective, whether this rank reports its stall: stall.py)
         self.departed = {}  # rank -> collectives it completed here before its process exited
         self.abandoned = None  # the collective this rank left unfinished (stall.abandoned)
-        # Ranks that left, shared by a user communicator's context and its background contexts: a
-        # fresh background context (after a failed one) must know them before its peers can say so.
-        self.gone = set()
+        # Ranks that left ({rank: when this rank heard}), shared by a user communicator's context and
+        # its background contexts: a fresh background context (after a failed one), or one whose peers
+        # said goodbye only on the other context, must know them before its peers can say so.
+        self.gone = {}
         # Crossed waits (stall._check_crossed), shared the same way: peers that said they wait in a
         # blocking collective here that this rank has not entered ({rank: (its place on its background
         # context, its collective here)}), and the error of one this rank found itself.

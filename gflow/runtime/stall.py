@@ -185,7 +185,7 @@ def _answer(ctx) -> None:
         completed = np.empty(1, np.int64)
         comm.Recv(completed, status.Get_source(), TAG_GOODBYE)
         ctx.departed[status.Get_source()] = int(completed[0])
-        ctx.gone.add(status.Get_source())
+        ctx.gone.setdefault(status.Get_source(), time.monotonic())
         departures.append((ctx, status.Get_source()))
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_QUESTION, status):
         question = np.empty(2, np.int64)
@@ -247,6 +247,8 @@ def check_waiting() -> None:
         )
     if ctx.departed:
         _raise_departed(ctx, ctx.entered, ctx.last_sig)
+    if len(ctx.gone) > len(ctx.departed):
+        _raise_unheard(ctx, mark)
     if ctx.abandoned is not None:  # (by another thread of this rank: give_up)
         raise GflowError(
             f"collective #{ctx.abandoned} on this communicator was given up on gflow rank {ctx.rank}: "
@@ -309,6 +311,30 @@ def _raise_departed(ctx, number: int, sig) -> None:
     raise GflowError(
         f"{ranks_text(gone)}{world(gone)} {verb} left the job ({whose} exited: {after}), so collective "
         f"#{number} on this communicator of {ctx.size} ranks ({what}) can never finish on gflow rank "
+        f"{ctx.rank}{world(None)}"
+    )
+
+
+UNHEARD_GRACE_S = 1.0  # how long past news heard only on the sibling context before naming the rank
+
+
+def _raise_unheard(ctx, m: _Mark) -> None:
+    """Raise GflowError for ranks that left having said goodbye only on ctx's sibling (a user
+    communicator's context or its background one, which share `gone`): ctx had no channel of theirs to
+    hear it on (a rank whose only calls were async ones, leaving while this one makes the first
+    blocking call). How many collectives they completed on ctx is not known, so this waits until
+    UNHEARD_GRACE_S after both the news and the wait began: one they finished would have ended by then."""
+    now = time.monotonic()
+    unheard = sorted(r for r, heard in ctx.gone.items() if r not in ctx.departed
+                     and now - max(heard, m.since or now) > UNHEARD_GRACE_S)  # fmt: skip
+    if not unheard:
+        return
+    world = world_ranks(ctx)
+    verb, whose = ("has", "its process") if len(unheard) == 1 else ("have", "their processes")
+    what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
+    raise GflowError(
+        f"{ranks_text(unheard)}{world(unheard)} {verb} left the job ({whose} exited), so collective "
+        f"#{ctx.entered} on this communicator of {ctx.size} ranks ({what}) can never finish on gflow rank "
         f"{ctx.rank}{world(None)}"
     )
 
