@@ -185,6 +185,12 @@ def test_absent_parameters_leave_the_fusion_and_the_rest_match_mpi():
             on_all_ranks(check, f"buffers={use_buffers} absent={absent}")
         with pytest.raises(KeyError, match="no parameter 'nope'"):
             dp.set_absent(["nope"])
+    # With sparse= the segments' residuals are kept by place: one out would move another into its
+    # residual (helper-44: a parameter took its neighbour's 100x larger residual, silently).
+    sparse = DataParallel(make_params(2), sparse={"density": 0.25, "chunk_elems": 4}, threshold_bytes=200)
+    sparse.set_absent([])  # (no change: nothing moves)
+    with pytest.raises(ValueError, match="not with sparse="):
+        sparse.set_absent(["b1"])
 
 
 @pytest.mark.parallel([2, 3])

@@ -538,7 +538,10 @@ class DataParallel:
         and not in keys): they are neither pushed nor reduced as zeros, and gradients() gives None for
         them. For gradients that travel another way: gflow.torch's optimizer gathers sparse ones on
         their own. Every rank must give the same keys (other segments fail the step with
-        MismatchError everywhere). Between steps; not saved in state_dict() (a caller's choice)."""
+        MismatchError everywhere). Between steps; not saved in state_dict() (a caller's choice). Not
+        with sparse=: CSC keeps each fused segment's residual by its place in the step, and a parameter
+        taken out moves the others into segments whose residuals are another parameter's (a frozen
+        parameter needs nothing: its gradient counts as zeros, and its residual waits)."""
         if self._in_step():
             raise RuntimeError("DataParallel.set_absent: a step is in flight (pushed, not synchronized)")
         slots = []
@@ -547,6 +550,12 @@ class DataParallel:
             if slot is None:
                 raise KeyError(f"DataParallel.set_absent: no parameter {key!r}; the parameters: {self._keys}")
             slots.append(slot)
+        if self.sparse is not None and frozenset(slots) != self._absent:
+            raise ValueError(
+                "DataParallel.set_absent: not with sparse= (CSC keeps each fused segment's residual by its "
+                "place in the step: taking parameters out would hand one parameter's residual to another); "
+                "a parameter left unpushed counts as zeros"
+            )
         self._absent = frozenset(slots)
         self._reset_step()
 
