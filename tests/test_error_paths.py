@@ -385,11 +385,26 @@ def test_sparse_sends_huge_and_tiny_finite_gradients():
         (np.full(1024, 1e29, np.float32), "fp16", "sum"),
         (np.full(4, 1e32), "fp16", "sum"),
         (np.full(16, 1e300), "fp16", "mean"),
+        # helper-44: uncompressed, a float32 mean that fits, of values whose sum does not, came back inf
+        (np.full(64, 2.5e38, np.float32), None, "mean"),
     ]:
         chunk = min(1024, g.size)
         csc = gflow.SparseAllreduce(density=1.0, chunk_elems=chunk, op=op, compression=compression)
         expected = g.astype(np.float64) * (WORLD.size if op == "sum" else 1)
         on_all_ranks(lambda csc=csc, g=g, e=expected: np.testing.assert_allclose(csc(g), e, rtol=2**-10))
+    # ... and such a sum was applied as inf (a LossScaler never heard of it): now refused on every rank,
+    # nothing lost
+    csc = gflow.SparseAllreduce(density=0.5, chunk_elems=8, op="sum")
+    small = [rank_rng(5 + step).uniform(0.5, 1.5, 64).astype(np.float32) for step in range(2)]
+    applied = csc(small[0]).astype(np.float64)
+    before = csc.residual.copy()
+    huge = np.full(64, 2.5e38, np.float32)
+    on_all_ranks(lambda: expect(gflow.NonFiniteError, lambda: csc(huge), "passed the range of float32"))
+    np.testing.assert_array_equal(csc.residual, before)  # the step left no trace
+    applied += csc(small[1])
+    unsent = WORLD.allreduce(csc.residual.astype(np.float64))
+    pushed = WORLD.allreduce(small[0].astype(np.float64) + small[1])
+    np.testing.assert_allclose(applied + unsent, pushed, rtol=1e-6)
 
 
 @pytest.mark.parallel([2])

@@ -253,12 +253,21 @@ class SparseAllreduce:
                         ctx, packed, v_new, ops=ops, ids=device_ids, scale=scale, tag=tag
                     )
                 else:  # uncompressed, or values beyond the wire's reach even scaled (every rank agrees)
+                    # A norm clipped on some rank (_wire_norms): the chunks' sum may pass float32's range
+                    clipped = k > 0 and norms[ids].max() >= _norm_limit(ctx.size)
                     op = self.op
-                    if self.compression and op == "mean":  # huge values: divide first, as fp16 would
+                    if (self.compression or clipped) and op == "mean":  # huge values: divide first
                         ops.cast_scaled(packed, packed, 1.0 / ctx.size)
                         op = "sum"
                     ops.fence()
                     allreduce_on(ctx, packed, op, out=packed, tag=tag)
+                    if clipped and not np.isfinite(ops.to_numpy(packed)).all():  # (alike on every rank)
+                        error = CompressionOverflowError if self.compression else NonFiniteError
+                        raise error(
+                            f"SparseAllreduce: the {op} of finite gradients passed the range of "
+                            f"{np.dtype(dtype).name}; this step was not applied and every rank's residual "
+                            "is as before it (under loss scaling: skip the step)"
+                        )
                     ops.zero_chunks(v_new, device_ids, chunk)  # all of it was sent
             except MismatchError as exc:
                 raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
