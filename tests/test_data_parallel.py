@@ -4,6 +4,7 @@ References are MPI's own Allreduce and float64 NumPy (tests/helpers.py); "identi
 MPI's own allgather.
 """
 
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import WORLD, assert_close_to_reference, assert_same_on_all_ranks, on_all_ranks, rank_rng
@@ -456,6 +457,11 @@ def test_argument_errors_up_front():
         DataParallel([a], loss_scaler=2.0)
     with pytest.raises(ValueError, match="density"):
         DataParallel([a], sparse={"density": 2.0})
+    # Settings a parameter can never take: every step after failed on every rank (helper-44)
+    with pytest.raises(TypeError, match="parameter 'h'.*needs a floating gradient of float32 or float64"):
+        DataParallel({"a": a, "h": np.zeros(2, np.float16)}, sparse={"density": 0.5})
+    with pytest.raises(TypeError, match="parameter 1: compression='fp16' on a bfloat16 input"):
+        DataParallel([a, np.zeros(2, ml_dtypes.bfloat16)], compression="fp16")
     dp = DataParallel([a, b])  # a list: keys are indices, buffers a list
     with pytest.raises(ValueError, match="no grad given and no gradient_buffers"):
         dp.push(0)

@@ -72,6 +72,15 @@ def _wire_norms(ops, norms, v, chunk: int, size: int):
     return norms
 
 
+def check_dtype(dtype) -> None:
+    """Raise TypeError unless CSC can keep a residual of this dtype (its own precision)."""
+    if dtype.kind != "f" or dtype.itemsize < 4:
+        raise TypeError(
+            f"SparseAllreduce needs a floating gradient of float32 or float64 (the residual "
+            f"accumulates in its dtype), got {dtype}"
+        )
+
+
 class SparseAllreduce:
     """Stateful sparse allreduce of one gradient (same size every call); see the module docstring.
 
@@ -162,11 +171,7 @@ class SparseAllreduce:
 
     def _check(self, grad):
         kind, dtype = check_array(grad, "grad")
-        if dtype.kind != "f" or dtype.itemsize < 4:
-            raise TypeError(
-                f"SparseAllreduce needs a floating gradient of float32 or float64 (the residual "
-                f"accumulates in its dtype), got {dtype}"
-            )
+        check_dtype(dtype)
         shape, flat = kind.shape(grad), kind.read(grad, "grad")
         if self._state is not None:
             v = self._state[1]

@@ -26,12 +26,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ..arrays.codecs import check_compression
 from ..arrays.kinds import check_array, check_writable
 from ..collectives.exchange import broadcast
 from ..collectives.join import join
 from ..collectives.operations import reject
 from ..errors import NonFiniteError
 from ..fusion.lazy import LazyAllreduce
+from ..fusion.sparse import check_dtype as check_sparse_dtype
 from ..runtime import checkpoint as st
 from ..runtime.context import context
 from ..runtime.signature import is_floating
@@ -205,6 +207,12 @@ class DataParallel:
             dtype = check_array(a, f"DataParallel: parameter {key!r}")[1]
             if not is_floating(dtype):
                 raise TypeError(f"DataParallel: parameter {key!r} must be floating, got {dtype}")
+            try:  # (here, not in every step after: those would each fail on every rank)
+                check_compression(compression, dtype)
+                if sparse is not None:
+                    check_sparse_dtype(dtype)
+            except TypeError as exc:
+                raise TypeError(f"DataParallel: parameter {key!r}: {exc}") from None
             shapes.append(_shape_of(a))
             dtypes.append(dtype)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
