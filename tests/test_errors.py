@@ -286,6 +286,31 @@ def test_the_peers_first_line_shows_the_rejecting_ranks_error(call):
     on_all_ranks(lambda: assert_close_to_reference(gflow.allreduce(np.ones(8)), np.ones(8), "sum"))
 
 
+@pytest.mark.parallel(MULTI)
+def test_the_peers_of_a_data_parallel_push_that_failed_read_its_error():
+    """DataParallel's own push checks: the peers read them too (they read "got _Rejected", the
+    placeholder DataParallel pushed in place of the gradient, helper-44)."""
+    last = WORLD.size - 1
+    dp = gflow.DataParallel({"w": np.ones(8, np.float32)})
+    grad = np.ones(8, np.float64 if WORLD.rank == last else np.float32)
+    dp.push("w", grad)
+
+    def check():
+        if WORLD.rank == last:
+            raises_on_this_rank(TypeError, "expected the parameter's shape", dp.synchronize)
+            return
+        with pytest.raises(gflow.MismatchError) as info:
+            dp.synchronize()
+        first = str(info.value).split("\n")[0]
+        assert f"rank {last} rejected its own arguments (TypeError: DataParallel.push('w')" in first, first
+        assert "got (8,) float64" in first and "_Rejected" not in str(info.value), str(info.value)
+
+    on_all_ranks(check)
+    dp.push("w", np.ones(8, np.float32))
+    on_all_ranks(lambda: dp.synchronize())
+    np.testing.assert_array_equal(dp.gradients()["w"], 1.0)
+
+
 def test_an_mpi_without_thread_multiple_is_named_before_any_data_moves():
     """mpi4py started below MPI_THREAD_MULTIPLE (as an MPI built without thread support does): the
     background engine refuses at once, naming the library and the level; blocking calls still work."""

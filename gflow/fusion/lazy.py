@@ -160,10 +160,11 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._step_started = 0.0  # when the step's first push came (for threshold tuning)
         self._step_bytes = 0  # what the step's pushes put on the wire (for threshold tuning)
 
-    def _fail_step(self, error: Exception) -> None:
-        """This rank's step failed its local checks: it does nothing more until flush() raises
-        `error`. The rejection is queued behind the segments already fired, where it meets the peers'
-        next segment or final exchange, so their flush() fails too."""
+    def fail_step(self, error: Exception) -> None:
+        """This rank's step failed its local checks (or a caller's: DataParallel's): it does nothing
+        more until flush() raises `error`, whose first line the peers' MismatchError shows. The
+        rejection is queued behind the segments already fired, where it meets the peers' next segment
+        or final exchange, so their flush() fails too."""
         if self._error is None:
             self._error = error
             self._members, self._member_arrays, self._member_scales = [], [], []
@@ -196,7 +197,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             self._begin_step()
         if not isinstance(scale, float):  # checked first: a bad scale must not leave half a push
             if isinstance(scale, bool) or not isinstance(scale, (int, np.integer, np.floating)):
-                self._fail_step(TypeError(f"scale must be a number, got {type(scale).__name__}"))
+                self.fail_step(TypeError(f"scale must be a number, got {type(scale).__name__}"))
                 return
             scale = float(scale)
         flags = getattr(grad, "flags", None)
@@ -218,7 +219,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 flat = kind.inout_view(grad, "grad")  # results are written back into it
                 shape = tuple(kind.shape(grad))
             except Exception as exc:
-                self._fail_step(exc)
+                self.fail_step(exc)
                 return
             self._checked_dtype = dtype if kind is HOST else None
         pushed = _SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype], len(shape)) + shape_bytes(shape)
@@ -311,7 +312,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             )  # fmt: skip
             handle, to_commit = strategy.start(segment, kind)
         except Exception as exc:  # noqa: BLE001 - this rank's step fails; the peers' fail with it
-            self._fail_step(exc)
+            self.fail_step(exc)
             return
         if self._filling_since is not None:  # one span per segment: from its first push to its fire
             timeline.complete("segment filling", self._filling_since, segment=index, tensors=len(pushed),

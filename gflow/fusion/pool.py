@@ -185,7 +185,7 @@ class PooledGradients:
         a caller that may rebuild its pool on one rank alone; the node phase copies it in).
         """
         if self._in_step():
-            self._fail_step(RuntimeError("gradient_buffers: a step was in flight (pushed, not flushed)"))
+            self.fail_step(RuntimeError("gradient_buffers: a step was in flight (pushed, not flushed)"))
             self.flush()  # raises, once the step's segments are done: this rank starts clean
         try:
             if self.compression and not self.sparse:

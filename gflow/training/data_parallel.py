@@ -146,11 +146,6 @@ def broadcast_parameters(params, root: int = 0, *, comm=None) -> None:
         broadcast(a, root, comm=comm, out=a)
 
 
-class _Rejected:
-    """Pushed into LazyAllreduce in place of a gradient that failed DataParallel's checks: LazyAllreduce
-    refuses it, so the step fails on every rank (MismatchError on the peers) and the ranks stay in step."""
-
-
 class _Absent:
     """In the place of a parameter set_absent() took out of the fusion: its slot counts as gone."""
 
@@ -397,12 +392,12 @@ class DataParallel:
                 self._lazy.push(grad, name=name)
 
     def _fail(self, error: Exception) -> None:
-        """This rank's step failed before its reduction: synchronize() raises `error` here. A gradient
-        LazyAllreduce refuses fails the step there, so the peers' synchronize() raises MismatchError
-        instead of waiting for this rank, and the next step starts in step everywhere."""
+        """This rank's step failed before its reduction: synchronize() raises `error` here. It fails
+        LazyAllreduce's step too, so the peers' synchronize() raises MismatchError (with this error's
+        first line) instead of waiting for this rank, and the next step starts in step everywhere."""
         if self._error is None:
             self._error = error
-            self._lazy.push(_Rejected())
+            self._lazy.fail_step(error)
 
     def synchronize(self, *, commit: bool = True, agree=None) -> bool:
         """End the step: push what is missing (zeros for parameters no gradient reached), reduce,
