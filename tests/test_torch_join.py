@@ -164,6 +164,11 @@ def test_other_collectives_raise_while_a_rank_is_joined_and_the_job_goes_on():
                 first = str(info.value).split("\n")[0]
                 assert "rank 1 passed name='m', a tensor of shape (2, 3)" in first, first
                 assert "rank 2 passed name='m', a tensor of shape (3, 2)" in first, first  # (the lowest)
+            # Every rank but the joined one rejects its own arguments: each raises its own error, and
+            # the joined rank serves on (it read the rejection's empty signature, KeyError, and
+            # ended the job: helper-43)
+            with pytest.raises(TypeError, match="prescale_factor"):
+                hvd.allreduce(t, prescale_factor="x")
             assert hvd.allreduce(t, op=hvd.Sum).tolist() == [float(p - 1)] * 3  # rank 0 gives zeros
             if r == p - 1:
                 import time

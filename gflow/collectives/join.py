@@ -228,8 +228,8 @@ def _node_exchange(ctx: CommContext, mine):
     headers = [np.frombuffer(m, np.int64, HEADER_WORDS) for m in messages]
     verdict = node_verdict(headers)
     served = CODE_COLLECTIVE.get(int(verdict[_SIG_A][0])) in SERVED_WHILE_JOINED
-    if verdict[1] != _OK or not served:
-        return verdict, False
+    if verdict[1] != _OK or not served or int(verdict[_SIG_A][7]) == SIG_REJECTED:
+        return verdict, False  # (every other rank rejected its own arguments: no payload follows)
     dtype, op = _payload_spec(verdict)
     count = int(verdict[_SIG_A][2])
     if verdict[_FOLLOWS]:
