@@ -164,6 +164,16 @@ def test_other_collectives_raise_while_a_rank_is_joined_and_the_job_goes_on():
                 first = str(info.value).split("\n")[0]
                 assert "rank 1 passed name='m', a tensor of shape (2, 3)" in first, first
                 assert "rank 2 passed name='m', a tensor of shape (3, 2)" in first, first  # (the lowest)
+            # Async calls refused while a rank is joined fail the callers' background channel, and
+            # they make a fresh one: so does the joined rank (it served the old one, and the next
+            # async call hung: helper-43). Adasum, whose pairs combine vectors, is refused too (it
+            # waited for the joined rank for ever).
+            with pytest.raises(gflow.GflowError, match="allgather is not supported while ranks are in join"):
+                hvd.synchronize(hvd.allgather_async(t))
+            if p == 2:  # (Adasum needs a power of two)
+                with pytest.raises(gflow.GflowError, match="Adasum is not supported while ranks are in join"):
+                    hvd.synchronize(hvd.allreduce_async(t, op=hvd.Adasum))
+            assert hvd.synchronize(hvd.allreduce_async(t, op=hvd.Sum)).tolist() == [float(p - 1)] * 3
             # Every rank but the joined one rejects its own arguments: each raises its own error, and
             # the joined rank serves on (it read the rejection's empty signature, KeyError, and
             # ended the job: helper-43)

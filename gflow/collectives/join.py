@@ -45,6 +45,7 @@ from .recursive_doubling import (
     SERVED_WHILE_JOINED,
     _merge,
     connect_slots,
+    joined_refusal,
     node_fold_bytes,
     node_verdict,
     scatter_gather,
@@ -105,12 +106,17 @@ def _serve(ctx: CommContext) -> None:
         sig = header[_SIG_A]
         if header[1] != _OK:  # the callers raise, saying what each rank passed: this one, nothing
             share_what_passed(ctx, header, "nothing: it is in join(), out of data")
+            ctx = _after_failure(ctx, "ranks disagree")
+            continue
+        refusal = joined_refusal(header)
+        if refusal is not None:  # (a rejection too, of a collective a joined rank does not serve)
+            ctx = _after_failure(ctx, refusal)
             continue
         if int(sig[7]) == SIG_REJECTED:
-            continue  # the rejecting rank raises its own error, the others a MismatchError
-        collective, algorithm = CODE_COLLECTIVE.get(int(sig[0])), CODE_ALGORITHM.get(int(sig[1]) & 0xFF)
-        if complete or collective not in SERVED_WHILE_JOINED or algorithm in ("recursive_doubling", "adasum"):
-            continue  # (refused by the callers, or complete: its payload travelled in the exchange)
+            continue  # each rank raises its own error (the others' were rejections as well)
+        algorithm = CODE_ALGORITHM.get(int(sig[1]) & 0xFF)
+        if complete or algorithm == "recursive_doubling":
+            continue  # (complete: its payload travelled in the exchange)
         dtype, count = CODE_DTYPE[int(sig[3])], int(sig[2])
         # The op as the others run it: the owner of a chunk divides a mean (this rank owns some),
         # but 2-byte floats were divided first and are summed (dispatch._predivided).
@@ -125,6 +131,19 @@ def _serve(ctx: CommContext) -> None:
         else:
             zeros = np.zeros(count, dtype)
             ring.allreduce(ctx, zeros, zeros, host, op)
+
+
+def _after_failure(ctx: CommContext, why: str) -> CommContext:
+    """The context to serve next after a call that fails on the callers with a GflowError: the same
+    one, or for a background context a fresh one, as the callers make at their next async call (a
+    failed background collective makes every rank leave its channel: CommContext.check_usable;
+    serving the old one, this rank would never meet them again)."""
+    if not ctx.is_background:
+        return ctx
+    ctx.failed = ctx.failed or f"a call served in join() failed on the other ranks: {why}"
+    parent = ctx.parent
+    parent.reset_background(ctx)
+    return parent.background()
 
 
 def _hierarchical_zeros(ctx: CommContext, count: int, dtype, op: str, memory: str) -> None:

@@ -41,6 +41,7 @@ from ..runtime import stall, timeline
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import TAG_AGREE, CommContext
 from ..runtime.signature import (
+    CODE_ALGORITHM,
     CODE_COLLECTIVE,
     COLLECTIVE_CODE,
     PASSED_BYTES,
@@ -770,14 +771,28 @@ def _add_joined(send_mv, recv_mv) -> None:
 SERVED_WHILE_JOINED = ("allreduce", "lazy", "gradient_buffers")
 
 
-def _check_joined(header) -> None:
-    """The call completed with ranks in join() taking part: only an allreduce can (as in Horovod)."""
+def joined_refusal(header) -> str | None:
+    """Why the callers refuse a call whose agreement (verdict `header`, _OK) ranks in join() took
+    part in, or None: only an allreduce can (as in Horovod), and not Adasum's (its pairs combine
+    vectors, which a joined rank has none of; it would wait for the joined rank for ever). The joined
+    ranks ask it too: a refusal fails the callers' background channel, which they then leave."""
     collective = CODE_COLLECTIVE.get(int(header[_SIG_A][0]), "?")
+    joined = f"while ranks are in join() ({int(header[_RANK_B])} of them)"
     if collective not in SERVED_WHILE_JOINED:
-        raise GflowError(
-            f"{collective} is not supported while ranks are in join() ({int(header[_RANK_B])} of them): "
-            "as in Horovod, ranks that joined take part only in allreduces (with zeros)"
+        return (
+            f"{collective} is not supported {joined}: as in Horovod, ranks that joined take part only in "
+            "allreduces (with zeros)"
         )
+    if CODE_ALGORITHM.get(int(header[_SIG_A][1]) & 0xFF) == "adasum":
+        return f"Adasum is not supported {joined}: a joined rank has no vector to combine; use op=Average"
+    return None
+
+
+def _check_joined(header) -> None:
+    """The call completed with ranks in join() taking part: raise GflowError where it cannot."""
+    refusal = joined_refusal(header)
+    if refusal is not None:
+        raise GflowError(refusal)
 
 
 def _record(header) -> tuple:
