@@ -131,6 +131,10 @@ def test_sets_that_differ_between_ranks_fail_on_every_rank_and_duplicates_are_re
             hvd.remove_process_set(pair)
             with pytest.raises(ValueError, match="not registered"):
                 hvd.allreduce(torch.ones(1), process_set=pair)  # (every rank: removed everywhere)
+            if WORLD.rank in pair.ranks:  # its ranks alone: they raise at once, as Horovod's (they
+                with pytest.raises(ValueError, match=r"not registered \(removed\)"):  # rejected on the
+                    hvd.allreduce(torch.ones(1), process_set=pair)  # global set: helper-43)
+            assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == WORLD.size
         with pytest.raises(ValueError, match="list of ranks"):
             hvd.ProcessSet("01")
 
@@ -202,6 +206,11 @@ def test_distributed_optimizer_and_sync_batch_norm_on_a_process_set():
             if odd is not None:
                 hvd.remove_process_set(even)
                 hvd.remove_process_set(odd)
+        # Its set removed, the optimizer says so at the next backward (MPI's "Null communicator" was
+        # all a rank read: helper-43)
+        opt.zero_grad()
+        with pytest.raises(ValueError, match="its process set was removed"):
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
 
     on_all_ranks(check)
 

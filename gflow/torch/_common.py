@@ -15,7 +15,7 @@ from ..runtime.context import context
 from . import _basics
 from ._basics import Adasum, Average, Max, Min, Sum
 from ._handles import Pending, in_flight, name_handle, register
-from .process_sets import NotInSet, comm_of
+from .process_sets import NotInSet, RemovedSet, comm_of
 
 REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16)
 # Horovod also reduces these; gflow reduces them as int32 and casts the result back (see widened).
@@ -94,11 +94,12 @@ def reject_async(collective: str, exc: Exception, on=None) -> int:
 def set_comm(process_set, where: str):
     """(the communicator of process_set, None), or (where to reject, the error) when this rank cannot
     take part: False (raise only) for a registered set that excludes this rank (its ranks are not
-    waiting for this one, and this rank's own peers may be in that set's collective), else None, the
-    global communicator (something that is not a registered set: the peers most likely wait there)."""
+    waiting for this one, and this rank's own peers may be in that set's collective) or a set every
+    rank removed (its ranks make the same mistake, Horovod raises at once), else None, the global
+    communicator (something that is not a registered set: the peers most likely wait there)."""
     try:
         return comm_of(process_set, where), None
-    except NotInSet as exc:
+    except (NotInSet, RemovedSet) as exc:
         return False, exc
     except (TypeError, ValueError) as exc:
         return None, exc

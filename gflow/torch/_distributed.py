@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 import gflow
 
@@ -214,6 +215,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         they are now, and SGD's momentum into CSC's where CSC took it over. Every rank begins its
         steps alike, so every rank's kit changes alike (the ranks agree on names and shapes in each
         segment: one that changed differently fails the step with MismatchError)."""
+        if self._gflow_comm == MPI.COMM_NULL:  # (freed: MPI's own error would say only "Null communicator")
+            raise ValueError(
+                "DistributedOptimizer: its process set was removed (hvd.remove_process_set); wrap the "
+                "optimizer again on a registered set"
+            )
         params = self._gflow_reduced_params()
         if _changed_set(params, self._gflow_params):
             if self._sparse:

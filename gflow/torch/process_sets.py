@@ -23,6 +23,7 @@ class ProcessSet:
     process_set_id = None
     ranks = None
     mpi_comm = None
+    removed = False  # by hvd.remove_process_set (on every rank: a call with it raises locally)
 
     def __init__(self, ranks_or_comm):
         if isinstance(ranks_or_comm, MPI.Comm):
@@ -65,6 +66,11 @@ class ProcessSet:
 
 class NotInSet(ValueError):
     """A rank called a collective of a process set it is not part of."""
+
+
+class RemovedSet(ValueError):
+    """A rank called a collective of a process set hvd.remove_process_set removed: every rank removed
+    it, so its ranks make the same call with it, and no peer waits for this one elsewhere."""
 
 
 global_process_set = ProcessSet([])
@@ -179,20 +185,22 @@ def _forget(process_set) -> None:
         comm.Free()
     process_set._comm = None
     process_set.process_set_id = None
+    process_set.removed = True
 
 
 def comm_of(process_set, where: str):
     """The communicator of `process_set` (None: the global one) for a collective called `where`;
-    TypeError/ValueError, raised on this rank only and before any communication, for anything but
-    a registered set that includes this rank (the set's other ranks are not waiting for this one)."""
+    TypeError/ValueError, before any communication, for anything but a registered set that includes
+    this rank (NotInSet and RemovedSet: on this rank only; see _common.set_comm)."""
     if process_set is None or process_set is global_process_set:
         return _basics.comm()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"{where}: process_set must be an hvd.ProcessSet, got {type(process_set).__name__}")
     if _registered.get(process_set.process_set_id) is not process_set:
-        raise ValueError(
-            f"{where}: {process_set} is not registered; register it with hvd.add_process_set() or "
-            "hvd.init(process_sets=[...])"
+        error = RemovedSet if process_set.removed else ValueError
+        raise error(
+            f"{where}: {process_set} is not registered{' (removed)' if process_set.removed else ''}; "
+            "register it with hvd.add_process_set() or hvd.init(process_sets=[...])"
         )
     if _basics.rank() not in process_set.ranks:
         raise NotInSet(f"{where}: rank {_basics.rank()} is not part of {process_set}")
