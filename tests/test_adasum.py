@@ -99,6 +99,8 @@ def test_adasum_refuses_integers_and_a_peer_with_another_shape_fails_too():
         hvd.init()
         with pytest.raises(TypeError, match="floating"):
             hvd.allreduce(torch.ones(4, dtype=torch.int32), op=hvd.Adasum)
+        with pytest.raises(gflow.MismatchError, match="disagree on the op: rank 0 op=adasum, rank 1 op=sum"):
+            hvd.allreduce(torch.ones(3), op=hvd.Adasum if WORLD.rank == 0 else hvd.Sum)  # (read op=?)
 
     on_all_ranks(check)
 

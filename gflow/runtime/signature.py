@@ -157,6 +157,13 @@ def rejected_signature(collective: str) -> tuple:
     return (COLLECTIVE_CODE[collective], 0, 0, 0, 0, 0, 0, SIG_REJECTED)
 
 
+def _op_name(sig) -> str:
+    """The op a signature names (Adasum's carries none: its algorithm says it)."""
+    if not sig[4] and CODE_ALGORITHM.get(int(sig[1]) & 0xFF) == "adasum":
+        return "adasum"
+    return CODE_OP.get(int(sig[4]), "?")
+
+
 def describe(sig) -> str:
     """Human-readable form of a signature, for mismatch messages."""
     collective = CODE_COLLECTIVE.get(int(sig[0]), f"<collective {int(sig[0])}>")
@@ -318,7 +325,7 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
             what = "whether the step's final exchange carries an agree= vector (flush(agree=), "
             what += "synchronize(agree=))"
             return what, *("passed one" if s[4] else "passed none" for s in (a, b))
-        return "the op", *(f"op={CODE_OP.get(s[4], '?')}" for s in (a, b))
+        return "the op", *(f"op={_op_name(s)}" for s in (a, b))
     if a[1] & 0xFF != b[1] & 0xFF:  # (passed alike, "auto" chooses by gflow.config: say so)
         what = "the algorithm (as passed, or as chosen by gflow.config's settings: small_message_bytes, ...)"
         return what, *(f"algorithm={CODE_ALGORITHM.get(s[1] & 0xFF, '?')}" for s in (a, b))
