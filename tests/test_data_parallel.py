@@ -634,6 +634,27 @@ def test_one_buffer_pushed_for_two_parameters_is_refused_in_either_order():
     assert (grads["a"] == 1.0).all() and (grads["b"] == 2.0).all()
 
 
+@pytest.mark.parallel([1, 2])
+def test_a_gradient_buffer_replaced_by_another_array_fails_the_step():
+    """grads[key] = g (another array) then push(key): the buffer's old values went out again, silently
+    (helper-44); now the step fails on every rank, and writing into the buffer works."""
+    dp = DataParallel({"w": np.ones(8, np.float32)})
+    grads = dp.gradient_buffers()
+    grads["w"][...] = WORLD.rank + 1.0
+    dp.push("w")
+    dp.synchronize()
+    grads["w"] = np.full(8, 10.0 * (WORLD.rank + 1), np.float32)
+    dp.push("w")
+    error = ValueError if WORLD.size == 1 else (ValueError, gflow.MismatchError)
+    with pytest.raises(error, match="another array now|rejected its own arguments"):
+        dp.synchronize()
+    grads = dp.gradient_buffers()  # (a program that recovers: the buffers again, written into)
+    grads["w"][...] = 10.0 * (WORLD.rank + 1)
+    dp.push("w")
+    dp.synchronize()
+    np.testing.assert_array_equal(dp.gradients()["w"], 5.0 * (WORLD.size + 1))
+
+
 @pytest.mark.parallel([2, 3, 4])
 @pytest.mark.parametrize(("compression", "scaled"), [(None, False), ("fp16", False), ("fp16", True)])
 def test_join_with_uneven_data_averages_over_every_rank(compression, scaled):

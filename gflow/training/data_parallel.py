@@ -238,6 +238,7 @@ class DataParallel:
         self._slot_names = keys[::-1] if self._named else [None] * n
         self._slot_shapes, self._slot_dtypes = shapes[::-1], dtypes[::-1]
         self._buffers = None  # per slot, what gradient_buffers() handed out
+        self._handed = None  # the dict (list) gradient_buffers() returned last: push(key) checks it
         self._zeros: dict = {}  # per slot, a zero gradient for a parameter unused on this rank
         self._last = None  # per slot, the arrays holding the last step's reduced gradients
         self._absent: frozenset = frozenset()  # slots set_absent() took out of the fusion
@@ -292,7 +293,8 @@ class DataParallel:
             else:
                 buffers = [_zeros_like(p) for p in self._slot_params]
             self._buffers = buffers
-        return self._by_key(self._buffers)
+        self._handed = self._by_key(self._buffers)
+        return self._handed
 
     def gradients(self):
         """The arrays holding the last synchronize()'s reduced gradients, keyed as params: the arrays
@@ -346,6 +348,8 @@ class DataParallel:
             try:
                 if given:
                     self._check_grad(slot, key, grad)
+                else:
+                    self._check_not_rebound(key, grad)
                 if any(g is grad for g in self._ready):  # its reduced values would land twice
                     raise ValueError(
                         f"DataParallel.push({key!r}): grad is the array already pushed for another "
@@ -355,6 +359,17 @@ class DataParallel:
                 self._fail(exc)
         self._ready[slot] = grad
         self._drain()
+
+    def _check_not_rebound(self, key, buffer) -> None:
+        """push(key) takes the array gradient_buffers() made; a trainer that put another array in its
+        place (grads[key] = g, not grads[key][...] = g) would have the buffer's old values reduced."""
+        handed = self._handed
+        if (handed.get(key, buffer) if self._named else handed[key]) is not buffer:
+            raise ValueError(
+                f"DataParallel.push({key!r}): the gradient_buffers() entry for {key!r} is another array "
+                f"now, so its buffer still holds an older gradient; write into it (grads[{key!r}][...] = g), "
+                f"push({key!r}, g), or take gradient_buffers() again"
+            )
 
     def _check_grad(self, slot: int, key, grad) -> None:
         name = f"DataParallel.push({key!r}): grad"
