@@ -387,11 +387,15 @@ def test_sparse_sends_huge_and_tiny_finite_gradients():
         (np.full(16, 1e300), "fp16", "mean"),
         # helper-44: uncompressed, a float32 mean that fits, of values whose sum does not, came back inf
         (np.full(64, 2.5e38, np.float32), None, "mean"),
+        # ... and float64 past float32's norms keeps sum-then-divide, exact (helper-45: a float32 scale
+        # 1/3 made it 3e-8 off)
+        (np.full(64, 1e300) * (WORLD.rank + 1), None, "mean"),
     ]:
         chunk = min(1024, g.size)
         csc = gflow.SparseAllreduce(density=1.0, chunk_elems=chunk, op=op, compression=compression)
-        expected = g.astype(np.float64) * (WORLD.size if op == "sum" else 1)
-        on_all_ranks(lambda csc=csc, g=g, e=expected: np.testing.assert_allclose(csc(g), e, rtol=2**-10))
+        expected = WORLD.allreduce(g.astype(np.float64)) / (1 if op == "sum" else WORLD.size)
+        rtol = 1e-15 if g.dtype == np.float64 and compression is None else 2**-10
+        on_all_ranks(lambda csc=csc, g=g, e=expected, t=rtol: np.testing.assert_allclose(csc(g), e, rtol=t))
     # ... and such a sum was applied as inf (a LossScaler never heard of it): now refused on every rank,
     # nothing lost
     csc = gflow.SparseAllreduce(density=0.5, chunk_elems=8, op="sum")

@@ -258,10 +258,12 @@ class SparseAllreduce:
                         ctx, packed, v_new, ops=ops, ids=device_ids, scale=scale, tag=tag
                     )
                 else:  # uncompressed, or values beyond the wire's reach even scaled (every rank agrees)
-                    # A norm clipped on some rank (_wire_norms): the chunks' sum may pass float32's range
+                    # A norm clipped on some rank (_wire_norms): the chunks' sum may pass the dtype's
+                    # range (float32's; float64's only near its own, where sum-then-divide stays exact)
                     clipped = k > 0 and norms[ids].max() >= _norm_limit(ctx.size)
                     op = self.op
-                    if (self.compression or clipped) and op == "mean":  # huge values: divide first
+                    divide_first = self.compression or (clipped and np.dtype(dtype) == np.float32)
+                    if divide_first and op == "mean":  # huge values: divide first (a float32 scale)
                         ops.cast_scaled(packed, packed, 1.0 / ctx.size)
                         op = "sum"
                     ops.fence()
