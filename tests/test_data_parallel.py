@@ -708,6 +708,31 @@ def test_join_with_uneven_data_averages_over_every_rank(compression, scaled):
     on_all_ranks(train)
 
 
+@pytest.mark.parallel([2, 3])
+def test_after_join_a_loss_scaler_takes_the_last_ranks_scale():
+    """Rank 0 joins at once; the others' first step overflows (their scale halves) and their second
+    applies. A scaler on rank 0 saw neither: after join() every rank has the last rank's scale, and a
+    step on every rank applies (every later step failed with "the ranks' loss scales differ": helper-45)."""
+    r = WORLD.rank
+    scaler = gflow.LossScaler(init_scale=2.0**6, growth_interval=100)
+    dp = DataParallel({"w": np.ones(8, np.float32)}, loss_scaler=scaler)
+    grad = rank_rng(3).uniform(0.5, 1.5, 8).astype(np.float32)
+
+    def train():
+        if r > 0:
+            for step in range(2):
+                scaled = grad * np.float32(dp.loss_scale)
+                dp.push("w", np.full(8, np.inf, np.float32) if step == 0 else scaled)
+                assert dp.synchronize() is (step == 1)
+        assert dp.join() > 0  # (one of those that trained)
+        assert WORLD.allgather(dp.loss_scale) == [2.0**5] * WORLD.size
+        dp.push("w", grad * np.float32(dp.loss_scale))
+        assert dp.synchronize()
+        assert_close_to_reference(dp.gradients()["w"], grad, "mean")
+
+    on_all_ranks(train)
+
+
 @pytest.mark.parallel([1, 2])
 def test_join_refuses_sparse_and_a_step_in_flight():
     """Refused on the joining rank before it serves anything: with sparse= (a joined rank takes part

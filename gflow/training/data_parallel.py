@@ -482,8 +482,10 @@ class DataParallel:
         has called join(), take part with zeros in the other ranks' steps, so their synchronize()
         goes on; a joined rank counts as zeros and a mean still divides by every rank, as Horovod
         divides. Returns the rank that joined last (the one with the most data: broadcast the
-        parameters from it if the ranks' steps differed). Call it between steps, on every rank once;
-        not with sparse= (CSC's exchanges are not allreduces: the other ranks' steps would fail)."""
+        parameters from it if the ranks' steps differed); a loss scaler takes that rank's scale on
+        every rank (one that joined early missed the others' updates, and the scales would differ).
+        Call it between steps, on every rank once; not with sparse= (CSC's exchanges are not
+        allreduces: the other ranks' steps would fail)."""
         if self.sparse is not None:  # (refused here, not in the others' next step: see join.py)
             raise ValueError(
                 "DataParallel.join: not with sparse= (CSC's exchanges are not allreduces, which is all a "
@@ -493,7 +495,10 @@ class DataParallel:
             raise RuntimeError(
                 "DataParallel.join: a step is in flight (pushed, not synchronized): join between steps"
             )
-        return join(self._comm)
+        last = join(self._comm)
+        if self._scaler is not None:
+            self._scaler.follow(last)
+        return last
 
     def commit_step(self) -> None:
         """Commit the step of the last synchronize(commit=False) (sparse residuals, step_count)."""

@@ -4,6 +4,7 @@ allreduce, so it sits above the collectives, not beside the codecs)."""
 import numpy as np
 
 from ..arrays.kinds import check_array, check_writable
+from ..collectives.exchange import broadcast
 from ..collectives.operations import allreduce
 from ..errors import MismatchError
 from ..runtime import checkpoint as st
@@ -133,6 +134,12 @@ class LossScaler:
             "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
             "growth_interval": self.growth_interval, "min_scale": self.min_scale,
         }  # fmt: skip
+
+    def follow(self, root: int) -> None:
+        """Take rank `root`'s scale and run of good steps, on every rank (collective over the
+        scaler's comm): after join(), a rank that joined early saw none of the others' updates."""
+        state = broadcast(np.array([self._scale, self._good_steps], np.float64), root, comm=self._comm)
+        self._scale, self._good_steps = float(state[0]), int(state[1])
 
     def state_dict(self) -> dict:
         """The scale and its counters, with the settings and world size, for a checkpoint (the same
