@@ -265,6 +265,24 @@ def test_a_set_one_rank_alone_refuses_fails_on_every_rank():
     on_all_ranks(check)
 
 
+@pytest.mark.parallel([3])
+def test_a_step_after_its_set_was_removed_says_so():
+    """Backward before hvd.remove_process_set, step() after: MPI's "Invalid communicator" was all the
+    set's ranks read (helper-45)."""
+    pair = hvd.add_process_set([0, 1])
+    model = torch.nn.Linear(4, 1).double()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), process_set=pair
+    )
+    if WORLD.rank in pair.ranks:
+        model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    hvd.remove_process_set(pair)
+    if WORLD.rank in pair.ranks:
+        with pytest.raises(ValueError, match="its process set was removed"):
+            opt.step()
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == WORLD.size
+
+
 @pytest.mark.parallel([2, 3])
 def test_an_optimizer_outside_its_set_steps_on_its_own_gradients():
     """Horovod's rule: DistributedOptimizer(process_set=even) on an odd rank reduces nothing and steps on

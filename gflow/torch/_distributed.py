@@ -210,16 +210,22 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._densified: set = set()  # (sparse_as_dense) parameters whose sparse gradient went dense
         self._touched = False  # a step began (a hook fired, or synchronize() began it)
 
+    def _check_set(self) -> None:
+        """Raise where this optimizer's process set was removed (its communicator freed: MPI's own
+        error would say only "Null communicator")."""
+        if self._gflow_comm == MPI.COMM_NULL:
+            raise ValueError(
+                "DistributedOptimizer: its process set was removed (hvd.remove_process_set); drop this "
+                "optimizer (its hooks stay on the parameters while it lives) and wrap the inner one again "
+                "on a registered set"
+            )
+
     def _gflow_begin_step(self) -> None:
         """A step's first gradient (or synchronize() with none): take the parameters to reduce as
         they are now, and SGD's momentum into CSC's where CSC took it over. Every rank begins its
         steps alike, so every rank's kit changes alike (the ranks agree on names and shapes in each
         segment: one that changed differently fails the step with MismatchError)."""
-        if self._gflow_comm == MPI.COMM_NULL:  # (freed: MPI's own error would say only "Null communicator")
-            raise ValueError(
-                "DistributedOptimizer: its process set was removed (hvd.remove_process_set); wrap the "
-                "optimizer again on a registered set"
-            )
+        self._check_set()
         params = self._gflow_reduced_params()
         if _changed_set(params, self._gflow_params):
             if self._sparse:
@@ -333,6 +339,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
     def _gflow_synchronize(self, scale: float | None = None) -> None:
         """synchronize(); with `scale` (a GradScaler's), the ranks also agree that they scaled their
         losses alike, or raise MismatchError on every rank."""
+        self._check_set()
         if not self._touched:
             self._gflow_begin_step()
         params = self._gflow_params
@@ -849,7 +856,9 @@ def _check_scales(agreed, scale) -> None:
                 f"DistributedOptimizer: the ranks' GradScaler scales differ (from {smallest:g} to "
                 f"{largest:g}; this rank's is {scale:g}): each would unscale the reduced gradients by its "
                 "own factor, so the step is not applied. Give every rank's GradScaler the same state "
-                "(load its state_dict on every rank)"
+                "(load its state_dict on every rank; after hvd.join(), a rank that joined early missed "
+                "the others' updates: scaler.load_state_dict(hvd.broadcast_object(scaler.state_dict(), "
+                "root_rank=last)), last what join() returned)"
             )
         )
 
