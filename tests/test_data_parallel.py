@@ -733,6 +733,29 @@ def test_after_join_a_loss_scaler_takes_the_last_ranks_scale():
     on_all_ranks(train)
 
 
+@pytest.mark.parallel([2, 3])
+def test_an_overflow_beside_a_joined_rank_leaves_the_channel_to_every_rank():
+    """An async fp16 allreduce that overflows on the callers while the last rank is in join(): the
+    callers dropped their background channel for a fresh one, which the joined rank never made, and
+    their next async call hung (helper-45). inf/NaN is settled alike on every rank: the channel stays."""
+    from gflow.collectives.join import join
+
+    r, last = WORLD.rank, WORLD.size - 1
+
+    def check():
+        if r == last:
+            assert join() in range(last)  # (a caller joins after it)
+            return
+        with pytest.raises(gflow.CompressionOverflowError):
+            gflow.allreduce_async(np.full(64, 1e5, np.float32), compression="fp16").wait(timeout=20)
+        got = gflow.allreduce_async(np.arange(256.0) * (r + 1), "sum").wait(timeout=20)
+        np.testing.assert_array_equal(got, np.arange(256.0) * sum(q + 1 for q in range(last)))  # (exact)
+        join()
+
+    on_all_ranks(check)
+    assert gflow.allreduce(np.ones(3)).tolist() == [float(WORLD.size)] * 3
+
+
 @pytest.mark.parallel([1, 2])
 def test_join_refuses_sparse_and_a_step_in_flight():
     """Refused on the joining rank before it serves anything: with sparse= (a joined rank takes part

@@ -14,7 +14,7 @@ import threading
 
 from mpi4py import MPI
 
-from ..errors import GflowError
+from ..errors import GflowError, NonFiniteError
 from . import stall, timeline
 
 
@@ -110,7 +110,10 @@ class Engine:
                 with timeline.span(handle.description):
                     result = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                if ctx is not None and ctx.failed is None and isinstance(exc, GflowError):
+                # (not for inf/NaN: every rank settles that alike after its collective completed, so
+                # their queues stay alike, and ranks in join() stay on this channel with them)
+                failed = isinstance(exc, GflowError) and not isinstance(exc, NonFiniteError)
+                if ctx is not None and ctx.failed is None and failed:
                     ctx.failed = f"{handle.description}: {exc}"
                 error = exc
             mark.job = None  # before the caller wakes: a finished job is not a busy thread at exit
@@ -150,7 +153,7 @@ def drain() -> None:
 
 def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
     """Run fn() on the background thread after everything submitted before it; return its Handle.
-    A GflowError from fn marks `ctx` (a background CommContext) failed: see CommContext.check_usable;
-    on_failure(ctx) runs in the caller's thread when Handle.wait raises (CommContext.reset_background,
-    which acts only on a context marked failed)."""
+    A GflowError from fn, but NonFiniteError, marks `ctx` (a background CommContext) failed: see
+    CommContext.check_usable; on_failure(ctx) runs in the caller's thread when Handle.wait raises
+    (CommContext.reset_background, which acts only on a context marked failed)."""
     return _engine.submit(description, fn, keep, ctx, on_failure)
