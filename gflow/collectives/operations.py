@@ -126,8 +126,9 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compr
     Returns:
         A Handle: done() tells whether it has finished, wait() returns the result (out, or a new
         array) or raises what the operation raised (MismatchError, CompressionOverflowError, ...).
-        After a GflowError, async collectives already queued fail too (on every rank alike); wait on
-        the failed handle on every rank before starting new ones.
+        After a GflowError other than NonFiniteError (an inf/NaN, settled alike everywhere), async
+        collectives already queued fail too (on every rank alike); wait on the failed handle on
+        every rank before starting new ones.
     """
     return allreduce_async_on(context(comm), x, op, out=out, algorithm=algorithm, compression=compression)
 
