@@ -212,10 +212,13 @@ class Hook(Dense):
 
         def run():
             ctx.check_usable()  # an earlier segment failed on every rank: this one must not start
+            own = None  # the hook's own NonFiniteError (its check of its values, maybe on this rank only)
             try:
                 result = checked(self.hook(self.state, segment), buffer)
                 # cast_scaled by 1 changes nothing and says whether it met inf or NaN
                 bad = is_floating(holds(result.dtype)) and kind.ops.cast_scaled(result, result, 1.0)
+            except NonFiniteError as exc:  # settled with the peers below, so every rank raises one
+                own, bad = exc, True
             except GflowError:
                 raise  # a collective of the hook's failed on every rank alike
             except Exception:
@@ -223,7 +226,9 @@ class Hook(Dense):
                 raise  # their hook's), they fail with MismatchError; this rank raises its own error
             flag = np.array([1.0 if bad else 0.0])
             if allreduce_on(ctx, flag, "max", tag=tag, about="LazyAllreduce hook")[0]:
-                raise NonFiniteError(f"LazyAllreduce hook: segment {index} holds inf or NaN on some rank")
+                raise own or NonFiniteError(
+                    f"LazyAllreduce hook: segment {index} holds inf or NaN on some rank"
+                )
             return result
 
         handle = engine.submit(f"lazy hook segment {index}", kind.in_background(run),
