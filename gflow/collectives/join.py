@@ -27,7 +27,7 @@ from ..errors import GflowError
 from ..runtime import engine, stall
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
 from ..runtime.context import TAG_AGREE, CommContext, context
-from ..runtime.signature import CODE_ALGORITHM, CODE_COLLECTIVE, CODE_DTYPE, CODE_OP, SIG_REJECTED
+from ..runtime.signature import CODE_ALGORITHM, CODE_DTYPE, CODE_OP, SIG_REJECTED
 from . import hierarchical, ring
 from .dispatch import settle_auto
 from .operations import allreduce_on
@@ -42,7 +42,6 @@ from .recursive_doubling import (
     HEADER_WORDS,
     JOINED,
     SEPARATE_PAYLOAD_BYTES,
-    SERVED_WHILE_JOINED,
     _merge,
     connect_slots,
     joined_refusal,
@@ -246,9 +245,8 @@ def _node_exchange(ctx: CommContext, mine):
     messages = slots.wait(ctx)
     headers = [np.frombuffer(m, np.int64, HEADER_WORDS) for m in messages]
     verdict = node_verdict(headers)
-    served = CODE_COLLECTIVE.get(int(verdict[_SIG_A][0])) in SERVED_WHILE_JOINED
-    if verdict[1] != _OK or not served or int(verdict[_SIG_A][7]) == SIG_REJECTED:
-        return verdict, False  # (every other rank rejected its own arguments: no payload follows)
+    if verdict[1] != _OK or joined_refusal(verdict) is not None or int(verdict[_SIG_A][7]) == SIG_REJECTED:
+        return verdict, False  # (refused, or every other rank rejected its own arguments: no payload)
     dtype, op = _payload_spec(verdict)
     count = int(verdict[_SIG_A][2])
     if verdict[_FOLLOWS]:

@@ -304,15 +304,7 @@ def _raise_departed(ctx, number: int, sig) -> None:
     gone = sorted(r for r, completed in ctx.departed.items() if completed < number)
     if not gone:  # it finished this collective before it left: its messages are on their way
         return
-    world = world_ranks(ctx)
-    verb, whose = ("has", "its process") if len(gone) == 1 else ("have", "their processes")
-    after = _completed_before_leaving(ctx, gone)
-    what = _brief(sig) if sig is not None else "a collective"
-    raise GflowError(
-        f"{ranks_text(gone)}{world(gone)} {verb} left the job ({whose} exited: {after}), so collective "
-        f"#{number} on this communicator of {ctx.size} ranks ({what}) can never finish on gflow rank "
-        f"{ctx.rank}{world(None)}"
-    )
+    raise _left_the_job(ctx, gone, number, sig, f": {_completed_before_leaving(ctx, gone)}")
 
 
 UNHEARD_GRACE_S = 1.0  # how long past news heard only on the sibling context before naming the rank
@@ -327,14 +319,18 @@ def _raise_unheard(ctx, m: _Mark) -> None:
     now = time.monotonic()
     unheard = sorted(r for r, heard in ctx.gone.items() if r not in ctx.departed
                      and now - max(heard, m.since or now) > UNHEARD_GRACE_S)  # fmt: skip
-    if not unheard:
-        return
+    if unheard:
+        raise _left_the_job(ctx, unheard, ctx.entered, ctx.last_sig, "")
+
+
+def _left_the_job(ctx, ranks, number: int, sig, after: str) -> GflowError:
+    """The error of a wait in collective #number on ctx that `ranks` (left the job) can never finish."""
     world = world_ranks(ctx)
-    verb, whose = ("has", "its process") if len(unheard) == 1 else ("have", "their processes")
-    what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
-    raise GflowError(
-        f"{ranks_text(unheard)}{world(unheard)} {verb} left the job ({whose} exited), so collective "
-        f"#{ctx.entered} on this communicator of {ctx.size} ranks ({what}) can never finish on gflow rank "
+    verb, whose = ("has", "its process") if len(ranks) == 1 else ("have", "their processes")
+    what = _brief(sig) if sig is not None else "a collective"
+    return GflowError(
+        f"{ranks_text(ranks)}{world(ranks)} {verb} left the job ({whose} exited{after}), so collective "
+        f"#{number} on this communicator of {ctx.size} ranks ({what}) can never finish on gflow rank "
         f"{ctx.rank}{world(None)}"
     )
 
