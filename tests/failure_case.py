@@ -124,6 +124,21 @@ elif mode == "exit-in-flush":  # leaving from inside flush(): what it pushed is 
     lazy.flush()
     print(f"rank {me} finished the step", flush=True)
     gflow.allreduce(x)  # the rank that left is not here
+elif mode == "exit-after-refused-in-join":  # the failing rank's only calls on a communicator: an async
+    # sparse step, refused beside the joined others, whose channel it drops; then it leaves
+    sub = world.Split(0, me)
+    if me == failing:
+        try:
+            step = gflow.LazyAllreduce(comm=sub, sparse={"density": 0.5})
+            step.push(x[:64].copy())
+            step.flush()
+        except gflow.GflowError as refused:
+            print(f"rank {me} refused: {refused}", flush=True)
+        time.sleep(0.5)  # the others serve a fresh background channel, waiting for this rank
+        fail(how)
+    from gflow.collectives.join import join
+
+    join(sub)
 elif mode.startswith("exit-in-join"):  # the others are in join(), serving the failing rank's calls
     if me == failing:
         time.sleep(0.5)

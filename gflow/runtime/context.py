@@ -186,6 +186,7 @@ class CommContext:
         self.small_calls = {}  # collectives/latency.py's fast lane, by (dtype, shape, op, ...)
         self.native_phases = None  # collectives/native.py's arrays for the compiled ring loops
         self._background = None
+        self._retired = None  # the last background context dropped after a failure (reset_background)
         self.topology = None  # collectives/topology.py, found on first use
         self.hierarchy = None  # collectives/hierarchical.py's communicators and window
         self.is_background = background
@@ -293,10 +294,16 @@ class CommContext:
         fresh duplicate is made collectively. Only the context the failed work ran on is dropped:
         a newer one may be failing too, but whether it is marked yet depends on timing."""
         if self._background is failed and failed.failed is not None:
-            failed.free()
-            self._background = None
+            # Freed but for its monitor duplicate, which stays watched: where it was a rank's only
+            # channel of this communicator (its only calls were async, and failed), the rank says
+            # goodbye there at exit, and a peer waiting for it elsewhere (the fresh background context's
+            # duplicates, join()) learns that it left. One kept per communicator: the last.
+            failed.free(keep_monitor=True)
+            if self._retired is not None:
+                self._retired.free_monitor()
+            self._retired, self._background = failed, None
 
-    def free(self):
+    def free(self, keep_monitor: bool = False):
         if self._user_comm is None:  # already freed
             return
         # Marked first: completing a pending Idup can complete the user's own deferred Comm_free, whose
@@ -305,6 +312,9 @@ class CommContext:
         self._wants_monitor = False  # (completing a pending duplicate below must not start another)
         if self._background is not None:
             self._background.free()
+        if self._retired is not None:
+            self._retired.free_monitor()
+            self._retired = None
         if not MPI.Is_finalized():
             if self.hierarchy is not None:
                 self.hierarchy.free()
@@ -321,11 +331,16 @@ class CommContext:
             # (else its first collective failed while its duplicate was still being made, and some peer
             # may never start making it: waiting here would hang or raise anew; the request is left
             # to MPI_Finalize)
-            stall.unwatch(self)
-            if self.monitor_comm is not None:
-                with stall._lock:  # not while the monitor is asking or answering on it
-                    self.monitor_comm.Free()
-                    self.monitor_comm = None
+            if not keep_monitor:
+                self.free_monitor()
+
+    def free_monitor(self) -> None:
+        """Stop answering on the stall inspector's duplicate, and free it."""
+        stall.unwatch(self)
+        if self.monitor_comm is not None and not MPI.Is_finalized():
+            with stall._lock:  # not while the monitor is asking or answering on it
+                self.monitor_comm.Free()
+                self.monitor_comm = None
 
 
 def free_all() -> None:
