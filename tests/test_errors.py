@@ -134,11 +134,10 @@ FIRST_LINES = {
     "root": (lambda: gflow.broadcast(np.ones(4)), lambda: gflow.broadcast(np.ones(4), root=1),
              "the root: rank {a} root=0, rank {last} root=1"),
     "shape": (lambda: gflow.allreduce(np.ones((2, 2))), lambda: gflow.allreduce(np.ones(4)),
-              "the shape (with the same number of elements), or in gflow.torch the op, scale factors or "
-              "name=: rank {a} passed an array of shape (2, 2), rank {last} passed an array of shape (4,)"),
+              "the shape: rank {a} passed an array of shape (2, 2), rank {last} passed an array of "
+              "shape (4,)"),
     "large shape": (lambda: gflow.allreduce(np.ones((2, 5000))), lambda: gflow.allreduce(np.ones(10**4)),
-                    "the shape (with the same number of elements), or in gflow.torch the op, scale factors "
-                    "or name=: rank {a} passed an array of shape (2, 5000), rank {last} passed an array of "
+                    "the shape: rank {a} passed an array of shape (2, 5000), rank {last} passed an array of "
                     "shape (10000,)"),
     "compression": (lambda: gflow.allreduce(np.ones(4, np.float32)),
                     lambda: gflow.allreduce(np.ones(4, np.float32), compression="fp16"),
@@ -165,8 +164,7 @@ FIRST_LINES = {
                       "rank {last} pushed (4, 3) float32"),
     "rows": (lambda: gflow.reduce_scatter(np.ones((10, 2)), rows=True),
              lambda: gflow.reduce_scatter(np.ones((10, 2))),
-             "the shape or rows= (or, in gflow.torch, the op, scale factors or name=): rank {a} passed an "
-             "array of shape (10, 2), rows=True, rank {last} passed an array of shape (10, 2), rows=False"),
+             "rows=: rank {a} passed rows=True, rank {last} passed rows=False"),
     "settings": (lambda: gflow.allreduce(np.ones(64), algorithm="ring"), lambda: _segments_of(4096),
                  "gflow.config's settings for the algorithm: rank {a} has ring_segment_bytes=1048576, "
                  "rank {last} has ring_segment_bytes=4096"),

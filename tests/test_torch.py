@@ -593,6 +593,36 @@ def test_broadcast_checks_shapes_and_the_dtypes_moved_as_bytes():
         on_all_ranks(lambda y=y: assert_same(hvd.broadcast(y, LAST), WORLD.bcast(y, root=LAST)), "next")
 
 
+@pytest.mark.parallel([2, 3])
+def test_the_first_line_names_the_argument_that_differs():
+    # helper-43: a name= or int8/int32 mismatch led with "the shape (with the same number of
+    # elements), or in gflow.torch the op, scale factors or name=", which names the wrong cause first.
+    bad = WORLD.rank == LAST
+    x = torch.ones(4)
+    cases = [
+        (lambda: hvd.allreduce(x, name="grad.b" if bad else "grad.a"),
+         "name=: rank 0 passed name='grad.a', rank {last} passed name='grad.b'"),
+        (lambda: hvd.allreduce(x.to(torch.int8 if bad else torch.int32), op=hvd.Sum),
+         "the dtype: rank 0 passed a tensor of shape (4,) and dtype int32, rank {last} passed a tensor of "
+         "shape (4,) and dtype int8"),
+        (lambda: hvd.allreduce(x.view(2, 2) if bad else x),
+         "the shape: rank 0 passed a tensor of shape (4,) and dtype float32, rank {last} passed a tensor "
+         "of shape (2, 2) and dtype float32"),
+        (lambda: hvd.allreduce(x, op=hvd.Sum if bad else hvd.Average),
+         "the op: rank 0 op=mean, rank {last} op=sum"),
+        (lambda: hvd.allreduce(x, postscale_factor=2.0 if bad else 1.0),
+         "postscale_factor=: rank 0 passed postscale_factor=1.0, rank {last} passed postscale_factor=2.0"),
+    ]  # fmt: skip
+
+    def check(call, expected):
+        with pytest.raises(gflow.MismatchError) as info:
+            call()
+        assert str(info.value).split("\n")[0] == "ranks disagree on " + expected.format(last=LAST)
+
+    for call, expected in cases:
+        on_all_ranks(lambda call=call, expected=expected: check(call, expected), expected)
+
+
 def assert_same(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (a, b)
 

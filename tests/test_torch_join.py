@@ -162,8 +162,8 @@ def test_other_collectives_raise_while_a_rank_is_joined_and_the_job_goes_on():
                 with pytest.raises(gflow.MismatchError) as info:
                     hvd.allreduce(torch.ones(2, 3) if r == 1 else torch.ones(3, 2), name="m")
                 first = str(info.value).split("\n")[0]
-                assert "rank 1 passed name='m', a tensor of shape (2, 3)" in first, first
-                assert "rank 2 passed name='m', a tensor of shape (3, 2)" in first, first  # (the lowest)
+                assert "on the shape: rank 1 passed a tensor of shape (2, 3)" in first, first
+                assert "rank 2 passed a tensor of shape (3, 2)" in first, first  # (the lowest)
             # Async calls refused while a rank is joined fail the callers' background channel, and
             # they make a fresh one: so does the joined rank (it served the old one, and the next
             # async call hung: helper-43). Adasum, whose pairs combine vectors, is refused too (it

@@ -28,6 +28,7 @@ when p is not a power of two. Each rank sends N bytes per round: right only whil
 The lower-ranked operand always goes first, so every rank computes bitwise the same result.
 """
 
+import re
 import sys
 import threading
 from contextlib import contextmanager
@@ -838,14 +839,50 @@ def share_what_passed(ctx: CommContext, header, about: str | None) -> list:
     return [bytes(row).rstrip(b"\0").decode(errors="ignore") for row in everyone]  # (a character cut: gone)
 
 
+def _fields(words: str) -> list:
+    """A description's comma-separated fields; a comma inside brackets (a shape) does not separate."""
+    fields, depth, start = [], 0, 0
+    for i, c in enumerate(words):
+        depth += (c in "([{") - (c in ")]}")
+        if depth == 0 and words.startswith(", ", i):
+            fields.append(words[start:i])
+            start = i + 2
+    return [*fields, words[start:]]
+
+
 def _differing(words_a: str, words_b: str) -> tuple:
-    """The comma-separated fields in which two descriptions of one form differ (all of them, where
-    the forms differ)."""
-    a, b = words_a.split(", "), words_b.split(", ")
+    """The fields in which two descriptions of one form differ (all of them, where the forms differ)."""
+    a, b = _fields(words_a), _fields(words_b)
     if len(a) != len(b):
         return a, b
     pairs = [(x, y) for x, y in zip(a, b, strict=True) if x != y]
     return [x for x, _ in pairs], [y for _, y in pairs]
+
+
+_OF_SHAPE = re.compile(r"(?:an array|a tensor) of shape (\(.*?\))(.*)")
+
+
+def _field_names(fields_a, fields_b) -> str:
+    """What pairs of differing fields are about: "name=" for name='a' against name='b', "the shape" or
+    "the dtype" for arrays that differ in it (gflow.torch's int8 travels as int32), else "what it passed"."""
+    names = []
+    for a, b in zip(fields_a, fields_b, strict=True):
+        key = a.partition("=")[0]
+        shapes = [_OF_SHAPE.fullmatch(f) for f in (a, b)]
+        if key.isidentifier() and b.startswith(key + "="):
+            names.append(key + "=")
+        elif all(shapes):
+            (shape_a, rest_a), (shape_b, rest_b) = (m.groups() for m in shapes)
+            names.append(
+                "the shape"
+                if rest_a == rest_b
+                else "the dtype"
+                if shape_a == shape_b
+                else "the shape and dtype"
+            )
+        else:
+            names.append("what it passed")
+    return " and ".join(dict.fromkeys(names))
 
 
 def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
@@ -872,8 +909,16 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
             said_a, said_b = (f"passed {', '.join(fields)}" for fields in _differing(words_a, words_b))
         elif settings_differ(sig_a, sig_b):
             said_a, said_b = (f"has {', '.join(fields)}" for fields in _differing(words_a, words_b))
-        elif said_b == "another":  # (the signature holds a checksum)
-            said_a, said_b = first_push_apart(words_a, words_b) or (f"passed {words_a}", f"passed {words_b}")
+        elif said_b == "another":  # (the signature holds a checksum: say which of the words differ)
+            apart = first_push_apart(words_a, words_b)
+            fields_a, fields_b = _differing(words_a, words_b)
+            if apart is not None:
+                said_a, said_b = apart
+            elif len(fields_a) == len(fields_b) and fields_a:
+                what = _field_names(fields_a, fields_b)
+                said_a, said_b = (f"passed {', '.join(fields)}" for fields in (fields_a, fields_b))
+            else:
+                said_a, said_b = f"passed {words_a}", f"passed {words_b}"
         elif what == "the dtype" and "compression=" in words_a + words_b:  # (the wire's dtype differs)
             what = "the dtype on the wire (the array's own, or the one compression= sends)"
             said_a, said_b = f"{said_a} ({words_a})", f"{said_b} ({words_b})"
