@@ -104,6 +104,34 @@ def test_host_and_device_arrays_in_one_call_fail_on_every_rank(transport_mode):
     on_all_ranks(check)
 
 
+@pytest.mark.parallel([1, 2, 3])
+def test_lazy_steps_that_switch_between_host_and_device_arrays():
+    # helper-47: a segment's buffer was reused whatever memory the next step's pushes were in. After a
+    # step of host arrays on one rank and device arrays on another (MismatchError, rightly), every
+    # later step failed the same way; device pushes after host ones were sent as host arrays, and
+    # host pushes after device ones raised TypeError.
+    shapes = [(5, 3), (7,), (2, 2, 2), (11,)]
+    lazy = gflow.LazyAllreduce(threshold_bytes=64, op="mean")
+    seeds = iter(range(100))
+
+    def step(where):
+        rng = rank_rng(next(seeds))
+        grads = [random_array(rng, int(np.prod(s)), np.float32).reshape(s) for s in shapes]
+        pushed = [cuda.to_device(g) if where == "device" else g.copy() for g in grads]
+        for g in pushed:
+            lazy.push(g)
+        lazy.flush()
+        for g, d in zip(grads, pushed, strict=True):
+            result = d.copy_to_host() if where == "device" else d
+            assert_close_to_reference(result.ravel(), g.ravel(), "mean")
+
+    if WORLD.size > 1:
+        with pytest.raises(gflow.MismatchError, match="host array.*device array|device array.*host array"):
+            step("device" if WORLD.rank == 0 else "host")
+    for where in ("device", "host", "device", "device", "host"):
+        on_all_ranks(lambda where=where: step(where), where)
+
+
 @pytest.mark.parallel([1, 2])
 def test_staging_warns_once_naming_the_variable(monkeypatch):
     monkeypatch.delenv("GFLOW_CUDA_AWARE_MPI", raising=False)

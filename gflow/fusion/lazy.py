@@ -140,7 +140,8 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._checked_dtype = None
         self.op, self.compression, self._comm = op, compression, comm
         self._strategy = self._built_in_strategy()  # how each segment is reduced (strategies.py)
-        self._buffers: list = []  # per segment, the buffer its result lands in, reused step after step
+        # per segment, the buffer its result lands in and its memory, reused step after step
+        self._buffers: list = []
         self._pool = GradientPool()  # what gradient_buffers() handed out
         self._solo = None  # whether the communicator has one rank (found at the first push)
         self._uncommitted: list = []  # sparse segments of a flush(commit=False), awaiting commit_step()
@@ -284,10 +285,12 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         name = check_op(self.op, holds(members[0][0].dtype))
         try:
             strategy.check_size(index, total)
-            buffer = self._buffers[index] if index < len(self._buffers) else None
-            if buffer is None or buffer.size != total or buffer.dtype != ops.storage(dtype):
+            buffer, memory = self._buffers[index] if index < len(self._buffers) else (None, None)
+            # (a step pushes the kind of array the last one did, or the segment's buffer moves with it:
+            # a host buffer kept for device pushes would send device gradients as host ones)
+            if memory != ops.memory or buffer.size != total or buffer.dtype != ops.storage(dtype):
                 buffer = ops.empty(total, dtype)
-                self._buffers[index : index + 1] = [buffer]
+                self._buffers[index : index + 1] = [(buffer, ops.memory)]
             in_pool = None
             if strategy.uses_pool and all(scale == 1.0 for scale in scales):
                 in_pool = self._pool.run(pushed)
