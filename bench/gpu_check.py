@@ -5,8 +5,8 @@ allreduce on device arrays at 2 and 4 ranks sharing the GPU, staged and (if the 
     python bench/gpu_check.py --size 256M  # kernels at 256 MB, then the allreduce runs
 
 Installs nothing. Bandwidth counts bytes read + written; the reference is a device-to-device copy of
-the same size measured the same way (bytes read + written). Prints a markdown table and writes JSON
-to bench/out/gpu_check.json.
+the same size measured the same way (bytes read + written). Prints a markdown table and writes the
+kernels' JSON, as soon as they are measured, to gpu_check.json in --out ($OUT, else bench/out).
 """
 
 import argparse
@@ -567,6 +567,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--allreduce-sizes", default="4M,64M")
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--out", default=os.environ.get("OUT") or OUT, help="where gpu_check.json goes")
     parser.add_argument("--allreduce-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [parse_bytes(s) for s in args.allreduce_sizes.split(",")]
@@ -575,6 +576,8 @@ def main() -> None:
         return
 
     rows, copy_bw, copy_bw_event = kernel_rows(args.size, args.reps, args.check_elems)
+    result = os.path.join(args.out, "gpu_check.json")  # (written now: the allreduces may run out of time)
+    _common.write_json(result, {"copy_Bps": copy_bw, "copy_event_Bps": copy_bw_event, "kernels": rows})
     event_note = (
         f"{copy_bw_event / 1e9:.1f} GB/s by CUDA events" if copy_bw_event else "no CUDA event timings"
     )
@@ -621,10 +624,6 @@ def main() -> None:
                 print(f"| {p} | {'direct' if mode == '1' else 'staged'} | - | - | FAILED: {exc} | | | |")
     if len(modes) == 1:
         print("(the MPI library does not report CUDA support: the direct transport was not run)")
-    _common.write_json(
-        os.path.join(OUT, "gpu_check.json"),
-        {"copy_Bps": copy_bw, "copy_event_Bps": copy_bw_event, "kernels": rows},
-    )
 
 
 if __name__ == "__main__":
