@@ -391,6 +391,25 @@ def test_size_resolved_terms_interpolate_in_log_size(tmp_path):
     )
 
 
+def test_a_calibration_that_is_not_numbers_is_refused_at_load(tmp_path):
+    """helper-48: a string or a negative time loaded, and failed deep in the model or gave negative
+    milliseconds; the calibrations shipped in bench/results (without slot_step) did not load at all."""
+    results = os.path.join(os.path.dirname(__file__), "..", "bench", "results")
+    for name in ("calibration_shm.json", "calibration_h200.json"):
+        shipped = model.Calibration.load(os.path.join(results, name))
+        assert model.allreduce_time(2**20, 512, ranks_per_node=8, calibration=shipped) > 0
+    path = tmp_path / "bad.json"
+    cases = [("py_step", "abc", "py_step must be a number >= 0"), ("beta_intra", -1e-9, "beta_intra must be"),
+             ("gamma", None, "gamma must be"), ("copy", float("nan"), "copy must be"),
+             ("cores", 0, "cores must be a whole number >= 1"), ("cores", 2.5, "cores must be"),
+             ("transport", "carrier pigeon", "transport must be")]  # fmt: skip
+    for field, value, message in cases:
+        model.Calibration().save(str(path))
+        path.write_text(json.dumps({**json.load(open(path)), field: value}))
+        with pytest.raises(ValueError, match=message):
+            model.Calibration.load(str(path))
+
+
 def test_python_share_is_the_part_gflows_own_costs_make():
     kwargs = dict(ranks_per_node=8, algorithm="ring")
     free = model.Calibration(py_step=0.0, py_call=0.0, rd_step=0.0)

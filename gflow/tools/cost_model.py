@@ -155,13 +155,23 @@ class Calibration:
             raise ValueError(f"calibration {path}: expected a JSON object of constants")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         optional = {"source", "uncrowded", "ring_scale_large", "py_call", "transport", "pcie", "launch"}
-        optional |= {"device", "slots_scale", "node_passes_small", "ring_scale_small"}
+        optional |= {"device", "slots_scale", "node_passes_small", "ring_scale_small", "slot_step"}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(
                 f"calibration {path}: missing {', '.join(missing)} "
                 "(from an older gflow? run `gflow calibrate` again)"
             )
+        for name, value in known.items():  # (a string or a negative time would fail deep in the model)
+            if name in _NOT_NUMBERS or (value is None and name in _MAY_BE_NONE):
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if name == "cores" and not (number and value == int(value) and value >= 1):
+                raise ValueError(f"calibration {path}: cores must be a whole number >= 1, got {value!r}")
+            if not (number and value >= 0):
+                raise ValueError(f"calibration {path}: {name} must be a number >= 0, got {value!r}")
+        if known.get("transport") not in (None, "direct", "staged"):
+            raise ValueError(f"calibration {path}: transport must be 'direct', 'staged' or null")
         for name in ("slots_scale", "ring_scale_small", "node_passes_small"):
             value = known.get(name, 1.0)
             if value is None and name != "slots_scale":
@@ -193,6 +203,17 @@ def _for_node(cal: Calibration, ranks_on_node: int) -> Calibration:
     return cal
 
 
+_MAY_BE_NONE = ("slot_step", "ring_scale_large")
+# (checked apart: the scales below must be positive, and say so)
+_NOT_NUMBERS = (
+    "source",
+    "uncrowded",
+    "transport",
+    "device",
+    "slots_scale",
+    "ring_scale_small",
+    "node_passes_small",
+)
 _FIXED_COSTS = ("alpha_intra", "py_step", "py_call", "rd_step", "node_fixed", "slot_step")
 _PYTHON_COSTS = ("py_step", "py_call", "rd_step")  # what gflow's own code costs, beside the machine's
 RING_SCALE_BYTES = (8 * 2**20, 32 * 2**20)  # where calibrate measures a ring inside a node
