@@ -162,7 +162,10 @@ def replace_transport(cal, transport):
 def test_a_busy_machine_is_named():
     assert model.busier_than_cores(4, 2, load=5.0) is None  # this job's 4 ranks, and 1 more: fine
     message = model.busier_than_cores(4, 2, load=11.0)
-    assert message and "load 11.0 on 2 cores" in message and "4 ranks" in message, message
+    assert message and "load 11.0 on 2 cores, 7.0 of it besides this job's 4 ranks" in message, message
+    # The load now, not the 1-minute average (which lags): this process, runnable, counts itself
+    now = model.runnable_now()
+    assert now is None or now >= 1
 
 
 def test_step_time_and_segments():
@@ -205,6 +208,22 @@ def test_calibrate_device_refuses_the_simulator(tmp_path):
     assert not (tmp_path / "c.json").exists()
 
 
+def test_calibrate_refuses_what_it_cannot_measure_before_measuring(tmp_path):
+    """helper-48: on 1 rank it wrote the defaults as if measured; a folder as --out failed after a
+    minute of measuring."""
+    one = run_cli(tmp_path, "calibrate", "--out", str(tmp_path / "c.json"))
+    assert one.returncode == 2 and "at least 2 ranks" in one.stderr, one.stderr
+    assert not (tmp_path / "c.json").exists()
+    args = type("Args", (), {"device": False, "out": str(tmp_path)})
+    from gflow.tools.cli import _calibrate_refusal
+
+    assert "expected a file in an existing folder" in _calibrate_refusal(args, 2)
+    args.out = str(tmp_path / "missing" / "c.json")
+    assert "expected a file in an existing folder" in _calibrate_refusal(args, 2)
+    args.out = str(tmp_path / "c.json")
+    assert _calibrate_refusal(args, 2) is None
+
+
 def test_model_command_prints_the_table(tmp_path):
     calib = tmp_path / "c.json"
     CAL.save(str(calib))
@@ -241,6 +260,15 @@ def test_model_command_prints_the_table(tmp_path):
         (["--ranks", "8", "--workload", "SIZES"], "--compute-ms"),
         (["--ranks", "8", "--transport", "tcp"], "invalid choice"),
         ([], "--ranks"),
+        # helper-48: these ran, silently (batch 0 became 128, a NaN link a table of nan) or to a traceback
+        (["--ranks", "8", "--link", "nan"], "must be positive"),
+        (["--ranks", "8", "--link", "56Gbps"], "--link '56Gbps'"),
+        (["--ranks", "8", "--batch", "0"], "--batch must be at least 1"),
+        (["--ranks", "8", "--compute-ms", "0"], "--compute-ms must be a number > 0"),
+        (["--ranks", "8", "--latency-us", "-50"], "--latency-us must be a number >= 0"),
+        (["--ranks", "8", "--density", "5"], "--density must be in (0, 1]"),
+        (["--ranks", "8", "--workload", "INFINITE", "--compute-ms", "1"], "whole, positive element counts"),
+        (["--ranks", "8", "--plot", "/nonexistent/x.png"], "expected a file in an existing folder"),
     ],
 )
 def test_model_command_refuses_bad_input_with_usage(tmp_path, args, message):
@@ -252,8 +280,12 @@ def test_model_command_refuses_bad_input_with_usage(tmp_path, args, message):
     sizes.write_text("1000 2000")
     crowded = tmp_path / "crowded.json"
     crowded.write_text(json.dumps({**vars(CAL), "uncrowded": {"py_step": "fast"}}))
+    infinite = tmp_path / "infinite.txt"
+    infinite.write_text("1000 inf")
     swap = {"BAD": str(bad), "MISSING": str(partial), "SIZES": str(sizes), "CROWDED": str(crowded)}
-    done = run_cli(tmp_path, "model", "--plot", "", *[swap.get(a, a) for a in args])
+    swap["INFINITE"] = str(infinite)
+    plot = [] if "--plot" in args else ["--plot", ""]
+    done = run_cli(tmp_path, "model", *plot, *[swap.get(a, a) for a in args])
     assert done.returncode == 2
     assert "usage:" in done.stderr and message in done.stderr
 

@@ -11,6 +11,7 @@ python -m gflow model --ranks 512 --ranks-per-node 8 --link 56gbit --workload al
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -134,23 +135,42 @@ def _topology() -> str:
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
+def _calibrate_refusal(args, ranks: int) -> str | None:
+    """Why `gflow calibrate` with these arguments would measure nothing worth keeping, or None."""
+    if args.device:
+        from gflow.cuda.memory import SIMULATED
+
+        if SIMULATED:
+            return (
+                "--device: NUMBA_ENABLE_CUDASIM=1 runs Numba's CUDA simulator, whose timings are not a "
+                "GPU's; unset it on a machine with a GPU"
+            )
+        from numba import cuda
+
+        if not cuda.is_available():
+            return "--device: no GPU is usable here (numba.cuda.is_available() is False)"
+    if ranks < 2:
+        return (
+            "the terms are what ranks cost each other (ping-pongs, gflow's steps, the node phase): run it "
+            "on at least 2 ranks, `mpiexec -n 2 python -m gflow calibrate` (1 rank would write the defaults)"
+        )
+    if os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        return f"--out {args.out!r}: expected a file in an existing folder"
+    return None
+
+
 def calibrate_command(args) -> int:
     from mpi4py import MPI
 
     from . import cost_model as model
 
     rank = MPI.COMM_WORLD.rank
-    if args.device:
-        from gflow.cuda.memory import SIMULATED
-
-        if SIMULATED:
-            if rank == 0:
-                print(
-                    "gflow calibrate --device: NUMBA_ENABLE_CUDASIM=1 runs Numba's CUDA simulator, whose "
-                    "timings are not a GPU's; unset it on a machine with a GPU",
-                    file=sys.stderr,
-                )
-            return 2
+    refusal = _calibrate_refusal(args, MPI.COMM_WORLD.size) if rank == 0 else None
+    refusal = MPI.COMM_WORLD.bcast(refusal, root=0)
+    if refusal is not None:  # (before a minute of measuring)
+        if rank == 0:
+            print(f"gflow calibrate: {refusal}", file=sys.stderr)
+        return 2
     cal = model.calibrate(
         progress=(lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     )
@@ -169,7 +189,15 @@ def calibrate_command(args) -> int:
         cal.save(args.out)
         if args.install:
             cal.save(model.LAST_CALIBRATION)
-            print(f"wrote {args.out}, and {model.LAST_CALIBRATION}: now the default for `gflow model`")
+            overridden = os.environ.get(model.CALIBRATION_ENV)
+            print(
+                f"wrote {args.out}, and {model.LAST_CALIBRATION}: now the default for `gflow model`"
+                + (
+                    f" (but {model.CALIBRATION_ENV}={overridden}, set here, comes first)"
+                    if overridden
+                    else ""
+                )
+            )
         else:
             print(
                 f"wrote {args.out} (`gflow model --calibration {args.out}` uses it; `--install` makes it "
@@ -183,14 +211,30 @@ def model_command(parser, args) -> int:
 
     try:
         base = model.Calibration.load(args.calibration)
-        link = model.parse_rate(args.link)
-        if link <= 0 or args.ranks < 1 or args.ranks_per_node < 1:
+        try:
+            link = model.parse_rate(args.link)
+        except ValueError as exc:
+            raise ValueError(f"--link {args.link!r}: {exc}") from None
+        if not (math.isfinite(link) and link > 0) or args.ranks < 1 or args.ranks_per_node < 1:
             raise ValueError("--link, --ranks and --ranks-per-node must be positive")
+        if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
+            raise ValueError(f"--latency-us must be a number >= 0, got {args.latency_us}")
+        if args.compute_ms is not None and not (math.isfinite(args.compute_ms) and args.compute_ms > 0):
+            raise ValueError(f"--compute-ms must be a number > 0, got {args.compute_ms}")
+        if args.batch is not None and args.batch < 1:
+            raise ValueError(f"--batch must be at least 1, got {args.batch}")
+        if not 0 < args.density <= 1:
+            raise ValueError(f"--density must be in (0, 1], got {args.density}")
+        if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+            raise ValueError(f"--plot {args.plot!r}: expected a file in an existing folder")
         if os.path.exists(args.workload):
             with open(args.workload) as f:
-                sizes = [int(float(v)) * 4 for v in f.read().replace(",", " ").split()][::-1]
-            if not sizes or min(sizes) <= 0:
-                raise ValueError(f"{args.workload}: expected positive element counts")
+                counts = [float(v) for v in f.read().replace(",", " ").split()]
+            if not counts or not all(math.isfinite(c) and c == int(c) and c > 0 for c in counts):
+                raise ValueError(f"{args.workload}: expected whole, positive element counts")
+            sizes = [int(c) * 4 for c in counts][
+                ::-1
+            ]  # (given in the model's order: backward runs last first)
             v100 = None
         else:
             sizes = model.workload_sizes(args.workload)
@@ -199,7 +243,7 @@ def model_command(parser, args) -> int:
         parser.error(str(exc))
     if args.compute_ms is None and v100 is None:
         parser.error("--compute-ms is needed for a workload given as a file")
-    batch = args.batch or (v100["batch"] if v100 else 1)
+    batch = args.batch if args.batch is not None else v100["batch"] if v100 else 1
     compute_s = args.compute_ms / 1e3 if args.compute_ms is not None else batch / v100["images_per_s"]
     cal = model.cluster(
         base, link, args.latency_us * 1e-6, args.ranks_per_node, gpu=not args.cpu, transport=args.transport
@@ -348,7 +392,11 @@ def main(argv=None) -> int:
     m.add_argument("--ranks-per-node", type=int, default=8)
     m.add_argument("--link", default="56gbit", help="between nodes, per node: e.g. 56gbit, 10gbit")
     m.add_argument("--latency-us", type=float, default=5.0, help="between nodes (default 5: InfiniBand)")
-    m.add_argument("--workload", default="alexnet", help="alexnet, resnet50, or a file of element counts")
+    m.add_argument(
+        "--workload",
+        default="alexnet",
+        help="alexnet, resnet50, or a file of each gradient's element count, first layer first",
+    )
     m.add_argument(
         "--compute-ms", type=float, help="compute per step (default: a V100's, see gflow/tools/cost_model.py)"
     )

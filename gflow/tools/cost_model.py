@@ -474,7 +474,10 @@ REPEATS = 3  # calibrate measures each ping-pong point this many times and keeps
 def busier_than_cores(own_ranks: int, cores: int, load=None) -> str | None:
     """Why a calibration taken now would be slower than this machine is, or None: the load besides
     this job's own ranks on the node exceeds the cores (one at load 11 on 2 cores projected AlexNet
-    at 17% efficiency instead of 67%)."""
+    at 17% efficiency instead of 67%). `load`: the tasks that want a core now, this job's included;
+    None: looked up (runnable_now(), else the 1-minute load average)."""
+    if load is None:
+        load = runnable_now()
     if load is None:
         try:
             load = os.getloadavg()[0]
@@ -484,9 +487,38 @@ def busier_than_cores(own_ranks: int, cores: int, load=None) -> str | None:
     if others <= cores:
         return None
     return (
-        f"the machine is busy: load {load:.1f} on {cores} cores besides this job's {own_ranks} ranks here; "
-        "the constants measured now will be slower than this machine is (calibrate on a quiet machine)"
+        f"the machine is busy: load {load:.1f} on {cores} cores, {others:.1f} of it besides this job's "
+        f"{own_ranks} ranks here; the constants measured now will be slower than this machine is "
+        "(calibrate on a quiet machine)"
     )
+
+
+def runnable_now(looks: int = 5) -> float | None:
+    """The tasks runnable on this machine now (the fourth field of Linux's /proc/loadavg, the median
+    of a few looks), this job's ranks included while they wait in MPI; None where there is none. Not
+    the load average, which lags a job started seconds ago by a minute (helper-48: 5.5 tasks besides
+    this job's on 2 cores went unnamed)."""
+    counts = []
+    for _ in range(looks):
+        try:
+            with open("/proc/loadavg") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]))
+        except (OSError, ValueError, IndexError):
+            return None
+        time.sleep(0.01)
+    return float(np.median(counts))
+
+
+_floored: list = []  # the terms calibrate() measured below what the model can take (_at_least)
+
+
+def _at_least(name: str, floor: float, value: float) -> float:
+    """A measured term, kept at `floor` where the measurement came out below it (noise, or the
+    machine's speed changed while measuring): calibrate() then says which terms were floored."""
+    if value < floor:
+        _floored.append(name)
+        return floor
+    return value
 
 
 def _pingpong(comm, a: int, b: int, nbytes: int, reps: int) -> float:
@@ -544,6 +576,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
     from ..runtime.context import context
 
     comm = comm or MPI.COMM_WORLD
+    _floored.clear()
     topo = discover(comm)
     node = topo.nodes[topo.node_of[comm.rank]]
     k_here = max(len(n) for n in topo.nodes)
@@ -613,9 +646,11 @@ def calibrate(comm=None, progress=print) -> Calibration:
                 10,
             )
             times.append(comm.allreduce(t, op=MPI.MAX))
-        cal.node_fixed = max(1e-6, (times[0] - agree) / slow - cal.py_call)
-        cal.node_passes = max(0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
-        cal.node_passes_small = max(0.1, (times[2] - times[0]) / (slow * cal.copy * SMALL_BYTES))
+        cal.node_fixed = _at_least("node_fixed", 1e-6, (times[0] - agree) / slow - cal.py_call)
+        cal.node_passes = _at_least("node_passes", 0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
+        cal.node_passes_small = _at_least(
+            "node_passes_small", 0.1, (times[2] - times[0]) / (slow * cal.copy * SMALL_BYTES)
+        )
         # The bytes of an "auto" allreduce reduced in the slots, where the model takes them: one node
         # (alike on every rank), whose ranks share one host (slot_step measured).
         if (
@@ -631,7 +666,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
             t = comm.allreduce(t, op=MPI.MAX)
             latency_path = SMALL_BYTES <= latency_path_limit(k, DEFAULT_SMALL_MESSAGE_BYTES)
             fixed, bandwidth = _slots_parts(cal, SMALL_BYTES, k, latency_path)
-            cal.slots_scale = max(0.05, (t / slow - fixed) / bandwidth)
+            cal.slots_scale = _at_least("slots_scale", 0.05, (t / slow - fixed) / bandwidth)
         scales = []
         for nbytes in (SMALL_BYTES, *RING_SCALE_BYTES):
             x = a[: nbytes // 4]
@@ -642,7 +677,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
             )
             t = comm.allreduce(t, op=MPI.MAX)
             fixed, bandwidth = _ring_parts(cal, x.nbytes, k, cal.alpha_intra, slow * cal.beta_intra, slow)
-            scales.append(max(0.2, (t - slow * cal.py_call - agree - fixed) / bandwidth))  # (as the model)
+            scales.append(_at_least("ring_scale", 0.2, (t - slow * cal.py_call - agree - fixed) / bandwidth))
         cal.ring_scale_small, cal.ring_scale, cal.ring_scale_large = scales
         node_comm.Free()
     if len(topo.nodes) == 1 and comm.size > cores > 1:
@@ -657,6 +692,15 @@ def calibrate(comm=None, progress=print) -> Calibration:
         f"per recursive-doubling round {cal.rd_step * 1e6:.1f} us"
         + (f", per exchange through the slots {cal.slot_step * 1e6:.1f} us" if cal.slot_step else "")
     )
+    floored = comm.allgather(sorted(set(_floored)))  # (every rank's: the terms are the slowest rank's)
+    floored = sorted({name for names in floored for name in names})
+    if floored:
+        why = (
+            f"{', '.join(floored)} measured below what the model can take, kept at its floor (noise, or the "
+            "machine's speed changed while measuring): predictions with them are optimistic; calibrate again"
+        )
+        progress(f"warning: {why}")
+        cal.source += f" (warning: {why})"
     return cal
 
 
@@ -737,10 +781,12 @@ def _step_costs(comm, alpha: float) -> tuple:
             gflow.config.shared_slots = shared
         t_rd = _local_rate(apart, lambda: gflow.allreduce(one, comm=apart), 200)
         apart.Free()
-    py_step = max(1e-8, (t_many - t_one) / (32 * (p - 1)) - alpha)
-    rd_step = max(1e-7, t_rd / rounds - alpha)
-    py_call = max(
-        1e-7, t_one - _measured_agreement(p, alpha, rd_step, slot_step) - 2 * (p - 1) * (alpha + py_step)
+    py_step = _at_least("py_step", 1e-8, (t_many - t_one) / (32 * (p - 1)) - alpha)
+    rd_step = _at_least("rd_step", 1e-7, t_rd / rounds - alpha)
+    py_call = _at_least(
+        "py_call",
+        1e-7,
+        t_one - _measured_agreement(p, alpha, rd_step, slot_step) - 2 * (p - 1) * (alpha + py_step),
     )
     return py_step, py_call, rd_step, slot_step
 
@@ -781,7 +827,9 @@ def _uncrowded(comm, cores: int) -> dict:
         x = np.ones(p, np.float32)
         out = np.empty_like(x)
         t = _local_rate(sub, lambda: gflow.allreduce(x, comm=sub, algorithm="hierarchical", out=out), 20)
-        node_fixed = max(1e-6, t - py_call - _measured_agreement(p, alpha, rd_step, slot_step))
+        node_fixed = _at_least(
+            "node_fixed", 1e-6, t - py_call - _measured_agreement(p, alpha, rd_step, slot_step)
+        )
         result = {"alpha_intra": alpha, "py_step": py_step, "py_call": py_call, "rd_step": rd_step,
                   "node_fixed": node_fixed}  # fmt: skip
         if slot_step is not None:
