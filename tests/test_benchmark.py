@@ -87,11 +87,23 @@ def test_one_rank_with_bad_arguments_stops_every_rank():
         (["-n", "0"], "-n must be"),
         (["--algorithm", "recursive_doubling", "-e", "64M"], "small_message_bytes"),
         (["--op", "prod"], "invalid choice"),
+        # helper-48: these ended in a traceback, ran one size, or failed after every size had run
+        (["-b", "inf"], "at most 1T"),
+        (["-b", "1e30"], "at most 1T"),
+        (["-f", "nan"], "-f must be a number above 1"),
+        (["-f", "inf"], "-f must be a number above 1"),
+        (["--json", "/nonexistent/x.json"], "expected a file in an existing folder"),
+        (["--plot", "/nonexistent/x.png"], "expected a file in an existing folder"),
+        (["demo", "--sizes", "1X"], "not a size"),
+        (["demo", "--sizes", "4K,"], "not a size"),
+        (["demo", "--sizes", "1e30"], "at most 1T"),
+        (["demo", "--repeats", "0"], "a whole number >= 1"),
     ],
 )
 def test_bench_refuses_bad_input_with_usage(args, message):
+    command = args if args[0] == "demo" else ["bench", *args]
     done = subprocess.run(
-        [sys.executable, "-m", "gflow", "bench", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "gflow", *command], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "usage:" in done.stderr and message in done.stderr, done.stderr

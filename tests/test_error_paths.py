@@ -588,6 +588,24 @@ def test_small_message_bytes_from_the_environment_is_checked_too():
     assert done.returncode != 0 and "GFLOW_SMALL_MESSAGE_BYTES" in done.stderr and "8388608" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "value, said",
+    [("-1", "GFLOW_BACKGROUND_POLL_US must be a whole number of microseconds >= 1, got '-1'"),
+     ("0", "microseconds >= 1, got '0'"), ("abc", "microseconds >= 1, got 'abc'")],
+)  # fmt: skip
+def test_the_background_poll_from_the_environment_is_checked_at_import(value, said):
+    # helper-48: -1 was accepted, and the first async call's wait died ("sleep length must be
+    # non-negative"); 0 made the background thread spin; 'abc' was called a number of bytes.
+    done = subprocess.run(
+        [sys.executable, "-c", "import gflow"],
+        env=dict(os.environ, GFLOW_BACKGROUND_POLL_US=value),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and said in done.stderr, done.stderr
+
+
 @pytest.mark.parallel([2, 3])
 @pytest.mark.parametrize("algorithm", ["ring", "auto", "hierarchical"])
 def test_ranks_with_another_ring_segment_fail_together(monkeypatch, algorithm):

@@ -48,14 +48,17 @@ def _env_seconds(name: str, default: float) -> float:
     return seconds
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, unit: str = "bytes", least: int = 0) -> int:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
-        raise ValueError(f"{name} must be an integer number of bytes, got {value!r}") from None
+        number = None
+    if number is None or number < least:
+        raise ValueError(f"{name} must be a whole number of {unit} >= {least}, got {value!r}")
+    return number
 
 
 # Measured with bench/allreduce.py on the 2-core development machine (bench/RESULTS.md): recursive
@@ -174,7 +177,10 @@ class Config:
             validate=_env_flag("GFLOW_VALIDATE", True),
             small_message_bytes=_env_int("GFLOW_SMALL_MESSAGE_BYTES", DEFAULT_SMALL_MESSAGE_BYTES),
             ring_segment_bytes=_env_int("GFLOW_RING_SEGMENT_BYTES", DEFAULT_RING_SEGMENT_BYTES),
-            background_poll_us=_env_int("GFLOW_BACKGROUND_POLL_US", DEFAULT_BACKGROUND_POLL_US),
+            # (at least 1: the pause doubles from it, and from 0 the thread would spin)
+            background_poll_us=_env_int(
+                "GFLOW_BACKGROUND_POLL_US", DEFAULT_BACKGROUND_POLL_US, "microseconds", least=1
+            ),
             ranks_per_node=os.environ.get("GFLOW_RANKS_PER_NODE", ""),
             shared_memory_min_bytes=_env_int(
                 "GFLOW_SHARED_MEMORY_MIN_BYTES", DEFAULT_SHARED_MEMORY_MIN_BYTES

@@ -13,6 +13,8 @@ element of a result that is not bitwise the same on all ranks.
 
 import hashlib
 import json
+import math
+import os
 import sys
 import time
 
@@ -22,14 +24,17 @@ import numpy as np
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
+MAX_SIZE = 2**40  # (1 TiB: past anything one rank's memory holds, and still an exact float)
+
+
 def parse_size(text: str) -> int:
-    """'4K' -> 4096, '256M', '1G', or a plain number of bytes."""
+    """'4K' -> 4096, '256M', '1G', or a plain number of bytes; ValueError for anything else."""
     text = text.strip().upper().removesuffix("B")
     scale = UNITS.get(text[-1:], 1)
-    number = float(text[:-1] if text[-1:] in UNITS else text)
-    if number <= 0:
-        raise ValueError(f"a size must be positive, got {text!r}")
-    return int(number * scale)
+    number = float(text[:-1] if text[-1:] in UNITS else text)  # (ValueError: not a number)
+    if not 0 < number * scale <= MAX_SIZE:  # (NaN too)
+        raise ValueError(f"a size must be positive and at most 1T, got {text!r}")
+    return max(1, int(number * scale))
 
 
 def _size_argument(text: str) -> int:
@@ -39,15 +44,20 @@ def _size_argument(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:  # argparse shows an ArgumentTypeError's message, not a ValueError's
         raise argparse.ArgumentTypeError(
-            str(exc) if "positive" in str(exc) else f"not a size: {text!r}"
+            str(exc) if "positive" in str(exc) else f"not a size (4K, 64M, 1G or bytes): {text!r}"
         ) from None
+
+
+def size_list_argument(text: str) -> list[int]:
+    """'4K,64K,1M' for argparse: each a size, or ArgumentTypeError naming the one that is not."""
+    return [_size_argument(part) for part in text.split(",")]
 
 
 def sizes_from(begin: int, end: int, factor: float) -> list[int]:
     if end < begin:
         raise ValueError(f"-e ({end}) must be at least -b ({begin})")
-    if factor <= 1 and end > begin:
-        raise ValueError(f"-f must be above 1, got {factor}")
+    if not (math.isfinite(factor) and factor > 1) and end > begin:
+        raise ValueError(f"-f must be a number above 1, got {factor}")
     sizes = [begin]
     while end > begin and sizes[-1] * factor <= end:
         sizes.append(max(int(sizes[-1] * factor), sizes[-1] + 1))  # (a factor near 1 still moves on)
@@ -102,6 +112,9 @@ def check_arguments(args) -> None:
 
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"-n must be >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup}")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):  # (before the sizes run, not after)
+        if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
+            raise ValueError(f"{option} {path!r}: expected a file in an existing folder")
     sizes_from(args.begin, args.end, args.factor)
     dtype = np.dtype(args.dtype)
     try:

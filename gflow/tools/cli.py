@@ -359,9 +359,12 @@ def main(argv=None) -> int:
         "demo", help="allreduce with gflow and with MPI's own, side by side (run under mpiexec)"
     )
     d.add_argument(
-        "--sizes", default="4K,64K,1M,4M,16M", help="message sizes (K/M suffixes), comma-separated"
+        "--sizes",
+        type=benchmark.size_list_argument,
+        default="4K,64K,1M,4M,16M",
+        help="message sizes (K/M/G suffixes), comma-separated",
     )
-    d.add_argument("--repeats", type=int, default=15)
+    d.add_argument("--repeats", type=_positive_int, default=15, help="timed rounds per size (at least 1)")
     b = sub.add_parser(
         "bench",
         help="allreduce bandwidth over a range of sizes, nccl-tests style (run under mpiexec)",
@@ -424,9 +427,14 @@ def main(argv=None) -> int:
         return bench_command(b, args)
     if args.command == "timeline":
         return timeline_command(t, args)
-    units = {"K": 2**10, "M": 2**20}
-    sizes = [
-        int(float(s[:-1]) * units[s[-1].upper()]) if s[-1].upper() in units else int(s)
-        for s in args.sizes.split(",")
-    ]
-    return demo(sizes, args.repeats)
+    return demo(args.sizes, args.repeats)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return number
