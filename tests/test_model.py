@@ -168,6 +168,20 @@ def test_a_busy_machine_is_named():
     assert now is None or now >= 1
 
 
+def test_step_time_compresses_by_the_gradients_element_size():
+    # helper-48: step_time did not pass dtype_bytes on, so fp16 compression of float64 gradients was
+    # costed as of float32's (half the bytes instead of a quarter).
+    sizes = model.workload_sizes("resnet50", dtype_bytes=8)
+    kw = dict(ranks_per_node=8, compression="fp16", calibration=CAL)
+    float64 = model.step_time(sizes, 64, 0.1, dtype_bytes=8, **kw)["comm_s"]
+    as_float32 = model.step_time(sizes, 64, 0.1, dtype_bytes=4, **kw)["comm_s"]
+    assert float64 < 0.7 * as_float32
+    segments = model.segments(sizes, 4 * 2**20)
+    copies = model._slowdown(CAL, 8) * CAL.copy * sum(sizes)
+    expected = sum(model.allreduce_time(n, 64, dtype_bytes=8, algorithm="auto", **kw) for n in segments)
+    assert float64 == pytest.approx(expected + copies)
+
+
 def test_step_time_and_segments():
     assert model.segments([3, 3, 3, 3, 1], 5) == [6, 6, 1]
     sizes = model.workload_sizes("resnet50")

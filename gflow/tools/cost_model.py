@@ -430,7 +430,8 @@ def step_time(
 
     sizes_bytes: the gradients in production order (last layer first: pass them reversed from the
     parameter order). lazy_threshold None: one allreduce per tensor. density: CSC's (None: dense).
-    dtype_bytes: the gradients' element size (2: trained in fp16), for CSC's element count.
+    dtype_bytes: the gradients' element size (2: trained in fp16; 8: float64), for CSC's element count
+    and the bytes compression sends.
     local_copies: passes of copying over the gradients besides the allreduces (LazyAllreduce's
     flush() copies the results back into the pushed arrays: 1; pushing ordinary arrays adds 1).
     backward_share: the share of compute that communication can hide behind (with overlap)."""
@@ -445,10 +446,14 @@ def step_time(
             local = _slowdown(cal, k) * cal.csc * elems
             auto = {**kw, "algorithm": "auto"}  # (SparseAllreduce's own allreduces take "auto")
             norms = allreduce_time(4 * max(1, elems // chunk_elems), ranks, **auto)
-            packed = allreduce_time(int(density * nbytes), ranks, compression=compression, **auto)
+            packed = allreduce_time(
+                int(density * nbytes), ranks, compression=compression, dtype_bytes=dtype_bytes, **auto
+            )
             times.append(local + norms + packed)
         else:
-            times.append(allreduce_time(nbytes, ranks, compression=compression, **kw))
+            times.append(
+                allreduce_time(nbytes, ranks, compression=compression, dtype_bytes=dtype_bytes, **kw)
+            )
     k = min(ranks_per_node or ranks, ranks)
     copies = local_copies * _slowdown(cal, k) * cal.copy * sum(sizes_bytes) if ranks > 1 else 0.0
     comm = float(sum(times))
