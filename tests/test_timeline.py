@@ -123,6 +123,12 @@ def test_unfinished_and_merged_files_load(tmp_path):
     assert timeline.merge([merged], str(tmp_path / "again.json")) == 1
     with pytest.raises(ValueError, match="junk.json"):
         timeline.load(str(junk))
+    # helper-48: JSON that is not a trace read as events ("hello": 5 of them), or failed later with
+    # an AttributeError or a bare KeyError: 'ts'
+    for text in ('"hello"', "[1, 2]", '{"x": 1}', '[{"ph": "X", "name": "a", "pid": 1, "tid": 1}]'):
+        junk.write_text(text)
+        with pytest.raises(ValueError, match="junk.json: not a gflow timeline"):
+            timeline.load(str(junk))
     with pytest.warns(RuntimeWarning, match="no timeline"):
         assert gflow.start_timeline(str(tmp_path / "t{rank}{step}.json")) is None
 

@@ -225,7 +225,21 @@ def load(path: str) -> list[dict]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not a gflow timeline ({exc})") from None
-    return data["traceEvents"] if isinstance(data, dict) else data
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list) or not all(_an_event(e) for e in events):
+        raise ValueError(
+            f"{path}: not a gflow timeline (expected a Chrome trace: a list of events, or an object "
+            "whose traceEvents is one, each with name, ph, pid, tid and ts)"
+        )
+    return events
+
+
+def _an_event(event) -> bool:
+    return (
+        isinstance(event, dict)
+        and all(k in event for k in ("name", "ph", "pid", "tid"))
+        and (event["ph"] == "M" or isinstance(event.get("ts"), (int, float)))
+    )
 
 
 def plot(path: str, out: str, start_ms: float | None = None, end_ms: float | None = None, title=None) -> None:
