@@ -325,7 +325,10 @@ def test_calibrate_measures_every_constant():
     assert cal.node_passes >= 1
     # The size-resolved terms: the node phase and a ring at 512 KiB, the slots' bytes (one host).
     assert cal.node_passes_small > 0 and cal.slots_scale > 0
-    assert all(s > 0 for s in (cal.ring_scale_small, cal.ring_scale, cal.ring_scale_large))
+    assert all(
+        s > 0 for s in (cal.ring_scale_small, cal.ring_scale, cal.ring_scale_large, cal.ring_scale_huge)
+    )
+    assert cal.node_passes_mid > 0 and cal.node_passes_huge > 0
     assert f"on {WORLD.size} ranks" in cal.source
     # More ranks than cores on one node: the fixed costs again with one rank per core, used by the
     # model for nodes that small.
@@ -396,7 +399,8 @@ def test_one_hosts_exchanges_go_through_the_slots_where_measured():
 
 
 def test_size_resolved_terms_interpolate_in_log_size(tmp_path):
-    """ring_scale_small/ring_scale/ring_scale_large, node_passes_small/node_passes: each measured value
+    """ring_scale_small/ring_scale/ring_scale_large/ring_scale_huge, node_passes_small/_mid/node_passes/
+    _huge: each measured value
     holds at its size, log-size interpolation between, the end values beyond; slots_scale multiplies
     only the bytes of the slots' paths. A calibration without them (older) loads and costs as before."""
     from dataclasses import replace
@@ -410,6 +414,15 @@ def test_size_resolved_terms_interpolate_in_log_size(tmp_path):
     assert model._ring_scale(sized, halfway) == pytest.approx(0.75)
     assert model._node_passes(sized, small) == 1.0 and model._node_passes(sized, model.LOCAL_BYTES) == 4.0
     assert model._node_passes(base, small) == base.node_passes  # (not measured: one value)
+    # 8 MB and 128 MB, where the buffers leave the last-level cache and then share memory's bandwidth
+    huge = model.HUGE_BYTES
+    more = replace(sized, node_passes_mid=2.0, node_passes_huge=6.0, ring_scale_huge=3.0)
+    assert model._node_passes(more, mid) == 2.0 and model._node_passes(more, model.LOCAL_BYTES) == 4.0
+    assert (
+        model._node_passes(more, 2 * huge) == 6.0 and model._node_passes(more, 2 * model.LOCAL_BYTES) == 5.0
+    )
+    assert model._ring_scale(more, 2 * large) == pytest.approx(2.5) and model._ring_scale(more, huge) == 3.0
+    assert model._ring_scale(sized, huge) == 2.0  # (not measured: the 32 MB value beyond)
     ring = [model.allreduce_time(2 * small, 2, algorithm="ring", calibration=c) for c in (base, sized)]
     assert ring[1] < ring[0]  # (its bytes at scale 0.5 .. 1.0 there, against 1.0)
     # slots_scale: the latency path's bytes only, its fixed exchange untouched

@@ -26,20 +26,23 @@ seconds, per byte or per element, for a rank that has a core to itself:
                               measured (the model then takes MPI's rounds there too)
     ring_scale                measured / modelled bandwidth terms of a ring inside a node (MPI's
                               shared-memory transport and cache effects the terms above miss), at
-                              8 MB; ring_scale_small and ring_scale_large the same at 512 KiB and
-                              32 MB, and the model interpolates in log size between the three
+                              8 MB; ring_scale_small, ring_scale_large and ring_scale_huge the same
+                              at 512 KiB, 32 MB and 128 MB, and the model interpolates in log size
+                              between them
     slots_scale               the same for the bytes reduced in one host's slots (a payload copied
                               in and folded by every rank, from the caches at these sizes)
     node_passes_small         node_passes at SMALL_BYTES, where the node phase's buffers stay in
-                              the caches (node_passes itself is measured at 32 MB); the model
-                              interpolates in log size between the two
+                              the caches (node_passes itself is measured at 32 MB); node_passes_mid
+                              and node_passes_huge the same at 8 MB and 128 MB (past the last
+                              level cache, memory's bandwidth is shared); the model interpolates in
+                              log size between them
 
 `calibrate` fits the terms from py_step on from gflow's own allreduces at a few sizes on the
 calibration's communicator (a tiny ring of one segment per chunk and of 33, whose difference is the
-cost of a step and whose rest is the call's; a tiny, a 512 KiB and a 32 MB node phase, a 512 KiB, an
-8 MB and a 32 MB ring inside the node, a tiny and a 512 KiB "auto" allreduce through the slots, a
-tiny recursive doubling); everything else it predicts is held out (bench/model_check.py). Each
-timing is the median of REPEATS batches.
+cost of a step and whose rest is the call's; a tiny, a 512 KiB, an 8 MB, a 32 MB and a 128 MB node
+phase, a 512 KiB, an 8 MB, a 32 MB and a 128 MB ring inside the node, a tiny and a 512 KiB "auto"
+allreduce through the slots, a tiny recursive doubling); everything else it predicts is held out
+(bench/model_check.py). Each timing is the median of REPEATS batches.
 
 A node of k ranks on c cores runs its CPU-bound terms ceil(k/c) times slower when k > c (`cores`),
 which is what happens on the 2-core development machine at p = 3 and 4. Its fixed costs (latency,
@@ -121,8 +124,11 @@ class Calibration:
     # messages grow). None: not measured (older calibrations).
     ring_scale_large: float | None = None
     ring_scale_small: float | None = None
+    ring_scale_huge: float | None = None  # at HUGE_BYTES (None: ring_scale_large's beyond 32 MB)
     slots_scale: float = 1.0  # (calibrations before it was measured: 1)
     node_passes_small: float | None = None  # None: node_passes at every size
+    node_passes_mid: float | None = None  # at RING_SCALE_BYTES[0], and
+    node_passes_huge: float | None = None  # at HUGE_BYTES (None: not measured, older calibrations)
     # The device path (cluster(gpu=True) sets it; None: host arrays): "direct" (a CUDA-aware MPI reads
     # device memory; the latency path still stages its small messages through the host) or "staged"
     # (through pinned host memory: the flat ring and the latency path stage the whole message, the
@@ -156,6 +162,7 @@ class Calibration:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         optional = {"source", "uncrowded", "ring_scale_large", "py_call", "transport", "pcie", "launch"}
         optional |= {"device", "slots_scale", "node_passes_small", "ring_scale_small", "slot_step"}
+        optional |= {"ring_scale_huge", "node_passes_mid", "node_passes_huge"}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(
@@ -203,7 +210,7 @@ def _for_node(cal: Calibration, ranks_on_node: int) -> Calibration:
     return cal
 
 
-_MAY_BE_NONE = ("slot_step", "ring_scale_large")
+_MAY_BE_NONE = ("slot_step", "ring_scale_large", "ring_scale_huge", "node_passes_mid", "node_passes_huge")
 # (checked apart: the scales below must be positive, and say so)
 _NOT_NUMBERS = (
     "source",
@@ -217,6 +224,7 @@ _NOT_NUMBERS = (
 _FIXED_COSTS = ("alpha_intra", "py_step", "py_call", "rd_step", "node_fixed", "slot_step")
 _PYTHON_COSTS = ("py_step", "py_call", "rd_step")  # what gflow's own code costs, beside the machine's
 RING_SCALE_BYTES = (8 * 2**20, 32 * 2**20)  # where calibrate measures a ring inside a node
+HUGE_BYTES = 128 * 2**20  # ... and both, where every rank's buffers are far past the caches
 SMALL_BYTES = 512 * 2**10  # where it measures the node phase in the caches and the slots' bytes
 LOCAL_BYTES = 32 * 2**20  # where it measures gamma, copy and node_passes
 
@@ -231,13 +239,16 @@ def _by_size(nbytes: float, points) -> float:
 
 def _ring_scale(cal: Calibration, nbytes: int) -> float:
     points = [(SMALL_BYTES, cal.ring_scale_small), (RING_SCALE_BYTES[0], cal.ring_scale)]
-    return _by_size(nbytes, [*points, (RING_SCALE_BYTES[1], cal.ring_scale_large)])
+    return _by_size(
+        nbytes, [*points, (RING_SCALE_BYTES[1], cal.ring_scale_large), (HUGE_BYTES, cal.ring_scale_huge)]
+    )
 
 
 def _node_passes(cal: Calibration, nbytes: int) -> float:
-    """node_passes for a node phase of nbytes: node_passes_small at SMALL_BYTES, node_passes at
-    LOCAL_BYTES."""
-    return _by_size(nbytes, [(SMALL_BYTES, cal.node_passes_small), (LOCAL_BYTES, cal.node_passes)])
+    """node_passes for a node phase of nbytes: node_passes_small at SMALL_BYTES, node_passes_mid at
+    RING_SCALE_BYTES[0], node_passes at LOCAL_BYTES, node_passes_huge at HUGE_BYTES."""
+    points = [(SMALL_BYTES, cal.node_passes_small), (RING_SCALE_BYTES[0], cal.node_passes_mid)]
+    return _by_size(nbytes, [*points, (LOCAL_BYTES, cal.node_passes), (HUGE_BYTES, cal.node_passes_huge)])
 
 
 def _slowdown(cal: Calibration, ranks_on_node: int) -> float:
@@ -473,7 +484,7 @@ def workload_sizes(name: str, dtype_bytes: int = 4) -> list[int]:
     return [int(np.prod(shape)) * dtype_bytes for shape in reversed(MODELS[name])]
 
 
-REPEATS = 3  # calibrate measures each ping-pong point this many times and keeps the median
+REPEATS = 5  # calibrate measures each ping-pong point this many times and keeps the median
 
 
 def busier_than_cores(own_ranks: int, cores: int, load=None) -> str | None:
@@ -643,12 +654,17 @@ def calibrate(comm=None, progress=print) -> Calibration:
         k = k_here  # (the times are the slowest rank's, so the largest node's; a rank alone times copies)
         agree = _agreement(cal, k, cal.alpha_intra, slow, one_host=True)
         times = []
-        for count in (k, n, SMALL_BYTES // 4):  # into `out`, as a trainer's: a new array is page faults
-            x = a[:count]
+        huge_x = np.random.default_rng(comm.rank).random(HUGE_BYTES // 4, dtype=np.float32)
+        huge_out = np.empty_like(huge_x)
+        # into `out`, as a trainer's: a new array is page faults
+        sizes_in_a = (a[:k], a, a[: SMALL_BYTES // 4], a[: RING_SCALE_BYTES[0] // 4])
+        for x, y in [*((x, out) for x in sizes_in_a), (huge_x, huge_out)]:
             t = _local_rate(
                 node_comm,
-                lambda x=x: gflow.allreduce(x, comm=node_comm, algorithm="hierarchical", out=out[: x.size]),
-                10,
+                lambda x=x, y=y: gflow.allreduce(
+                    x, comm=node_comm, algorithm="hierarchical", out=y[: x.size]
+                ),
+                10 if x.nbytes < HUGE_BYTES else 3,
             )
             times.append(comm.allreduce(t, op=MPI.MAX))
         cal.node_fixed = _at_least("node_fixed", 1e-6, (times[0] - agree) / slow - cal.py_call)
@@ -656,6 +672,11 @@ def calibrate(comm=None, progress=print) -> Calibration:
         cal.node_passes_small = _at_least(
             "node_passes_small", 0.1, (times[2] - times[0]) / (slow * cal.copy * SMALL_BYTES)
         )
+        cal.node_passes_mid, cal.node_passes_huge = (
+            _at_least(name, 0.1, (t - times[0]) / (slow * cal.copy * nbytes))
+            for name, t, nbytes in (("node_passes_mid", times[3], RING_SCALE_BYTES[0]),
+                                    ("node_passes_huge", times[4], HUGE_BYTES))
+        )  # fmt: skip
         # The bytes of an "auto" allreduce reduced in the slots, where the model takes them: one node
         # (alike on every rank), whose ranks share one host (slot_step measured).
         if (
@@ -673,26 +694,27 @@ def calibrate(comm=None, progress=print) -> Calibration:
             fixed, bandwidth = _slots_parts(cal, SMALL_BYTES, k, latency_path)
             cal.slots_scale = _at_least("slots_scale", 0.05, (t / slow - fixed) / bandwidth)
         scales = []
-        for nbytes in (SMALL_BYTES, *RING_SCALE_BYTES):
-            x = a[: nbytes // 4]
+        for nbytes in (SMALL_BYTES, *RING_SCALE_BYTES, HUGE_BYTES):
+            x, y = (a[: nbytes // 4], out) if nbytes <= a.nbytes else (huge_x, huge_out)
             t = _local_rate(
                 node_comm,
-                lambda x=x: gflow.allreduce(x, comm=node_comm, algorithm="ring", out=out[: x.size]),
-                40 if nbytes < 2**20 else 10 if nbytes < 2**24 else 4,
+                lambda x=x, y=y: gflow.allreduce(x, comm=node_comm, algorithm="ring", out=y[: x.size]),
+                40 if nbytes < 2**20 else 10 if nbytes < 2**24 else 4 if nbytes < HUGE_BYTES else 2,
             )
             t = comm.allreduce(t, op=MPI.MAX)
             fixed, bandwidth = _ring_parts(cal, x.nbytes, k, cal.alpha_intra, slow * cal.beta_intra, slow)
             scales.append(_at_least("ring_scale", 0.2, (t - slow * cal.py_call - agree - fixed) / bandwidth))
-        cal.ring_scale_small, cal.ring_scale, cal.ring_scale_large = scales
+        cal.ring_scale_small, cal.ring_scale, cal.ring_scale_large, cal.ring_scale_huge = scales
+        del huge_x, huge_out
         node_comm.Free()
     if len(topo.nodes) == 1 and comm.size > cores > 1:
         cal.uncrowded = _uncrowded(comm, cores)
         progress("one rank per core: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in cal.uncrowded.items()))
+    passes = _at_sizes(cal.node_passes_small, cal.node_passes_mid, cal.node_passes, cal.node_passes_huge)
+    ring_scales = _at_sizes(cal.ring_scale_small, cal.ring_scale, cal.ring_scale_large, cal.ring_scale_huge)
     progress(
-        f"node phase {cal.node_passes:.2f} copies per byte ({cal.node_passes_small or cal.node_passes:.2f} "
-        f"at 512 KiB) + {cal.node_fixed * 1e6:.0f} us; slots' bytes x{cal.slots_scale:.2f}; ring bandwidth "
-        f"x{cal.ring_scale_small or cal.ring_scale:.2f} (512 KiB), x{cal.ring_scale:.2f} (8 MB), "
-        f"x{cal.ring_scale_large or cal.ring_scale:.2f} (32 MB); "
+        f"node phase {passes} copies per byte + {cal.node_fixed * 1e6:.0f} us; slots' bytes "
+        f"x{cal.slots_scale:.2f}; ring bandwidth x {ring_scales}; "
         f"gflow's own cost per ring step {cal.py_step * 1e6:.2f} us, per call {cal.py_call * 1e6:.1f} us, "
         f"per recursive-doubling round {cal.rd_step * 1e6:.1f} us"
         + (f", per exchange through the slots {cal.slot_step * 1e6:.1f} us" if cal.slot_step else "")
@@ -786,7 +808,9 @@ def _step_costs(comm, alpha: float) -> tuple:
             gflow.config.shared_slots = shared
         t_rd = _local_rate(apart, lambda: gflow.allreduce(one, comm=apart), 200)
         apart.Free()
-    py_step = _at_least("py_step", 1e-8, (t_many - t_one) / (32 * (p - 1)) - alpha)
+    # (not _at_least: with the compiled ring loops, a step costs little beyond its latency, and a value
+    # at the floor is what this measures, not a slip)
+    py_step = max(1e-8, (t_many - t_one) / (32 * (p - 1)) - alpha)
     rd_step = _at_least("rd_step", 1e-7, t_rd / rounds - alpha)
     py_call = _at_least(
         "py_call",
@@ -811,6 +835,12 @@ def python_share(nbytes: int, ranks: int, *, calibration=None, **kwargs) -> floa
         without.uncrowded = {**cal.uncrowded, **{k: 0.0 for k in _PYTHON_COSTS if k in cal.uncrowded}}
     total = allreduce_time(nbytes, ranks, calibration=cal, **kwargs)
     return 1.0 - allreduce_time(nbytes, ranks, calibration=without, **kwargs) / total if total else 0.0
+
+
+def _at_sizes(*values) -> str:
+    """'1.20 / 0.80 / 0.90 / 1.10 at 512 KiB / 8 / 32 / 128 MB' (a term not measured: '-')."""
+    shown = " / ".join("-" if v is None else f"{v:.2f}" for v in values)
+    return f"{shown} at 512 KiB / 8 / 32 / 128 MB"
 
 
 def _uncrowded(comm, cores: int) -> dict:
@@ -883,7 +913,9 @@ def cluster(
     cal.cores = max(cal.cores, ranks_per_node)
     if gpu:
         cal.copy, cal.gamma, cal.codec, cal.csc = (GPU_NODE[k] for k in ("copy", "gamma", "codec", "csc"))
-        cal.node_passes_small = cal.ring_scale_small = None  # (the host's caches: not device memory's)
+        # (the host's caches: not device memory's)
+        cal.node_passes_small = cal.node_passes_mid = cal.node_passes_huge = None
+        cal.ring_scale_small = cal.ring_scale_huge = None
         cal.beta_intra, cal.alpha_intra = 1 / GPU_NODE["intra_Bps"], 5e-6
         cal.transport = transport
         if not base.device:  # (measured by `calibrate --device`: kept)
