@@ -74,6 +74,20 @@ def test_a_rank_that_leaves_is_named_by_the_others(mode, size):
 
 
 @pytest.mark.parametrize("size", [2, 3])
+def test_a_program_that_catches_the_departure_ends_quietly(size):
+    # helper-49: the joined ranks named the rank that left, but at exit freeing the fresh background
+    # context they had made for it waited for its duplicate, raised "... left the job" again inside
+    # the exit handler (naming a rank that had ended normally) and stopped it there.
+    status, output, after = run_job("exit-after-refused-in-join-caught", size)
+    others = [r for r in range(size) if r != FAILING]
+    assert status == 0, output
+    for r in others:
+        assert f"rank {r} caught: rank {FAILING} has left the job" in output, output
+    assert "Exception ignored" not in output and "Traceback" not in output, output
+    assert after is not None and after < ENDS_WITHIN_S, (after, output)
+
+
+@pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("mode", ["retry-async", "retry-lazy"])
 def test_a_retry_after_a_rank_left_fails_again(mode, size):
     status, output, _ = run_job(mode, size)

@@ -135,8 +135,9 @@ def _wait_for_duplicates(requests, ctx) -> None:
             if time.monotonic() - noticed > 1.0:
                 gone = sorted(parent.gone)
                 raise GflowError(
-                    f"{stall.ranks_text(gone)} {'has' if len(gone) == 1 else 'have'} left the job (its "
-                    f"process exited) without making gflow's background communicator with rank "
+                    f"{stall.ranks_text(gone)} {'has' if len(gone) == 1 else 'have'} left the job "
+                    f"({'its process' if len(gone) == 1 else 'their processes'} exited) without making "
+                    f"gflow's background communicator with rank "
                     f"{parent.rank}: no async collective can start"
                 )
         time.sleep(pause)
@@ -326,11 +327,15 @@ class CommContext:
             self.slots = None
             self.rd_plans.clear()
             self.small_calls.clear()
-            if self._pending is None or self.failed is None:
-                self.comm.Free()
-            # (else its first collective failed while its duplicate was still being made, and some peer
-            # may never start making it: waiting here would hang or raise anew; the request is left
-            # to MPI_Finalize)
+            if self._pending is None or (
+                self.failed is None and _done_by(self._pending, time.monotonic() + FREE_PENDING_S)
+            ):
+                self._pending = None
+                self._comm.Free()
+            # (else its first collective failed while its duplicate was still being made, or a peer
+            # never started making it (a rank that left, while this one served join() a fresh
+            # background context: helper-49): waiting would hang or raise anew; the request is left to
+            # MPI_Finalize)
             if not keep_monitor:
                 self.free_monitor()
 
@@ -356,6 +361,7 @@ def free_all() -> None:
 
 
 FINISH_DUPLICATES_S = 10.0  # at exit: how long a rank waits to finish duplicates an interrupt left
+FREE_PENDING_S = 1.0  # ... and for a duplicate still being made when its context is freed
 
 
 def finish_duplicates(seconds: float = FINISH_DUPLICATES_S) -> None:
