@@ -596,12 +596,19 @@ def test_broadcast_checks_shapes_and_the_dtypes_moved_as_bytes():
 @pytest.mark.parallel([2, 3])
 def test_the_first_line_names_the_argument_that_differs():
     # helper-43: a name= or int8/int32 mismatch led with "the shape (with the same number of
-    # elements), or in gflow.torch the op, scale factors or name=", which names the wrong cause first.
+    # elements), or in gflow.torch the op, scale factors or name=", which names the wrong cause first
+    # (helper-49: so did a name= given on one rank only, and a name with a comma was split).
     bad = WORLD.rank == LAST
     x = torch.ones(4)
     cases = [
         (lambda: hvd.allreduce(x, name="grad.b" if bad else "grad.a"),
          "name=: rank 0 passed name='grad.a', rank {last} passed name='grad.b'"),
+        (lambda: hvd.allreduce(x, name="w, 2" if bad else "w, 1"),  # (helper-49: split at the comma)
+         "name=: rank 0 passed name='w, 1', rank {last} passed name='w, 2'"),
+        (lambda: hvd.allreduce(x, name=None if bad else "w"),
+         "name= (given on one rank only): rank 0 passed name='w', rank {last} passed no name="),
+        (lambda: hvd.allgather(x, name=None if bad else "g"),
+         "name= (given on one rank only): rank 0 passed name='g', rank {last} passed no name="),
         (lambda: hvd.allreduce(x.to(torch.int8 if bad else torch.int32), op=hvd.Sum),
          "the dtype: rank 0 passed a tensor of shape (4,) and dtype int32, rank {last} passed a tensor of "
          "shape (4,) and dtype int8"),

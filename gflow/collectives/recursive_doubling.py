@@ -840,14 +840,38 @@ def share_what_passed(ctx: CommContext, header, about: str | None) -> list:
 
 
 def _fields(words: str) -> list:
-    """A description's comma-separated fields; a comma inside brackets (a shape) does not separate."""
-    fields, depth, start = [], 0, 0
+    """A description's comma-separated fields; a comma inside brackets (a shape) or quotes (a name's
+    repr) does not separate."""
+    fields, depth, start, quote, escaped = [], 0, 0, None, False
     for i, c in enumerate(words):
+        if quote is not None:  # (inside a repr: only its own closing quote ends it)
+            escaped, quote = (not escaped and c == "\\"), (None if c == quote and not escaped else quote)
+            continue
+        if c in "'\"":
+            quote = c
         depth += (c in "([{") - (c in ")]}")
         if depth == 0 and words.startswith(", ", i):
             fields.append(words[start:i])
             start = i + 2
     return [*fields, words[start:]]
+
+
+def _given_on_one_side(fields_a, fields_b):
+    """(the key=, A's fields, B's fields) where the two descriptions differ only by key=... fields
+    that one of them has and the other lacks (name= given on one rank only), else None."""
+    keys_a, keys_b = ({f.partition("=")[0] for f in fields if "=" in f} for fields in (fields_a, fields_b))
+    only = sorted(keys_a ^ keys_b)
+    if not only or len(only) > 1:
+        return None
+    key = only[0]
+    rest = [[f for f in fields if f.partition("=")[0] != key] for fields in (fields_a, fields_b)]
+    if rest[0] != rest[1]:
+        return None
+    said = [
+        next((f for f in fields if f.partition("=")[0] == key), f"no {key}=")
+        for fields in (fields_a, fields_b)
+    ]
+    return f"{key}= (given on one rank only)", *said
 
 
 def _differing(words_a: str, words_b: str) -> tuple:
@@ -912,8 +936,12 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
         elif said_b == "another":  # (the signature holds a checksum: say which of the words differ)
             apart = first_push_apart(words_a, words_b)
             fields_a, fields_b = _differing(words_a, words_b)
+            one_side = _given_on_one_side(fields_a, fields_b) if len(fields_a) != len(fields_b) else None
             if apart is not None:
                 said_a, said_b = apart
+            elif one_side is not None:
+                what, said_a, said_b = one_side
+                said_a, said_b = f"passed {said_a}", f"passed {said_b}"
             elif len(fields_a) == len(fields_b) and fields_a:
                 what = _field_names(fields_a, fields_b)
                 said_a, said_b = (f"passed {', '.join(fields)}" for fields in (fields_a, fields_b))
