@@ -232,9 +232,8 @@ def model_command(parser, args) -> int:
                 counts = [float(v) for v in f.read().replace(",", " ").split()]
             if not counts or not all(math.isfinite(c) and c == int(c) and c > 0 for c in counts):
                 raise ValueError(f"{args.workload}: expected whole, positive element counts")
-            sizes = [int(c) * 4 for c in counts][
-                ::-1
-            ]  # (given in the model's order: backward runs last first)
+            # (given in the model's order; backward produces them last first)
+            sizes = [int(c) * 4 for c in reversed(counts)]
             v100 = None
         else:
             sizes = model.workload_sizes(args.workload)
