@@ -192,6 +192,7 @@ class CommContext:
         self.hierarchy = None  # collectives/hierarchical.py's communicators and window
         self.is_background = background
         self.failed = None  # set on a background context by its first failed collective
+        self.retired = False  # dropped after a failure, its monitor duplicate kept (reset_background)
         # How this context waits for its messages: the caller's thread polls, yielding between polls
         # (lowest latency); the engine thread polls and sleeps in between, so the caller's computation
         # keeps the core. Both notice a peer that has left (stall.check_waiting).
@@ -300,6 +301,7 @@ class CommContext:
             # goodbye there at exit, and a peer waiting for it elsewhere (the fresh background context's
             # duplicates, join()) learns that it left. One kept per communicator: the last.
             failed.free(keep_monitor=True)
+            failed.retired = True
             if self._retired is not None:
                 self._retired.free_monitor()
             self._retired, self._background = failed, None

@@ -184,7 +184,8 @@ def _answer(ctx) -> None:
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_GOODBYE, status):
         completed = np.empty(1, np.int64)
         comm.Recv(completed, status.Get_source(), TAG_GOODBYE)
-        ctx.departed[status.Get_source()] = int(completed[0])
+        if completed[0] != LEFT_UNCOUNTED:
+            ctx.departed[status.Get_source()] = int(completed[0])
         ctx.gone.setdefault(status.Get_source(), time.monotonic())
         departures.append((ctx, status.Get_source()))
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_QUESTION, status):
@@ -308,6 +309,11 @@ def _raise_departed(ctx, number: int, sig) -> None:
 
 
 UNHEARD_GRACE_S = 1.0  # how long past news heard only on the sibling context before naming the rank
+# A goodbye on a context the leaving rank had dropped after a failure (CommContext.retired): a peer
+# that has not dropped it yet may wait in a collective there that failed on the leaver (crossed waits,
+# say), whose own error is on its way. So the peer only learns that the rank left (`gone`, named after
+# UNHEARD_GRACE_S, as news from a sibling context is), not how far it came there.
+LEFT_UNCOUNTED = -1
 
 
 def _raise_unheard(ctx, m: _Mark) -> None:
@@ -378,6 +384,8 @@ def goodbye() -> None:
             completed = ctx.entered - any(b is ctx for b in busy)
             if ctx.abandoned is not None:
                 completed = min(completed, ctx.abandoned - 1)
+            if ctx.retired:  # (a peer may not have dropped it yet: its wait there is told apart)
+                completed = LEFT_UNCOUNTED
             completed = np.array([completed], np.int64)
             payloads.append(completed)
             peers = (r for r in range(ctx.size) if r != ctx.rank)
