@@ -462,8 +462,9 @@ def test_a_calibration_that_is_not_numbers_is_refused_at_load(tmp_path):
              ("gamma", None, "gamma must be"), ("copy", float("nan"), "copy must be"),
              ("cores", 0, "cores must be a whole number >= 1"), ("cores", 2.5, "cores must be"),
              ("transport", "carrier pigeon", "transport must be"),
-             ("node_passes", 0, "node_passes must be a number > 0"), ("copy", 0.0, "copy must be a number"),
-             ("ring_scale_huge", 0, "ring_scale_huge must be a number > 0")]  # fmt: skip
+             ("node_passes", 0, "node_passes must be a positive number"),
+             ("copy", 0.0, "copy must be a positive number"),
+             ("ring_scale_huge", 0, "ring_scale_huge must be a positive number")]  # fmt: skip
     for field, value, message in cases:
         model.Calibration().save(str(path))
         path.write_text(json.dumps({**json.load(open(path)), field: value}))

@@ -176,16 +176,10 @@ class Calibration:
             if name == "cores" and not (number and value == int(value) and value >= 1):
                 raise ValueError(f"calibration {path}: cores must be a whole number >= 1, got {value!r}")
             if not (number and (value > 0 if name in _POSITIVE else value >= 0)):
-                least = "> 0" if name in _POSITIVE else ">= 0"
-                raise ValueError(f"calibration {path}: {name} must be a number {least}, got {value!r}")
+                least = "a positive number" if name in _POSITIVE else "a number >= 0"
+                raise ValueError(f"calibration {path}: {name} must be {least}, got {value!r}")
         if known.get("transport") not in (None, "direct", "staged"):
             raise ValueError(f"calibration {path}: transport must be 'direct', 'staged' or null")
-        for name in ("slots_scale", "ring_scale_small", "node_passes_small"):
-            value = known.get(name, 1.0)
-            if value is None and name != "slots_scale":
-                continue
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-                raise ValueError(f"calibration {path}: {name} must be a positive number, got {value!r}")
         uncrowded = known.get("uncrowded")
         if uncrowded is not None and not (
             isinstance(uncrowded, dict)
@@ -212,19 +206,13 @@ def _for_node(cal: Calibration, ranks_on_node: int) -> Calibration:
 
 
 # (a rate or a scale of 0 would make bytes free: node_passes 0 cut a ResNet-50 step's communication 4x)
-_POSITIVE = ("beta_intra", "beta_inter", "gamma", "copy", "codec", "csc", "node_passes", "node_passes_mid",
-             "node_passes_huge", "ring_scale", "ring_scale_large", "ring_scale_huge", "pcie")  # fmt: skip
-_MAY_BE_NONE = ("slot_step", "ring_scale_large", "ring_scale_huge", "node_passes_mid", "node_passes_huge")
-# (checked apart: the scales below must be positive, and say so)
-_NOT_NUMBERS = (
-    "source",
-    "uncrowded",
-    "transport",
-    "device",
-    "slots_scale",
-    "ring_scale_small",
-    "node_passes_small",
-)
+_POSITIVE = ("beta_intra", "beta_inter", "gamma", "copy", "codec", "csc", "pcie", "slots_scale",
+             "node_passes", "node_passes_small", "node_passes_mid", "node_passes_huge",
+             "ring_scale", "ring_scale_small", "ring_scale_large", "ring_scale_huge")  # fmt: skip
+# None: not measured (older calibrations)
+_MAY_BE_NONE = ("slot_step", "ring_scale_small", "ring_scale_large", "ring_scale_huge", "node_passes_small",
+                "node_passes_mid", "node_passes_huge")  # fmt: skip
+_NOT_NUMBERS = ("source", "uncrowded", "transport", "device")
 _FIXED_COSTS = ("alpha_intra", "py_step", "py_call", "rd_step", "node_fixed", "slot_step")
 _PYTHON_COSTS = ("py_step", "py_call", "rd_step")  # what gflow's own code costs, beside the machine's
 RING_SCALE_BYTES = (8 * 2**20, 32 * 2**20)  # where calibrate measures a ring inside a node
@@ -661,8 +649,9 @@ def calibrate(comm=None, progress=print) -> Calibration:
         huge_x = np.random.default_rng(comm.rank).random(HUGE_BYTES // 4, dtype=np.float32)
         huge_out = np.empty_like(huge_x)
         # into `out`, as a trainer's: a new array is page faults
-        sizes_in_a = (a[:k], a, a[: SMALL_BYTES // 4], a[: RING_SCALE_BYTES[0] // 4])
-        for x, y in [*((x, out) for x in sizes_in_a), (huge_x, huge_out)]:
+        node_arrays = (a[:k], a, a[: SMALL_BYTES // 4], a[: RING_SCALE_BYTES[0] // 4], huge_x)
+        for x in node_arrays:
+            y = huge_out if x is huge_x else out
             t = _local_rate(
                 node_comm,
                 lambda x=x, y=y: gflow.allreduce(
@@ -672,15 +661,16 @@ def calibrate(comm=None, progress=print) -> Calibration:
             )
             times.append(comm.allreduce(t, op=MPI.MAX))
         cal.node_fixed = _at_least("node_fixed", 1e-6, (times[0] - agree) / slow - cal.py_call)
-        cal.node_passes = _at_least("node_passes", 0.5, (times[1] - times[0]) / (slow * cal.copy * a.nbytes))
-        cal.node_passes_small = _at_least(
-            "node_passes_small", 0.1, (times[2] - times[0]) / (slow * cal.copy * SMALL_BYTES)
+        passes = (
+            ("node_passes", 0.5),
+            ("node_passes_small", 0.1),
+            ("node_passes_mid", 0.1),
+            ("node_passes_huge", 0.1),
         )
-        cal.node_passes_mid, cal.node_passes_huge = (
-            _at_least(name, 0.1, (t - times[0]) / (slow * cal.copy * nbytes))
-            for name, t, nbytes in (("node_passes_mid", times[3], RING_SCALE_BYTES[0]),
-                                    ("node_passes_huge", times[4], HUGE_BYTES))
-        )  # fmt: skip
+        for (name, floor), x, t in zip(
+            passes, node_arrays[1:], times[1:], strict=True
+        ):  # (past the tiny one)
+            setattr(cal, name, _at_least(name, floor, (t - times[0]) / (slow * cal.copy * x.nbytes)))
         # The bytes of an "auto" allreduce reduced in the slots, where the model takes them: one node
         # (alike on every rank), whose ranks share one host (slot_step measured).
         if (
