@@ -48,6 +48,12 @@ def _size_argument(text: str) -> int:
         ) from None
 
 
+def not_a_new_file(path: str) -> bool:
+    """Whether `path` cannot be written as a file (a folder, or in a folder that does not exist):
+    checked before a command's work, so that its results are not lost after it."""
+    return os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))
+
+
 def size_list_argument(text: str) -> list[int]:
     """'4K,64K,1M' for argparse: each a size, or ArgumentTypeError naming the one that is not."""
     return [_size_argument(part) for part in text.split(",")]
@@ -113,7 +119,7 @@ def check_arguments(args) -> None:
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"-n must be >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup}")
     for option, path in (("--json", args.json), ("--plot", args.plot)):  # (before the sizes run, not after)
-        if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
+        if path and not_a_new_file(path):
             raise ValueError(f"{option} {path!r}: expected a file in an existing folder")
     sizes_from(args.begin, args.end, args.factor)
     dtype = np.dtype(args.dtype)

@@ -154,7 +154,7 @@ def _calibrate_refusal(args, ranks: int) -> str | None:
             "the terms are what ranks cost each other (ping-pongs, gflow's steps, the node phase): run it "
             "on at least 2 ranks, `mpiexec -n 2 python -m gflow calibrate` (1 rank would write the defaults)"
         )
-    if os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+    if benchmark.not_a_new_file(args.out):
         return f"--out {args.out!r}: expected a file in an existing folder"
     return None
 
@@ -225,7 +225,7 @@ def model_command(parser, args) -> int:
             raise ValueError(f"--batch must be at least 1, got {args.batch}")
         if not 0 < args.density <= 1:
             raise ValueError(f"--density must be in (0, 1], got {args.density}")
-        if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        if args.plot and benchmark.not_a_new_file(args.plot):
             raise ValueError(f"--plot {args.plot!r}: expected a file in an existing folder")
         if os.path.exists(args.workload):
             with open(args.workload) as f:
