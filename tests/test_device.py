@@ -184,6 +184,21 @@ def test_bad_device_arguments():
         gflow.allreduce(np.ones(10, np.float32), out=d)
 
 
+def test_explicit_strides_on_axes_of_extent_one_are_still_c_order():
+    """helper-47: a __cuda_array_interface__ with strides given for axes of extent 1 (any value: such an
+    axis is never stepped) was refused as non-contiguous; NumPy and Numba call it C order."""
+    x = random_array(rank_rng(7), 7, np.float32)
+    for shape, strides in [((1, 7), (999, 4)), ((7, 1), (4, 3)), ((1, 7, 1), (28, 4, 1))]:
+        a = CAIOnly(cuda.to_device(x))
+        a.__cuda_array_interface__.update(shape=shape, strides=strides)
+        assert memory.describe(a)[2], (shape, strides)
+        assert_close_to_reference(to_host(gflow.allreduce(a)).reshape(-1), x, "sum")
+    a = CAIOnly(cuda.to_device(x[:6]))
+    a.__cuda_array_interface__.update(shape=(2, 3), strides=(4, 8))  # Fortran order: really refused
+    with pytest.raises(ValueError, match="must be C-contiguous"):
+        gflow.allreduce(a)
+
+
 def test_the_mpi_library_is_found_for_the_cuda_support_query():
     """mpi4py may load libmpi privately (the MPICH wheel does): the CUDA-support query must still reach
     it, or a CUDA-aware MPI would be taken for one that is not."""

@@ -55,8 +55,14 @@ def describe(x, name: str = "x"):
     cai = x.__cuda_array_interface__
     shape, dtype = tuple(cai["shape"]), np.dtype(cai["typestr"])
     strides = cai.get("strides")
-    contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize) or 0 in shape
+    contiguous = strides is None or 0 in shape or _is_c_order(shape, tuple(strides), dtype.itemsize)
     return shape, dtype, contiguous
+
+
+def _is_c_order(shape, strides, itemsize: int) -> bool:
+    """C order as NumPy judges it: an axis of extent 1 is never stepped, so its stride does not count
+    (torch and some exporters give such axes an arbitrary stride rather than strides=None)."""
+    return all(e == 1 or s == c for e, s, c in zip(shape, strides, _c_strides(shape, itemsize), strict=True))
 
 
 def flat_view(x, name: str = "x"):
