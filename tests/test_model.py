@@ -7,12 +7,26 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from helpers import WORLD
 
+import gflow
 from gflow.tools import cost_model as model
 
 CAL = model.Calibration()
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_a_node_has_the_cores_its_ranks_may_run_on(monkeypatch):
+    """helper-48: calibrate counted the machine's cores, not those the job may use (a job bound to 2
+    of 16 cores ran as if uncrowded): the union of the node's ranks' affinities counts."""
+    node = list(range(WORLD.size))
+    monkeypatch.setattr(model.os, "sched_getaffinity", lambda pid: {100 + WORLD.rank % 2}, raising=False)
+    assert model._cores_of(WORLD, node) == min(WORLD.size, 2)
+    monkeypatch.setattr(model.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert model._cores_of(WORLD, node) == 5
+    assert model._cores_of(WORLD, [WORLD.rank]) == 5
 
 
 def test_allreduce_time_follows_the_algorithms():
@@ -47,13 +61,43 @@ def test_recursive_doubling_rounds_across_nodes_share_the_link():
     # Only the link costs here. 16 ranks: in nodes of 8, one round crosses, with all 8 ranks of a node
     # sending their whole message over its link at once; in nodes of 1, all four rounds cross, one flow
     # each. (The review's case: a 4 MiB call at 512 ranks, 8 per node, modelled with one flow per link.)
-    nbytes, beta = 4 * 2**20, 1e-9
+    nbytes, beta = 64 * 2**10, 1e-9
     links_only = model.Calibration(
         alpha_inter=0, beta_inter=beta, alpha_intra=0, beta_intra=0, gamma=0, rd_step=0, py_call=0
     )
     rd = dict(algorithm="recursive_doubling", calibration=links_only)
     assert model.allreduce_time(nbytes, 16, ranks_per_node=8, **rd) == pytest.approx(8 * nbytes * beta)
     assert model.allreduce_time(nbytes, 16, ranks_per_node=1, **rd) == pytest.approx(4 * nbytes * beta)
+    # helper-48: sizes that are not powers of two were costed ceil(log2 p) + 2 rounds, log2(k) of them
+    # inside a node, every other one with all k ranks crossing. gflow's schedule (rd_schedule) at 12
+    # ranks in nodes of 4: the fold and the first round stay inside the nodes, then 2 and 4 ranks of
+    # the busiest node cross, and the unfold stays inside; at 6 in nodes of 3, one rank crosses in each
+    # of its 4 rounds.
+    assert model.rd_rounds(12, 4) == (0, 0, 2, 4, 0)
+    assert model.allreduce_time(nbytes, 12, ranks_per_node=4, **rd) == pytest.approx(6 * nbytes * beta)
+    assert model.rd_rounds(6, 3) == (1, 1, 1, 1)
+    assert [model.rd_round_count(p) for p in (1, 2, 3, 4, 5, 7, 8, 9)] == [0, 1, 3, 2, 4, 4, 3, 5]
+
+
+def test_explicit_recursive_doubling_is_refused_where_gflow_refuses_it():
+    # helper-48: the model costed sizes that gflow refuses (its "lazy recursive doubling" row, 4 MiB).
+    limit = gflow.config.small_message_bytes
+    assert model.allreduce_time(limit, 4, algorithm="recursive_doubling", calibration=CAL) > 0
+    with pytest.raises(ValueError, match="takes at most config.small_message_bytes") as in_model:
+        model.allreduce_time(limit + 4, 4, algorithm="recursive_doubling", calibration=CAL)
+    with pytest.raises(ValueError, match="takes at most config.small_message_bytes") as in_gflow:
+        gflow.allreduce(np.ones((limit + 4) // 4, np.float32), algorithm="recursive_doubling")
+    assert str(in_model.value) == str(in_gflow.value)
+
+
+def test_device_arrays_reduce_on_the_host_in_recursive_doubling():
+    # helper-48: the latency path of device arrays goes through the host, but was costed at the
+    # GPU's reduction and NVLink rates.
+    host = model.Calibration(gamma=1e-9, beta_intra=1e-9, alpha_intra=0, rd_step=0, py_call=0)
+    gpu = model.cluster(host, 56e9, 0.0, 4)
+    one_node = model.allreduce_time(2**16, 4, algorithm="recursive_doubling", calibration=gpu)
+    rounds_on_host = 2 * (gpu.alpha_intra + 2**16 * (host.gamma + host.beta_intra))
+    assert one_node == pytest.approx(rounds_on_host + 2 * 2**16 * gpu.pcie + 2 * gpu.launch)
 
 
 def test_a_cluster_keeps_its_own_latency_inside_a_node():
@@ -83,12 +127,15 @@ def test_the_device_path_costs_what_gflow_runs():
     the PCIe copies, whole for the flat ring, overlapped with the rings for the hierarchical
     allreduce's cross-node shards; the node phase reads the peers over the node's links; CSC's own
     allreduces take "auto" whatever the dense path takes."""
+    from dataclasses import replace
+
     mb = 2**20
     direct = model.cluster(CAL, 56e9, 5e-6, 8, transport="direct")
     staged = model.cluster(CAL, 56e9, 5e-6, 8, transport="staged")
     kw = dict(ranks_per_node=8)
-    # small: the latency path, through the host (its header is read there) whatever the transport
-    host = replace_transport(staged, None)
+    # small: the latency path, through the host (its header is read there) whatever the transport,
+    # reduced there and moved through its shared memory inside a node
+    host = replace(staged, transport=None, gamma=CAL.gamma, beta_intra=CAL.beta_intra)
     copies = 2 * 4096 * staged.pcie + 2 * staged.launch
     for cal in (direct, staged):
         assert model.allreduce_time(4096, 64, calibration=cal, **kw) == pytest.approx(
@@ -151,12 +198,6 @@ def test_device_terms_are_measured_and_kept(tmp_path):
     old = {k: v for k, v in json.load(open(path)).items() if k != "device"}
     path.write_text(json.dumps(old))
     assert model.Calibration.load(str(path)).device is None
-
-
-def replace_transport(cal, transport):
-    from dataclasses import replace
-
-    return replace(cal, transport=transport)
 
 
 def test_a_busy_machine_is_named():

@@ -54,8 +54,11 @@ follows its code:
 - ring: 2(p-1) steps; reduce-scatter steps move ceil(chunk / segment) segments each and reduce
   them (the code overlaps a segment's reduction with the next one's transfer, but the same cores do
   both, so the model adds them); a step waits for the slowest link it crosses.
-- recursive doubling (messages up to config.small_message_bytes, 16x that at p = 2): ceil(log2 p)
-  rounds (+2 when p is not a power of two), each a whole message. On one host (slot_step measured):
+- recursive doubling (messages up to config.small_message_bytes, 16x that at p = 2 under "auto"; an
+  explicit algorithm="recursive_doubling" above small_message_bytes is refused, as gflow refuses it):
+  log2 of the largest power of two <= p rounds (+2, the fold and unfold, when p is not one), each a
+  whole message; a round across nodes lasts as long as its busiest link (the ranks of a node that
+  cross in it send at once); device arrays reduce on the host. On one host (slot_step measured):
   one exchange through the slots, every rank copying its message in and folding all p; the agreement
   before a bandwidth algorithm is one such exchange too, and from three ranks "auto" reduces up to
   the node phase's threshold in the slots: whole below node_fold_bytes, else a share per rank in two
@@ -72,6 +75,7 @@ follows its code:
 against bench/RESULTS.md.)
 """
 
+import functools
 import json
 import math
 import os
@@ -88,6 +92,7 @@ from ..runtime.config import (
     DEFAULT_SMALL_MESSAGE_BYTES,
     latency_path_limit,
 )
+from ..runtime.context import rd_schedule
 from .workloads import MODELS
 
 STAGING_SEGMENT_BYTES = 4 * 2**20  # collectives/hierarchical.py's: device shards cross nodes in these
@@ -140,6 +145,10 @@ class Calibration:
     launch: float = 10e-6
     # The GPU `calibrate --device` measured launch and pcie on; None: both are assumed (the values above).
     device: str | None = None
+    # The host's reduction and shared memory, where device arrays take the latency path through the
+    # host (cluster(gpu=True) keeps them from the base calibration; None: gamma and beta_intra).
+    host_gamma: float | None = None
+    host_beta_intra: float | None = None
 
     @classmethod
     def load(cls, path: str | None = None) -> "Calibration":
@@ -163,6 +172,7 @@ class Calibration:
         optional = {"source", "uncrowded", "ring_scale_large", "py_call", "transport", "pcie", "launch"}
         optional |= {"device", "slots_scale", "node_passes_small", "ring_scale_small", "slot_step"}
         optional |= {"ring_scale_huge", "node_passes_mid", "node_passes_huge"}
+        optional |= {"host_gamma", "host_beta_intra"}
         missing = sorted(set(cls.__dataclass_fields__) - set(known) - optional)
         if missing:
             raise ValueError(
@@ -208,10 +218,11 @@ def _for_node(cal: Calibration, ranks_on_node: int) -> Calibration:
 # (a rate or a scale of 0 would make bytes free: node_passes 0 cut a ResNet-50 step's communication 4x)
 _POSITIVE = ("beta_intra", "beta_inter", "gamma", "copy", "codec", "csc", "pcie", "slots_scale",
              "node_passes", "node_passes_small", "node_passes_mid", "node_passes_huge",
-             "ring_scale", "ring_scale_small", "ring_scale_large", "ring_scale_huge")  # fmt: skip
+             "ring_scale", "ring_scale_small", "ring_scale_large", "ring_scale_huge", "host_gamma",
+             "host_beta_intra")  # fmt: skip
 # None: not measured (older calibrations)
 _MAY_BE_NONE = ("slot_step", "ring_scale_small", "ring_scale_large", "ring_scale_huge", "node_passes_small",
-                "node_passes_mid", "node_passes_huge")  # fmt: skip
+                "node_passes_mid", "node_passes_huge", "host_gamma", "host_beta_intra")  # fmt: skip
 _NOT_NUMBERS = ("source", "uncrowded", "transport", "device")
 _FIXED_COSTS = ("alpha_intra", "py_step", "py_call", "rd_step", "node_fixed", "slot_step")
 _PYTHON_COSTS = ("py_step", "py_call", "rd_step")  # what gflow's own code costs, beside the machine's
@@ -272,12 +283,45 @@ def _ring(cal, nbytes, p, alpha, beta, cpu, flows=1, scale=1.0, network=False):
     return fixed + scale * bandwidth
 
 
+def rd_round_count(p: int) -> int:
+    """Exchanges one rank waits for in gflow's recursive doubling (runtime/context.rd_schedule): log2 of
+    the largest power of two <= p, and the fold and unfold of the ranks beyond it."""
+    if p <= 1:
+        return 0
+    whole = p.bit_length() - 1
+    return whole + (0 if p == 1 << whole else 2)
+
+
+@functools.lru_cache(maxsize=256)
+def rd_rounds(p: int, k: int) -> tuple:
+    """For each round of gflow's recursive doubling on p ranks in nodes of k consecutive ranks: how
+    many ranks of the busiest node send across nodes in it (0: the round stays inside the nodes)."""
+    schedules = [rd_schedule(r, p) for r in range(p)]
+    rem = p - (1 << (p.bit_length() - 1))
+    senders = []  # per round, (rank, peer) of the ranks that send
+    fold = [(r, r + 1) for r in range(0, 2 * rem, 2)]
+    if fold:
+        senders.append(fold)
+    for i in range(rd_round_count(p) - (2 if rem else 0)):
+        senders.append([(r, rounds[i][0]) for r, (_, rounds) in enumerate(schedules) if rounds])
+    if fold:
+        senders.append([(b, a) for a, b in fold])
+    counts = []
+    for pairs in senders:
+        across = {}
+        for r, peer in pairs:
+            if r // k != peer // k:
+                across[r // k] = across.get(r // k, 0) + 1
+        counts.append(max(across.values(), default=0))
+    return tuple(counts)
+
+
 def _agreement(cal, p, alpha, cpu, inside: int = 0, one_host: bool = False):
     """The header-only exchange before a bandwidth algorithm; `inside` of its rounds stay in a node;
     one_host: host buffers of ranks on one host, one exchange through the slots where measured."""
     if one_host and p > 1 and cal.slot_step is not None:
         return cpu * cal.slot_step
-    rounds = 0 if p == 1 else math.ceil(math.log2(p))
+    rounds = rd_round_count(p)
     inside = min(inside, rounds)
     return inside * (cal.alpha_intra + cpu * cal.rd_step) + (rounds - inside) * (alpha + cpu * cal.rd_step)
 
@@ -312,6 +356,11 @@ def allreduce_time(
         nbytes = nbytes * 2 // dtype_bytes
     elif compression is not None:
         raise ValueError(f"compression: expected None, 'fp16' or 'bf16', got {compression!r}")
+    if algorithm == "recursive_doubling" and nbytes > DEFAULT_SMALL_MESSAGE_BYTES:
+        raise ValueError(  # (collectives/dispatch.choose)
+            f"algorithm='recursive_doubling' takes at most config.small_message_bytes = "
+            f"{DEFAULT_SMALL_MESSAGE_BYTES} bytes, got {nbytes}"
+        )
     if ranks == 1:
         return codec + cpu * cal.copy * nbytes
     alpha_x, beta_x = (cal.alpha_inter, cal.beta_inter) if m > 1 else (cal.alpha_intra, cpu * cal.beta_intra)
@@ -335,15 +384,18 @@ def allreduce_time(
         scale = cal.slots_scale if nbytes + HEADER_BYTES <= slot_room(ranks) else 1.0  # (where measured)
         return codec + cpu * (fixed + scale * bandwidth)
     if algorithm == "recursive_doubling":
-        rounds = math.ceil(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2)
-        # Round i pairs ranks 2**i apart: the first log2(k) rounds stay inside a node of consecutive ranks.
-        inside = min(rounds, int(math.log2(k))) if m > 1 else 0
-        near = cal.alpha_intra + cpu * cal.rd_step + nbytes * (cpu * cal.beta_intra + cpu * cal.gamma)
-        # A round across nodes: all k ranks of a node send their whole message over its link at once.
-        flows = k if m > 1 else 1
-        far = alpha_x + cpu * cal.rd_step + nbytes * (flows * beta_x + cpu * cal.gamma)
-        return codec + through_host + inside * near + (rounds - inside) * far
-    agree = cpu * cal.py_call + _agreement(cal, ranks, alpha_x, cpu, int(math.log2(k)) if m > 1 else 0, slots)
+        # Device arrays take this path through the host: the host's reduction and shared memory.
+        gamma = cal.host_gamma if cal.transport and cal.host_gamma else cal.gamma
+        beta_near = cal.host_beta_intra if cal.transport and cal.host_beta_intra else cal.beta_intra
+        near = cal.alpha_intra + cpu * cal.rd_step + nbytes * (cpu * beta_near + cpu * gamma)
+        # A round across nodes lasts as long as its busiest link: `flows` ranks of one node send their
+        # whole message over it at once.
+        rounds = rd_rounds(ranks, k) if m > 1 else (0,) * rd_round_count(ranks)
+        step = alpha_x + cpu * cal.rd_step + nbytes * cpu * gamma
+        far = [step + nbytes * flows * beta_x for flows in rounds if flows]
+        return codec + through_host + sum(far) + (len(rounds) - len(far)) * near
+    inside = rd_rounds(ranks, k).count(0) if m > 1 else 0
+    agree = cpu * cal.py_call + _agreement(cal, ranks, alpha_x, cpu, inside, slots)
     if algorithm == "ring":
         scale = _ring_scale(cal, nbytes) if m == 1 else 1.0
         ring = _ring(cal, nbytes, ranks, alpha_x, beta_x, cpu, scale=scale, network=m > 1)
@@ -572,6 +624,16 @@ def _local_rate(comm, fn, reps: int) -> float:
     return float(np.median(batches))
 
 
+def _cores_of(comm, node) -> int:
+    """The cores the ranks of this node may run on: the union of their CPU affinities (a job bound to
+    2 of 16 cores has 2), else the machine's count. Collective on comm."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    everyone = comm.allgather(mine)
+    if any(everyone[r] is None for r in node):
+        return os.cpu_count() or 1
+    return len(set().union(*(everyone[r] for r in node))) or 1
+
+
 def calibrate(comm=None, progress=print) -> Calibration:
     """Measure the constants on `comm` (every rank calls it; collective). See the module docstring."""
     from mpi4py import MPI
@@ -588,7 +650,7 @@ def calibrate(comm=None, progress=print) -> Calibration:
     topo = discover(comm)
     node = topo.nodes[topo.node_of[comm.rank]]
     k_here = max(len(n) for n in topo.nodes)
-    cores = os.cpu_count() or 1
+    cores = _cores_of(comm, node)
     slow = float(max(1, math.ceil(k_here / cores)))
     cal = Calibration(cores=cores, source=f"gflow calibrate on {comm.size} ranks, {topo.describe()}")
     busy = comm.bcast(busier_than_cores(len(node), cores) if comm.rank == 0 else None, root=0)
@@ -783,7 +845,7 @@ def _step_costs(comm, alpha: float) -> tuple:
 
     from ..runtime.context import context
 
-    p, rounds = comm.size, math.ceil(math.log2(comm.size)) + (0 if comm.size & (comm.size - 1) == 0 else 2)
+    p, rounds = comm.size, rd_round_count(comm.size)
     one, many = np.ones(p, np.float32), np.ones(33 * p, np.float32)
     segment = gflow.config.ring_segment_bytes
     try:
@@ -818,7 +880,7 @@ def _step_costs(comm, alpha: float) -> tuple:
 def _measured_agreement(p: int, alpha: float, rd_step: float, slot_step) -> float:
     """The agreement before a bandwidth algorithm on a communicator of p ranks as calibrate measured
     it: one exchange through the slots where they were measured, else MPI's rounds."""
-    return slot_step if slot_step is not None else math.ceil(math.log2(p)) * (alpha + rd_step)
+    return slot_step if slot_step is not None else rd_round_count(p) * (alpha + rd_step)
 
 
 def python_share(nbytes: int, ranks: int, *, calibration=None, **kwargs) -> float:
@@ -907,6 +969,7 @@ def cluster(
     cal.beta_inter, cal.alpha_inter = 8.0 / link_bits, latency_s
     cal.cores = max(cal.cores, ranks_per_node)
     if gpu:
+        cal.host_gamma, cal.host_beta_intra = base.gamma, base.beta_intra
         cal.copy, cal.gamma, cal.codec, cal.csc = (GPU_NODE[k] for k in ("copy", "gamma", "codec", "csc"))
         # (the host's caches: not device memory's)
         cal.node_passes_small = cal.node_passes_mid = cal.node_passes_huge = None
@@ -927,7 +990,6 @@ TECHNIQUES = [
     # name, algorithm, compression, lazy threshold, CSC density (None: dense), overlap
     ("per-tensor ring, fp32, no overlap", "ring", None, None, None, False),
     ("lazy flat ring, fp32", "ring", None, 4 * 2**20, None, True),
-    ("lazy recursive doubling, fp32", "recursive_doubling", None, 4 * 2**20, None, True),
     ("lazy hierarchical, fp32", "hierarchical", None, 4 * 2**20, None, True),
     ("lazy flat ring, fp16", "ring", "fp16", 4 * 2**20, None, True),
     ("lazy hierarchical, fp16", "hierarchical", "fp16", 4 * 2**20, None, True),
