@@ -9,12 +9,14 @@ from helpers import (
     on_all_ranks,
     random_array,
     rank_rng,
+    reference_mpi,
 )
 from hypothesis import given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
 import gflow
+from gflow.runtime.context import context
 
 SIZES = [1, 2, 3, 4]
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
@@ -111,6 +113,44 @@ def test_validation_switch_does_not_change_results():
                 on_all_ranks(lambda: check_allreduce(x[:n], "sum", "auto"), f"validate={validate} n={n}")  # noqa: B023
     finally:
         gflow.config.validate = saved
+
+
+@pytest.mark.parallel([2, 3])
+def test_validation_off_on_some_ranks_only_is_a_mismatch_on_every_rank():
+    """helper-51: with GFLOW_VALIDATE=0 on one rank only, that rank skipped the agreement before a
+    ring and its peers waited in it for ever. Without validation the ranks still agree once per
+    communicator, on a signature that carries the setting."""
+    x = random_array(rank_rng(12), 600_000, np.float32)  # (past the latency path at p = 2 too)
+    rows = np.ascontiguousarray(x[: 1000 * WORLD.size].reshape(WORLD.size, 1000))
+    saved = gflow.config.validate
+    comm = WORLD.Dup()
+    calls = {
+        "ring": lambda: gflow.allreduce(x, comm=comm, algorithm="ring"),
+        "auto": lambda: gflow.allreduce(x, comm=comm),
+        "hierarchical": lambda: gflow.allreduce(x, comm=comm, algorithm="hierarchical"),
+        "broadcast": lambda: gflow.broadcast(x, comm=comm),
+        "allgather": lambda: gflow.allgather(x, comm=comm),
+        "reduce_scatter": lambda: gflow.reduce_scatter(x, comm=comm),
+        "alltoall": lambda: gflow.alltoall(rows, comm=comm),
+    }
+    try:
+        gflow.config.validate = WORLD.rank != 0
+        for call in calls.values():
+            with pytest.raises(gflow.MismatchError, match="validate=(True|False), .*validate=(True|False)"):
+                call()
+        # the latency path's calls always carry their agreement: correct whatever the setting
+        np.testing.assert_array_equal(gflow.allreduce(x[:10], comm=comm), reference_mpi(x[:10], "sum"))
+        gflow.config.validate = False  # on every rank: agreed once, then no agreement
+        for _ in range(2):
+            for name, call in calls.items():
+                expected = {"ring": reference_mpi(x, "sum"), "auto": reference_mpi(x, "sum")}.get(name)
+                got = call()
+                if expected is not None:
+                    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+        assert context(comm).agreed_unvalidated
+    finally:
+        gflow.config.validate = saved
+        comm.Free()
 
 
 @pytest.mark.parallel([2, 3, 4])

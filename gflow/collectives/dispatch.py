@@ -14,7 +14,7 @@ from ..runtime.config import config, latency_path_limit
 from ..runtime.context import TAG_ALLTOALL, CommContext
 from ..runtime.signature import CODE_MEMORY, signature
 from . import hierarchical, ring
-from .recursive_doubling import allreduce_with_agreement, reduce_in_slots
+from .recursive_doubling import agreed, allreduce_with_agreement, reduce_in_slots, wants_agreement
 
 USER_ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical")  # what algorithm= takes
 
@@ -25,10 +25,12 @@ def latency_path_bytes(ranks: int) -> int:
 
 
 def agree(ctx: CommContext, sig: tuple) -> None:
-    """Header-only agreement before a bandwidth algorithm (skipped when validation is off)."""
-    if config.validate and ctx.size > 1:
+    """Header-only agreement before a bandwidth algorithm (with validation off, only until the ranks
+    have agreed that none validates: recursive_doubling.wants_agreement)."""
+    if wants_agreement(ctx):
         with timeline.span("agreement"):
             allreduce_with_agreement(ctx, sig, config.small_message_bytes)
+        agreed(ctx)
 
 
 def _predivided(ctx: CommContext, src, ops, name: str):

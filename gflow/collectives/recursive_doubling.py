@@ -295,22 +295,37 @@ def _begin(ctx: CommContext, sig: tuple) -> None:
         connect_slots(ctx)  # (before the plan: it sizes its messages by the slots)
 
 
+def wants_agreement(ctx: CommContext) -> bool:
+    """Whether a bandwidth-sized call on ctx agrees before it moves data: always with config.validate;
+    without it, until the ranks have once agreed with validation off on every rank (the setting is in
+    those calls' signatures: runtime/signature._SETTINGS). So GFLOW_VALIDATE=0 on some ranks only is a
+    MismatchError on every rank in that first agreement, not a wait for ever."""
+    return ctx.size > 1 and (config.validate or not ctx.agreed_unvalidated)
+
+
+def agreed(ctx: CommContext) -> None:
+    """After an agreement on a signature that carries config.validate (see wants_agreement)."""
+    ctx.agreed_unvalidated = not config.validate
+
+
 def reduce_in_slots(ctx: CommContext, sig: tuple, src, dst, op) -> bool:
     """The start of a bandwidth-sized allreduce (algorithm "auto", host buffers, a context of three
     ranks or more) of the flat `src` into `dst`: where the ranks share one host and the payload fits
     a slot, the whole allreduce through the slots, its agreement riding with the payload (_node_step,
-    scatter_gather): True. Otherwise the agreement alone (dispatch.agree's, where config.validate
+    scatter_gather): True. Otherwise the agreement alone (dispatch.agree's, where wants_agreement
     asks for it): False, and the ring or the node phase follows. Alike on every rank: the slots are
     set up (or refused) in a context's first exchange, before it, so a first call goes the way of
     every later one."""
-    if not config.validate and not (ctx.slots and src.nbytes <= ctx.slots.room - HEADER_BYTES):
+    if not wants_agreement(ctx) and not (ctx.slots and src.nbytes <= ctx.slots.room - HEADER_BYTES):
         return False  # (no agreement asked for, and no exchange to make)
     _begin(ctx, sig)
     room = ctx.slots.room - HEADER_BYTES if ctx.slots else 0
     if src.nbytes <= room:
         _exchange(ctx, plan_for(ctx, sig, room, src), src, dst, op)
+        agreed(ctx)
         return True
     _exchange(ctx, plan_for(ctx, sig, config.small_message_bytes, None), None, None, None)
+    agreed(ctx)
     return False
 
 

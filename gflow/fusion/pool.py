@@ -18,7 +18,7 @@ import numpy as np
 
 from ..collectives import hierarchical
 from ..collectives.operations import rejected_in_background
-from ..collectives.recursive_doubling import allreduce_with_agreement
+from ..collectives.recursive_doubling import agreed, allreduce_with_agreement, wants_agreement
 from ..runtime import engine
 from ..runtime.config import config
 from ..runtime.context import context
@@ -74,8 +74,9 @@ def pool_memory(parent, shapes, dtype: np.dtype, memory: str = "host"):
 
     def allocate():
         ctx.check_usable()
-        if config.validate:
+        if wants_agreement(ctx):
             allreduce_with_agreement(ctx, sig, config.small_message_bytes)
+            agreed(ctx)
         return hierarchical.shared_pool(ctx, nbytes, memory)
 
     handle = engine.submit("gradient_buffers", allocate, ctx=ctx, on_failure=parent.reset_background)

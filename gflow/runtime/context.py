@@ -179,6 +179,7 @@ class CommContext:
         self.generation = 0
         self.parent = None  # for a background context: the context it duplicates (see .comm)
         self.last_sig = None
+        self.agreed_unvalidated = False  # (collectives/recursive_doubling.wants_agreement)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.rd_fold, self.rd_rounds = rd_schedule(self.rank, self.size)

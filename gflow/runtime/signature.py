@@ -44,15 +44,21 @@ CODE_ALGORITHM = {code: name for name, code in ALGORITHM_CODE.items()}
 _AUTO_SHIFT = 8
 
 
-_SETTINGS = {  # the gflow.config settings each algorithm's shape depends on
-    "ring": ("ring_segment_bytes",),
-    "hierarchical": ("shared_memory_max_bytes", "ring_segment_bytes"),
+# The gflow.config settings each algorithm's shape depends on, and `validate` for every call that
+# agrees before it moves data: a rank that does not validate skips those agreements, so ranks set
+# differently must find out in the one agreement that still runs (recursive_doubling.wants_agreement).
+_SETTINGS = {
+    "ring": ("ring_segment_bytes", "validate"),
+    "hierarchical": ("shared_memory_max_bytes", "ring_segment_bytes", "validate"),
     "auto": (
         "shared_memory_min_bytes",
         "hierarchical_min_bytes",
         "shared_memory_max_bytes",
         "ring_segment_bytes",
+        "validate",
     ),
+    "mpi": ("validate",),
+    "adasum": ("validate",),
 }
 
 
@@ -179,12 +185,12 @@ def describe(sig) -> str:
     text = f"called {collective} with {elements} ({memory} array)"
     if int(sig[4]):
         text += f", op={CODE_OP.get(int(sig[4]), '?')}"
-    text += f", algorithm={CODE_ALGORITHM.get(int(sig[1]) & 0xFF, '?')}"
+    algorithm = CODE_ALGORITHM.get(int(sig[1]) & 0xFF, "?")
+    text += f", algorithm={algorithm}"
     if int(sig[1]) >> _AUTO_SHIFT:
-        text += (
-            f" (settings checksum {int(sig[1]) >> _AUTO_SHIFT}: compare gflow.config.ring_segment_bytes, "
-            "shared_memory_min_bytes, hierarchical_min_bytes and shared_memory_max_bytes across ranks)"
-        )
+        names = ", ".join(_SETTINGS.get(algorithm, ("?",)))
+        checksum = int(sig[1]) >> _AUTO_SHIFT
+        text += f" (settings checksum {checksum}: compare gflow.config.{names} across ranks)"
     if collective == "broadcast":  # the root in the low 32 bits, a shape checksum above them
         text += f", root={int(sig[5]) & 0xFFFFFFFF}"
         if int(sig[5]) >> 32:
