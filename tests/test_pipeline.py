@@ -1,5 +1,7 @@
 """fp16 communication, LossScaler, allreduce_async and LazyAllreduce, at world sizes 1 to 4."""
 
+import re
+
 import numpy as np
 import pytest
 from helpers import (
@@ -100,12 +102,27 @@ def test_loss_scaler_skips_on_every_rank_when_one_rank_overflows():
 def test_loss_scaler_rejects_bad_settings():
     for kwargs, match in [
         ({"init_scale": 0}, "init_scale"),
+        ({"init_scale": 2.0**65}, r"init_scale must be in \(0, 2\*\*64\]"),
         ({"growth_factor": 1.0}, "growth_factor"),
         ({"backoff_factor": 1.5}, "backoff_factor"),
         ({"growth_interval": 0}, "growth_interval"),
     ]:
         with pytest.raises(ValueError, match=match):
             gflow.LossScaler(**kwargs)
+
+
+def test_loss_scaler_stops_growing_before_inf():
+    """helper-51: the scale grew without bound to inf; unscale then multiplied by 0 (every gradient
+    zero, no overflow reported) and the scaler's own state_dict no longer loaded."""
+    for init, growth in ((2.0**16, 2.0), (2.0**63, 3.0), (1.0, 1e300)):
+        scaler = gflow.LossScaler(init_scale=init, growth_factor=growth, growth_interval=1)
+        for _ in range(200):
+            assert scaler.update(False)
+        assert scaler.scale == 2.0**64
+        g = np.array([3.0, -6.0]) * scaler.scale
+        assert not scaler.unscale(g)
+        np.testing.assert_array_equal(g, [3.0, -6.0])
+        gflow.LossScaler(growth_factor=growth, growth_interval=1).load_state_dict(scaler.state_dict())
 
 
 @pytest.mark.parallel([2, 3, 4])
@@ -251,6 +268,34 @@ def test_lazy_agree_vectors_that_differ_fail_every_rank_saying_so():
     np.testing.assert_array_equal(agreed, np.max(WORLD.allgather(mine), axis=0))
     assert_close_to_reference(y, x, "mean")  # (LazyAllreduce's default op)
     assert_same_on_all_ranks(y)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_lazy_agree_vector_of_floats_fails_the_step_on_every_rank():
+    """helper-51: flush(agree=) cut floats to integers (a max of 0.9 came back 0). A vector that is not
+    of integers fails the step: TypeError on that rank, MismatchError on the others, nothing written;
+    the next step works. A refuse= that raises after the exchange leaves the pushed arrays alone too."""
+    last = WORLD.rank == WORLD.size - 1
+    lazy = gflow.LazyAllreduce()
+    x = random_array(rank_rng(WORLD.bcast(int(np.random.SeedSequence().entropy % 2**32))), 300, np.float32)
+    y = x.copy()
+    lazy.push(y)
+    vector = np.array([0.3, 0.9]) if last else np.arange(2)
+    expected = TypeError if last else gflow.MismatchError
+    with pytest.raises(expected, match="agree must be a vector of integers|integers, got float64"):
+        lazy.flush(agree=vector)
+    np.testing.assert_array_equal(y, x)
+
+    def refuse(agreed):
+        raise RuntimeError(f"refused at {agreed.tolist()}")
+
+    lazy.push(y)
+    with pytest.raises(RuntimeError, match=re.escape(f"refused at [{WORLD.size}, 5]")):
+        lazy.flush(agree=np.array([WORLD.size, 5]), refuse=refuse)
+    np.testing.assert_array_equal(y, x)
+    lazy.push(y)
+    assert lazy.flush(agree=np.array([WORLD.rank, 1], np.int32)).tolist() == [WORLD.size - 1, 1]
+    assert_close_to_reference(y, x, "mean")
 
 
 def test_lazy_alone_needs_no_copy_and_keeps_the_step_rules():

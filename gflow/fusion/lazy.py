@@ -387,7 +387,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             csc.set_momentum(momentum)
         self.sparse = self._strategy.settings = dict(self.sparse, momentum=float(momentum))
 
-    def flush(self, *, commit: bool = True, agree=None):
+    def flush(self, *, commit: bool = True, agree=None, refuse=None):
         """Fire what is pending, wait for every segment, and write the results into the pushed arrays.
 
         commit=False keeps the sparse segments' new residuals aside until commit_step() (or
@@ -398,11 +398,14 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         gflow.torch's optimizer), reduced with max in the step's final exchange instead of a
         collective of its own. Returns that maximum; None where it did not ride (agree None or over
         AGREE_IN_FINAL_BYTES), and flush() raised where the step failed: the caller then agrees on
-        its own, alike on every rank.
+        its own, alike on every rank. refuse: called with that maximum before anything is written
+        (where it rode); what it raises is raised on every rank alike (the maximum is the same on
+        all), with the pushed arrays and residuals as they were.
 
         Raises:
-            TypeError, ValueError: one of this rank's pushes in this step failed its checks (the
-                other ranks raise MismatchError). Nothing was written anywhere.
+            TypeError, ValueError: one of this rank's pushes in this step failed its checks, or agree
+                is not a vector of integers (the other ranks raise MismatchError). Nothing was
+                written anywhere.
             GflowError (MismatchError): the ranks pushed different sizes, orders or numbers of tensors,
                 or another rank's push failed; on every rank, and the pushed arrays keep their local
                 values (sparse residuals too).
@@ -412,7 +415,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 every rank; the pushed arrays hold the reduced values, inf/NaN included).
         """
         with timeline.span("lazy flush"):
-            return self._flush(commit, agree)
+            return self._flush(commit, agree, refuse)
 
     def commit_step(self) -> None:
         """Commit the sparse residuals of the last flush(commit=False)."""
@@ -426,12 +429,16 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         for csc in staged:
             csc.discard()
 
-    def _flush(self, commit: bool, agree):
+    def _flush(self, commit: bool, agree, refuse):
         ctx = context(self._comm).background()
+        if agree is not None and not np.can_cast(np.asarray(agree).dtype, np.int64):
+            # (a float vector was cut to integers: a max of 0.9 came back 0)
+            got = np.asarray(agree).dtype
+            self.fail_step(TypeError(f"LazyAllreduce.flush: agree must be a vector of integers, got {got}"))
         if self._error is None:
             self._fire()
         src = step_agreed = None  # the caller's vector to agree on, and where its maximum lands
-        if agree is not None:
+        if agree is not None and self._error is None:
             src = np.ascontiguousarray(agree, dtype=np.int64).reshape(-1)
             step_agreed = np.empty_like(src) if src.nbytes <= AGREE_IN_FINAL_BYTES else None
         if self._error is None and not (self._alone() and not self._fired):
@@ -473,6 +480,14 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                     csc.discard()
                 parent.reset_background(handle.context)
             raise error
+        if refuse is not None and step_agreed is not None:
+            try:
+                refuse(step_agreed)
+            except BaseException:
+                for _, _, csc in fired:
+                    if csc is not None:
+                        csc.discard()
+                raise
         overflow = False
         for (_, members, csc), result in zip(fired, results, strict=True):
             if csc is not None:

@@ -37,7 +37,7 @@ from ..fusion.sparse import check_dtype as check_sparse_dtype
 from ..runtime import checkpoint as st
 from ..runtime.context import context
 from ..runtime.signature import is_floating
-from .loss_scaler import LossScaler
+from .loss_scaler import LossScaler, bounds
 
 # The fusion segment size for training (DataParallel, gflow.torch), measured end to end (bench/RESULTS.md,
 # "The fusion threshold for training"). With float32 on the wire, 25 MiB (DDP's bucket_cap_mb): with
@@ -448,9 +448,16 @@ class DataParallel:
                 self._fail(exc)
         error = self._error
         self.agreed = None
+        vector, refuse = agree, None
+        if self._scaler is not None:  # the scales compared in the final exchange, before any write
+            words = np.array(bounds(self._scaler.scale), np.int64)
+            vector = words if agree is None else np.concatenate([np.asarray(agree).reshape(-1), words])
+            refuse = lambda agreed: self._scaler.check_same(agreed[-2:], "DataParallel.synchronize")  # noqa: E731
         try:
             try:
-                self.agreed = self._lazy.flush(commit=False, agree=agree)
+                agreed = self._lazy.flush(commit=False, agree=vector, refuse=refuse)
+                if agree is not None and agreed is not None:
+                    self.agreed = agreed[: agreed.size - (0 if refuse is None else 2)]
             except NonFiniteError:
                 if self._scaler is None or error is not None:
                     raise

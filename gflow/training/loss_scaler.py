@@ -13,6 +13,12 @@ from ..runtime.signature import is_floating
 _TOP = np.iinfo(np.int64).max
 
 
+# Where the scale stops growing. Past it a scale buys no gradient anything (fp16 spans 2^-24..2^16),
+# and growing on reached inf, whose unscale is a multiplication by 0: every gradient zero, no overflow
+# reported, and a state_dict that load_state_dict refuses (helper-51).
+MAX_SCALE = 2.0**64
+
+
 def bounds(value: float) -> tuple:
     """A value >= 0 as two int64 whose max over the ranks gives the largest and the smallest value,
     exactly: its IEEE bits (ordered as the values are) and _TOP minus them. A rank in join() sends
@@ -56,8 +62,8 @@ class LossScaler:
         min_scale: float = 1.0,
         comm=None,
     ):
-        if not (np.isfinite(init_scale) and init_scale > 0):
-            raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
+        if not 0 < init_scale <= MAX_SCALE:
+            raise ValueError(f"init_scale must be in (0, 2**64], got {init_scale!r}")
         if not growth_factor > 1:
             raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
         if not 0 < backoff_factor < 1:
@@ -111,13 +117,7 @@ class LossScaler:
         # One exchange: max(overflow) and the largest and smallest scale (ranks in join() count as
         # zeros, which bounds() keeps out of both).
         agreed = allreduce(np.array([int(overflow), *bounds(self._scale)], np.int64), "max", comm=self._comm)
-        largest, smallest = value_range(agreed[1:])
-        if largest != smallest:
-            raise MismatchError(
-                f"LossScaler.update: the ranks' loss scales differ (from {smallest:g} to {largest:g}; "
-                f"this rank's is {self._scale:g}), so each unscaled the reduced gradients by its own "
-                "factor; the step is not applied. Load the scaler's state_dict on every rank, not on one"
-            )
+        self.check_same(agreed[1:], "LossScaler.update")
         if agreed[0]:
             self._scale = max(self._scale * self.backoff_factor, self.min_scale)
             self._good_steps = 0
@@ -125,9 +125,20 @@ class LossScaler:
             return False
         self._good_steps += 1
         if self._good_steps >= self.growth_interval:
-            self._scale *= self.growth_factor
+            self._scale = min(self._scale * self.growth_factor, MAX_SCALE)
             self._good_steps = 0
         return True
+
+    def check_same(self, agreed_bounds, where: str) -> None:
+        """Raise MismatchError where the ranks' scales differ: `agreed_bounds` is bounds(scale)
+        maximized over the ranks (alike on every rank, so every rank raises)."""
+        largest, smallest = value_range(agreed_bounds)
+        if largest != smallest:
+            raise MismatchError(
+                f"{where}: the ranks' loss scales differ (from {smallest:g} to {largest:g}; this rank's is "
+                f"{self._scale:g}), so each would unscale the reduced gradients by its own factor; the "
+                "step is not applied. Load the scaler's state_dict on every rank, not on one"
+            )
 
     def _settings(self) -> dict:
         return {
@@ -166,8 +177,8 @@ class LossScaler:
         st.check_equal(state, self._settings(), who)
         st.check_world_size(state, st.world(self._comm)[1], who)
         scale = st.get(state, "scale", who)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < np.inf:
-            raise ValueError(f"{who}: scale must be a positive finite number, got {scale!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= MAX_SCALE:
+            raise ValueError(f"{who}: scale must be in (0, 2**64], got {scale!r}")
         good = st.get_count(state, "good_steps", who)
         skipped = st.get_count(state, "skipped_steps", who)
         self._scale, self._good_steps, self.skipped_steps = float(scale), good, skipped
