@@ -682,6 +682,22 @@ def test_grouped_allreduce_checks_each_tensors_shape():
 
 
 @pytest.mark.parallel([2, 3])
+def test_broadcast_parameters_sends_each_tensor_under_its_name():
+    """helper-50: broadcast_parameters matched a state dict's tensors by sorted position only, so keys
+    that differ on one rank (one model wrapped, one not) swapped values silently. It names each one,
+    as Horovod does: MismatchError on every rank, naming the key; the same keys work."""
+    keys = ["0.weight", "1.weight"] if WORLD.rank == LAST else ["encoder.weight", "decoder.weight"]
+    state = {key: torch.full((3,), float(i + 10 * WORLD.rank)) for i, key in enumerate(keys)}
+    before = {key: t.clone() for key, t in state.items()}
+    on_all_ranks(lambda: mismatch_everywhere(lambda: hvd.broadcast_parameters(state, 0), "name="), "keys")
+    for key, t in state.items():
+        assert torch.equal(t, before[key]), key
+    same = {key: torch.full((3,), float(i + 10 * WORLD.rank)) for i, key in enumerate(["a", "b"])}
+    hvd.broadcast_parameters(same, LAST)
+    assert [t.tolist() for t in same.values()] == [[10.0 * LAST] * 3, [10.0 * LAST + 1] * 3]
+
+
+@pytest.mark.parallel([2, 3])
 def test_optimizer_and_broadcast_parameters_check_parameter_shapes():
     # Review B, defect 4: a model whose parameter is (4, 6) on one rank and (6, 4) elsewhere (same
     # element count) trained and broadcast silently: LazyAllreduce's push-order checksum covered sizes

@@ -1264,3 +1264,71 @@ def test_the_steps_agreement_rides_in_the_fused_steps_final_exchange(monkeypatch
                 assert model.extra.grad is not None and model.unused.grad is None  # (the mask)
 
         on_all_ranks(check, case)
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_scheduler_made_before_wrapping_and_a_closure_optimizer_stay_exact():
+    """helper-50: an LR scheduler made before DistributedOptimizer patches the inner optimizer's step
+    on the instance, and the wrapper's copy of that attribute ran the inner step, unreduced (replicas
+    apart from the first step). And LBFGS decided from each rank's own closure loss how often to call
+    the closure: the ranks' reductions paired with other iterations', replicas diverged, no error."""
+    r = WORLD.rank
+    data = batches(3)
+
+    def scheduled():
+        model = make_model()
+        ref = copy.deepcopy(model).double()
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(base, 1, 0.5)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.5)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for x, y in data:
+                opt.zero_grad()
+                rank_loss(model, x, y, r)
+                opt.step()
+                sched.step()
+                reference_step(ref, ref_opt, x, y)
+                ref_sched.step()
+                assert_identical(model)
+                assert_close_to(model, ref, atol=1e-5)
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.1 / 8
+        assert not [w for w in seen if "lr_scheduler" in str(w.message)], [str(w.message) for w in seen]
+
+    def closure_optimizer():
+        model = make_model(dtype=torch.float64)
+        ref = copy.deepcopy(model)
+        lbfgs = dict(lr=0.5, max_iter=20, tolerance_change=1e-3)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.LBFGS(model.parameters(), **lbfgs), named_parameters=model.named_parameters()
+        )
+        ref_opt = torch.optim.LBFGS(ref.parameters(), **lbfgs)
+        for x, y in data:
+            xs, ys = x[r * PER_RANK : (r + 1) * PER_RANK].double(), y[r * PER_RANK : (r + 1) * PER_RANK]
+
+            def closure(xs=xs, ys=ys):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(xs, use_extra=r == 0), ys)
+                loss.backward()
+                return loss
+
+            def ref_closure(x=x, y=y):
+                ref_opt.zero_grad()
+                losses = [
+                    F.cross_entropy(ref(x[q * PER_RANK : (q + 1) * PER_RANK].double(), use_extra=q == 0),
+                                    y[q * PER_RANK : (q + 1) * PER_RANK])
+                    for q in range(WORLD.size)
+                ]  # fmt: skip
+                loss = sum(losses) / WORLD.size
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            ref_opt.step(ref_closure)
+            assert_identical(model)
+            assert_close_to(model, ref, atol=1e-6)
+
+    on_all_ranks(scheduled, "scheduler made before wrapping")
+    on_all_ranks(closure_optimizer, "LBFGS")

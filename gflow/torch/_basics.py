@@ -59,8 +59,27 @@ def with_methods(mixin: type, optimizer):
     its attributes (param groups, state): how DistributedOptimizer wraps an optimizer."""
     cls = derived_class((mixin, type(optimizer)), type(optimizer))
     wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
+    # Not an instance attribute that would hide one of mixin's methods: an LR scheduler made before
+    # wrapping patches optimizer.step on the instance, and that copy ran the inner step, unreduced
+    # (helper-50). The scheduler's check that step() ran (it reads the optimizer it holds) still sees it.
+    methods = {name for c in mixin.__mro__ if c is not object for name in vars(c)}
+    hidden = [name for name in optimizer.__dict__ if name in methods]
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in hidden})
+    if "step" in hidden and getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        wrapped.step = _tracked_step(wrapped.step, optimizer)
     return wrapped
+
+
+def _tracked_step(step, held):
+    """step, marking `held` (the optimizer a torch LR scheduler holds) as stepped, as the scheduler's
+    own patch of held.step did, so that scheduler.step() does not warn it came first."""
+
+    def tracked(*args, **kwargs):
+        held._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True
+    return tracked
 
 
 def as_horovod_error(exc: BaseException) -> BaseException:

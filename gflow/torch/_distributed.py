@@ -406,13 +406,13 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         (_still_reduced, with `unchanged`): agreed over the ranks, so that every rank reduces them
         again or none does (a gradient set anew on one rank, p.grad = ..., is that rank's alone)."""
         mine = np.array([0 if self._still_reduced(unchanged) else 1], np.int64)
-        return bool(self._max_over_ranks(mine)[0])
+        return bool(self._over_ranks(mine, "max")[0])
 
-    def _max_over_ranks(self, mine):
-        """mine's elementwise maximum over the ranks, on the background channel (behind the step's
-        segments, as every rank queues it), gflow's errors raised as Horovod's."""
+    def _over_ranks(self, mine, op: str):
+        """mine reduced elementwise with `op` over the ranks, on the background channel (behind the
+        step's segments, as every rank queues it), gflow's errors raised as Horovod's."""
         try:
-            return gflow.allreduce_async(mine, "max", comm=self._gflow_comm).wait()
+            return gflow.allreduce_async(mine, op, comm=self._gflow_comm).wait()
         except gflow.GflowError as exc:
             raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
 
@@ -462,7 +462,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         `changed` and `scale` as _agreement took them (for the messages)."""
         n, stale, factor = len(self._pushed), bool(mine[-1]), self.gradient_predivide_factor
         if agreed is None:
-            agreed = self._max_over_ranks(mine)
+            agreed = self._over_ranks(mine, "max")
         if agreed[3 * n + 7]:
             raise RuntimeError(
                 "DistributedOptimizer: the gradients are still those of a step that was not applied, "
@@ -667,7 +667,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         # number of ranks), or before a step GradScaler skipped (a change since is a new gradient).
         # The ranks agree on the scale, and on whether some rank set a gradient anew, in one exchange.
         anew = 0 if self._still_reduced(unchanged=not self._user_synchronized) else 1
-        agreed = self._max_over_ranks(np.array([*bounds(scale), anew], np.int64))
+        agreed = self._over_ranks(np.array([*bounds(scale), anew], np.int64), "max")
         if agreed[2]:
             self._gflow_synchronize(scale)
             return
@@ -760,9 +760,21 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             self.synchronize()
             self._reduced = self._user_synchronized = False
             self._raise_overflow()
-            return loss
+            return self._mean_loss(loss)
 
         return synchronized
+
+    def _mean_loss(self, loss):
+        """A closure's loss averaged over the ranks: optimizers such as LBFGS decide from it how often
+        to call the closure (and where their line search goes), so each rank's own loss let the ranks
+        run different numbers of reductions and their replicas diverge (helper-50)."""
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            mine = loss.detach().to("cpu", torch.float64).reshape(1).numpy()
+            mean = self._over_ranks(mine, "mean")
+            return torch.tensor(mean[0], dtype=loss.dtype, device=loss.device).reshape(loss.shape)
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            return float(self._over_ranks(np.array([loss], np.float64), "mean")[0])
+        return loss
 
     def _raise_overflow(self) -> None:
         overflow, self._overflow = self._overflow, None

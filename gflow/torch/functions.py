@@ -97,8 +97,8 @@ def broadcast_parameters(params, root_rank=0, process_set=None) -> None:
         raise ValueError(f"broadcast_parameters: invalid params of type {type(params).__name__}")
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
-    for _, tensor in items:
-        broadcast_(tensor, root_rank, process_set=process_set)
+    for name, tensor in items:  # (named, as Horovod does: keys that differ fail on every rank, not swap)
+        broadcast_(tensor, root_rank, name=None if name is None else str(name), process_set=process_set)
 
 
 class _Slot:
