@@ -1332,3 +1332,82 @@ def test_a_scheduler_made_before_wrapping_and_a_closure_optimizer_stay_exact():
 
     on_all_ranks(scheduled, "scheduler made before wrapping")
     on_all_ranks(closure_optimizer, "LBFGS")
+
+
+@pytest.mark.parallel([2, 3])
+def test_synchronize_twice_a_checkpoint_at_another_world_size_and_a_dtype_changed_after_wrapping():
+    """helper-50: a second synchronize() before step() (a framework's hook and the user's code both)
+    reduced the reduced gradients again: with op=Sum, the number of ranks times the gradient. A
+    dense optimizer's checkpoint was refused at another world size, where Horovod's resumes. And a
+    parameter whose dtype changed after wrapping (model.double()) failed every later step."""
+    r = WORLD.rank
+    data = batches(2)
+
+    def twice():
+        model = make_model()
+        ref = copy.deepcopy(model).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), op=hvd.Sum
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            opt.synchronize()
+            opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+            reference_step(ref, ref_opt, x, y, op="sum")
+            assert_close_to(model, ref, atol=1e-5)
+        assert_identical(model)
+
+    def resized(sparse):
+        model = make_model()
+        kw = dict(sparse={"density": 0.5}) if sparse else {}
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            **kw,
+        )
+        x, y = data[0]
+        opt.zero_grad()
+        rank_loss(model, x, y, r)
+        opt.step()
+        state = opt.state_dict()
+        state["gflow"]["world_size"] = torch.tensor(WORLD.size + 1)  # (as saved by a larger job)
+        fresh = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            **kw,
+        )
+        if sparse:  # (CSC's residuals are per rank)
+            with pytest.raises(ValueError, match="world size differs"):
+                fresh.load_state_dict(state)
+            return
+        with pytest.warns(UserWarning, match=f"saved at {WORLD.size + 1} ranks, loaded at {WORLD.size}"):
+            fresh.load_state_dict(state)
+        assert len(opt.state) >= 3
+        for p, saved in opt.state.items():
+            assert torch.equal(fresh.state[p]["momentum_buffer"], saved["momentum_buffer"])
+
+    def retyped():  # (model.double() after wrapping: the same Parameter objects, another dtype)
+        model = make_model()
+        ref = copy.deepcopy(model).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(batches(3)):
+            if step == 1:
+                model.double()
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            opt.step()
+            reference_step(ref, ref_opt, x, y)
+            assert_close_to(model, ref, atol=1e-5)
+        assert_identical(model)
+
+    on_all_ranks(twice, "synchronize twice, op=Sum")
+    on_all_ranks(retyped, "a dtype changed after wrapping")
+    on_all_ranks(lambda: resized(False), "dense at another world size")
+    on_all_ranks(lambda: resized(True), "sparse at another world size")

@@ -123,6 +123,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         if not params:
             raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires grad")
         keys = [self._gflow_key(p, i) for i, p in enumerate(params)]
+        self._gflow_layouts = _layouts(params)
         # What the kit reduces per parameter: the gradient itself, or (predivided, compressed) a new
         # tensor; a probe gives its shape and dtype, and the ctx to decompress a zero gradient with.
         if self._bucket_view:
@@ -227,12 +228,14 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         segment: one that changed differently fails the step with MismatchError)."""
         self._check_set()
         params = self._gflow_reduced_params()
-        if _changed_set(params, self._gflow_params):
+        # (a parameter's dtype or shape changed too: model.double() after wrapping refused every step)
+        if _changed_set(params, self._gflow_params) or _layouts(params) != self._gflow_layouts:
             if self._sparse:
                 raise ValueError(
                     "DistributedOptimizer(sparse=...): the parameters to reduce changed after wrapping "
-                    "(one was frozen, unfrozen or added to the param groups): CSC keeps a residual per "
-                    "fused segment, so they cannot change; wrap the optimizer after freezing"
+                    "(one was frozen, unfrozen, added to the param groups, or changed its dtype or "
+                    "shape): CSC keeps a residual per fused segment, so they cannot change; wrap the "
+                    "optimizer after such changes"
                 )
             self._gflow_build(params)
             self._gflow_reset_step()
@@ -328,11 +331,17 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 it (clip_grad_norm_, p.grad = None, ...) and before synchronize(): the reduction would
                 have overwritten or lost the change. Change gradients after synchronize().
 
+        Called again before step() (a framework's hook and the user's code both), it reduces only
+        where some rank set a gradient anew since, as step() does (Horovod reduces every gradient
+        again, which with op=Sum multiplies them by the number of ranks).
+
         An fp16 overflow (compression=fp16, or a NaN/inf with sparse=) is not raised here: the
         gradients then hold inf/NaN on every rank alike, so torch.amp.GradScaler skips the step on
         every rank; step() raises CompressionOverflowError / NonFiniteError instead of applying them.
         """
         self._check_synced("synchronize()")
+        if self._user_synchronized and not self._touched and not self._set_anew_anywhere(unchanged=False):
+            return  # a second call (a framework's and the user's): reducing again would multiply a Sum
         self._gflow_synchronize()
         self._user_synchronized = True
 
@@ -745,7 +754,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     stacklevel=2,
                 )
                 if self._set_anew_anywhere(unchanged=False):
-                    self.synchronize()
+                    self._gflow_synchronize()
             elif not self._still_reduced(unchanged=False):  # (GradScaler's reduced them, unscaled in place)
                 self.synchronize()
         self._reduced = self._user_synchronized = False
@@ -812,7 +821,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 "optimizer.synchronize(). This is prohibited as it can cause a race condition. (If this "
                 "rank skipped step() on its own, after finding inf/NaN in its local gradients, say, the "
                 "other ranks wait for it in step(): decide skips on the reduced gradients, after "
-                "synchronize(), as torch.amp.GradScaler does here.)"
+                "synchronize(), as torch.amp.GradScaler does here. To drop a step on every rank, a "
+                "partial accumulation at an epoch's end or a backward that failed everywhere: "
+                "optimizer.synchronize() on every rank, then zero_grad().)"
             )
         self._reduced = self._user_synchronized = False  # a new step's gradients come next
         return super().zero_grad(set_to_none)
@@ -844,6 +855,10 @@ def _left_over_zeros(grad) -> bool:
     if grad.layout == torch.strided:
         return not bool(grad.any())
     return grad.layout == torch.sparse_coo and not bool(grad._values().any())
+
+
+def _layouts(params: list) -> list:
+    return [(p.dtype, tuple(p.shape), p.device) for p in params]
 
 
 def _changed_set(params: list, before: list) -> bool:
