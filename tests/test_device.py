@@ -193,10 +193,12 @@ def test_explicit_strides_on_axes_of_extent_one_are_still_c_order():
         a.__cuda_array_interface__.update(shape=shape, strides=strides)
         assert memory.describe(a)[2], (shape, strides)
         assert_close_to_reference(to_host(gflow.allreduce(a)).reshape(-1), x, "sum")
-    a = CAIOnly(cuda.to_device(x[:6]))
-    a.__cuda_array_interface__.update(shape=(2, 3), strides=(4, 8))  # Fortran order: really refused
-    with pytest.raises(ValueError, match="must be C-contiguous"):
-        gflow.allreduce(a)
+    # Fortran order, and a stride of 0 (Numba takes it for a broadcast array): refused
+    for shape, strides in [((2, 3), (4, 8)), ((1, 6), (0, 4))]:
+        a = CAIOnly(cuda.to_device(x[:6]))
+        a.__cuda_array_interface__.update(shape=shape, strides=strides)
+        with pytest.raises(ValueError, match="must be C-contiguous"):
+            gflow.allreduce(a)
 
 
 def test_the_mpi_library_is_found_for_the_cuda_support_query():

@@ -123,6 +123,11 @@ def test_loss_scaler_stops_growing_before_inf():
         assert not scaler.unscale(g)
         np.testing.assert_array_equal(g, [3.0, -6.0])
         gflow.LossScaler(growth_factor=growth, growth_interval=1).load_state_dict(scaler.state_dict())
+    # helper-52: a scale saved past the cap (before there was one) loads, at the cap
+    old = dict(gflow.LossScaler().state_dict(), scale=2.0**70)
+    resumed = gflow.LossScaler()
+    resumed.load_state_dict(old)
+    assert resumed.scale == 2.0**64
 
 
 @pytest.mark.parallel([2, 3, 4])
@@ -293,6 +298,8 @@ def test_lazy_agree_vector_of_floats_fails_the_step_on_every_rank():
     with pytest.raises(RuntimeError, match=re.escape(f"refused at [{WORLD.size}, 5]")):
         lazy.flush(agree=np.array([WORLD.size, 5]), refuse=refuse)
     np.testing.assert_array_equal(y, x)
+    lazy.push(y)
+    assert lazy.flush(agree=[]).tolist() == []  # (an empty list is float64 to NumPy: still fine)
     lazy.push(y)
     assert lazy.flush(agree=np.array([WORLD.rank, 1], np.int32)).tolist() == [WORLD.size - 1, 1]
     assert_close_to_reference(y, x, "mean")

@@ -1281,6 +1281,8 @@ def test_a_scheduler_made_before_wrapping_and_a_closure_optimizer_stay_exact():
         base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(base, 1, 0.5)
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        # and one made on the wrapper too (helper-52: it warned that it stepped before the optimizer)
+        keep = torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=0)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.5)
         with warnings.catch_warnings(record=True) as seen:
@@ -1290,6 +1292,7 @@ def test_a_scheduler_made_before_wrapping_and_a_closure_optimizer_stay_exact():
                 rank_loss(model, x, y, r)
                 opt.step()
                 sched.step()
+                keep.step()
                 reference_step(ref, ref_opt, x, y)
                 ref_sched.step()
                 assert_identical(model)

@@ -298,8 +298,10 @@ def _begin(ctx: CommContext, sig: tuple) -> None:
 def wants_agreement(ctx: CommContext) -> bool:
     """Whether a bandwidth-sized call on ctx agrees before it moves data: always with config.validate;
     without it, until the ranks have once agreed with validation off on every rank (the setting is in
-    those calls' signatures: runtime/signature._SETTINGS). So GFLOW_VALIDATE=0 on some ranks only is a
-    MismatchError on every rank in that first agreement, not a wait for ever."""
+    those calls' signatures: runtime/signature._SETTINGS). So GFLOW_VALIDATE=0 set on some ranks only
+    from the start is a MismatchError on every rank in that first agreement, not a wait for ever. Not
+    caught: a rank in join() during it (its header carries no signature), or the setting changed at
+    run time on some ranks after it."""
     return ctx.size > 1 and (config.validate or not ctx.agreed_unvalidated)
 
 

@@ -62,7 +62,11 @@ def describe(x, name: str = "x"):
 def _is_c_order(shape, strides, itemsize: int) -> bool:
     """C order as NumPy judges it: an axis of extent 1 is never stepped, so its stride does not count
     (torch and some exporters give such axes an arbitrary stride rather than strides=None)."""
-    return all(e == 1 or s == c for e, s, c in zip(shape, strides, _c_strides(shape, itemsize), strict=True))
+    # (not a stride of 0: Numba takes any such array for a broadcast one, and cannot view it flat)
+    return all(
+        (e == 1 and s != 0) or s == c
+        for e, s, c in zip(shape, strides, _c_strides(shape, itemsize), strict=True)
+    )
 
 
 def flat_view(x, name: str = "x"):

@@ -431,7 +431,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
 
     def _flush(self, commit: bool, agree, refuse):
         ctx = context(self._comm).background()
-        if agree is not None and not np.can_cast(np.asarray(agree).dtype, np.int64):
+        if agree is not None and np.size(agree) and not np.can_cast(np.asarray(agree).dtype, np.int64):
             # (a float vector was cut to integers: a max of 0.9 came back 0)
             got = np.asarray(agree).dtype
             self.fail_step(TypeError(f"LazyAllreduce.flush: agree must be a vector of integers, got {got}"))

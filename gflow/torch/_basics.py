@@ -11,6 +11,7 @@ raises GflowError.
 """
 
 import operator
+import weakref
 import zlib
 from collections import Counter
 
@@ -66,17 +67,22 @@ def with_methods(mixin: type, optimizer):
     hidden = [name for name in optimizer.__dict__ if name in methods]
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in hidden})
     if "step" in hidden and getattr(optimizer.step, "_wrapped_by_lr_sched", False):
-        wrapped.step = _tracked_step(wrapped.step, optimizer)
+        wrapped.step = _tracked_step(type(wrapped).step, optimizer, wrapped)
     return wrapped
 
 
-def _tracked_step(step, held):
-    """step, marking `held` (the optimizer a torch LR scheduler holds) as stepped, as the scheduler's
-    own patch of held.step did, so that scheduler.step() does not warn it came first."""
+def _tracked_step(step, held, wrapped):
+    """wrapped's step, marking it and `held` (the optimizer a torch LR scheduler made before wrapping
+    holds) as stepped, as the scheduler's own patch of held.step did, so that neither that scheduler
+    nor one made on the wrapper (which, seeing this mark, patches no further) warns it came first.
+    Weak references, as torch's patch holds its optimizer."""
+    held_ref, wrapped_ref = weakref.ref(held), weakref.ref(wrapped)
 
     def tracked(*args, **kwargs):
-        held._opt_called = True
-        return step(*args, **kwargs)
+        for ref in (held_ref, wrapped_ref):
+            if ref() is not None:
+                ref()._opt_called = True
+        return step(wrapped_ref(), *args, **kwargs)
 
     tracked._wrapped_by_lr_sched = True
     return tracked

@@ -36,7 +36,14 @@ class OptimizerCheckpoint:
                 stacklevel=2,
             )
             kit_state = None
-        kit = self._dp, self._gflow_params, self._gflow_keys, self._probe_ctx, self._index_of
+        kit = (
+            self._dp,
+            self._gflow_params,
+            self._gflow_keys,
+            self._probe_ctx,
+            self._index_of,
+            self._gflow_layouts,
+        )
         before = None
         try:
             if kit_state is not None:
@@ -53,7 +60,8 @@ class OptimizerCheckpoint:
                     self._dp.set_momentum(before[2].get("momentum", 0.0))
                 self._dp.load_state_dict(before[0])
                 self._dp.restore(before[1])
-            self._dp, self._gflow_params, self._gflow_keys, self._probe_ctx, self._index_of = kit
+            self._dp, self._gflow_params, self._gflow_keys, self._probe_ctx, self._index_of = kit[:5]
+            self._gflow_layouts = kit[5]
             self._gflow_reset_step()
             raise
         self._gflow_reset_step()

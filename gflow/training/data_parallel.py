@@ -449,15 +449,19 @@ class DataParallel:
         error = self._error
         self.agreed = None
         vector, refuse = agree, None
-        if self._scaler is not None:  # the scales compared in the final exchange, before any write
+        mine = None if agree is None else np.asarray(agree).reshape(-1)
+        if self._scaler is not None and (mine is None or not mine.size or np.can_cast(mine.dtype, np.int64)):
+            # The scales, compared in the final exchange before any write (where the vector rides
+            # there: else LossScaler.update compares them, after the write). A vector of another
+            # dtype goes as it is, for flush() to refuse naming it.
             words = np.array(bounds(self._scaler.scale), np.int64)
-            vector = words if agree is None else np.concatenate([np.asarray(agree).reshape(-1), words])
+            vector = words if mine is None else np.concatenate([mine.astype(np.int64), words])
             refuse = lambda agreed: self._scaler.check_same(agreed[-2:], "DataParallel.synchronize")  # noqa: E731
         try:
             try:
                 agreed = self._lazy.flush(commit=False, agree=vector, refuse=refuse)
                 if agree is not None and agreed is not None:
-                    self.agreed = agreed[: agreed.size - (0 if refuse is None else 2)]
+                    self.agreed = agreed[: mine.size]
             except NonFiniteError:
                 if self._scaler is None or error is not None:
                     raise

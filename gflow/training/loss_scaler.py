@@ -177,8 +177,9 @@ class LossScaler:
         st.check_equal(state, self._settings(), who)
         st.check_world_size(state, st.world(self._comm)[1], who)
         scale = st.get(state, "scale", who)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= MAX_SCALE:
-            raise ValueError(f"{who}: scale must be in (0, 2**64], got {scale!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < np.inf:
+            raise ValueError(f"{who}: scale must be a positive finite number, got {scale!r}")
+        scale = min(scale, MAX_SCALE)  # (gflow before 2**64 was the cap let a scale grow past it)
         good = st.get_count(state, "good_steps", who)
         skipped = st.get_count(state, "skipped_steps", who)
         self._scale, self._good_steps, self.skipped_steps = float(scale), good, skipped
