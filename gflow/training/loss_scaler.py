@@ -13,8 +13,8 @@ from ..runtime.signature import is_floating
 _TOP = np.iinfo(np.int64).max
 
 
-# Where the scale stops growing. Past it a scale buys no gradient anything (fp16 spans 2^-24..2^16),
-# and growing on reached inf, whose unscale is a multiplication by 0: every gradient zero, no overflow
+# Where the scale stops growing. A larger scale helps no gradient (fp16 spans 2^-24..2^16), and
+# growing on reached inf, whose unscale is a multiplication by 0: every gradient zero, no overflow
 # reported, and a state_dict that load_state_dict refuses (helper-51).
 MAX_SCALE = 2.0**64
 
