@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import WORLD, on_all_ranks, rank_rng
 
+import gflow
 import gflow.torch as hvd
 
 torch.set_num_threads(1)
@@ -311,5 +312,29 @@ def test_an_optimizer_outside_its_set_steps_on_its_own_gradients():
         finally:
             hvd.remove_process_set(even)
             hvd.remove_process_set(odd)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([3])
+def test_a_set_removed_on_some_ranks_only_fails_every_rank():
+    """helper-53: remove_process_set agreed on nothing, so a rank that removed a set alone went on
+    while its peers waited. The ranks now compare the set they remove: different sets are a
+    ValueError on every rank, and a rank removing one while the others call a collective is a
+    MismatchError on every rank; the global set works after both. (A peer inside the set's own
+    collective meanwhile still waits: that wait is on another communicator.)"""
+
+    def check():
+        first, second = hvd.add_process_set([0, 2]), hvd.add_process_set([0, 1])
+        with pytest.raises(ValueError, match=r"every rank must remove the same set; got rank 0 process set"):
+            hvd.remove_process_set(first if WORLD.rank == 0 else second)
+        with pytest.raises(gflow.MismatchError):
+            if WORLD.rank == 0:
+                hvd.remove_process_set(first)
+            else:
+                hvd.allreduce(torch.ones(1), op=hvd.Sum)
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == WORLD.size
+        assert hvd.remove_process_set(first) and hvd.remove_process_set(second)
+        assert not hvd.remove_process_set(first)
 
     on_all_ranks(check)

@@ -9,9 +9,13 @@ rank within the set), a rank outside a set that calls its collective gets a Valu
 added and removed at any time (Horovod's HOROVOD_DYNAMIC_PROCESS_SETS is implied).
 """
 
+import numpy as np
 from mpi4py import MPI
 
+import gflow
+
 from ..runtime import engine
+from ..runtime.stall import ranks_text
 from . import _basics
 
 
@@ -166,16 +170,42 @@ def _adopt(process_set, comm) -> None:
 
 
 def remove_process_set(process_set) -> bool:
-    """Unregister a set (every rank calls it), once the async collectives this rank started before
-    have ended (as Horovod's background loop removes it in turn); False for the global set or one
-    not registered."""
-    if not isinstance(process_set, ProcessSet) or process_set.process_set_id in (None, 0):
+    """Unregister a set (every rank calls it, with the same set), once the async collectives this
+    rank started before have ended (as Horovod's background loop removes it in turn); False for the
+    global set or one not registered.
+
+    Raises:
+        ValueError: on every rank, where the ranks passed different sets (a rank that removed a set
+            alone went on while its peers waited in the set's next collective, for ever: helper-53).
+    """
+    registered = (
+        isinstance(process_set, ProcessSet)
+        and process_set.process_set_id not in (None, 0)
+        and _registered.get(process_set.process_set_id) is process_set
+    )
+    if not _basics.is_initialized():
         return False
-    if _registered.get(process_set.process_set_id) is not process_set:
+    mine = np.array([[process_set.process_set_id if registered else -1]], np.int64)
+    passed = [int(v) for v in gflow.allgather(mine, comm=_basics.comm())[:, 0]]
+    if len(set(passed)) > 1:
+        groups: dict = {}
+        for rank, set_id in enumerate(passed):
+            groups.setdefault(set_id, []).append(rank)
+        told = [
+            f"{ranks_text(who)} {'no registered set' if set_id < 0 else _registered_text(set_id)}"
+            for set_id, who in groups.items()
+        ]
+        raise ValueError(f"remove_process_set: every rank must remove the same set; got {'; '.join(told)}")
+    if not registered:
         return False
     engine.drain()  # async collectives started before, on this set too, end before its communicator
     _forget(process_set)
     return True
+
+
+def _registered_text(set_id: int) -> str:
+    known = _registered.get(set_id)
+    return f"process set {set_id}" + (f" (ranks {known.ranks})" if known is not None else "")
 
 
 def _forget(process_set) -> None:
