@@ -97,6 +97,17 @@ def assert_close_to(model, ref, atol, rtol=1e-4):
         torch.testing.assert_close(p.detach().double(), q.detach(), atol=atol, rtol=rtol, msg=name)
 
 
+def sgd_and_reference(**kw):
+    """(model, its float64 copy, the model's SGD(lr=0.1) wrapped by DistributedOptimizer with `kw`,
+    the copy's plain SGD(lr=0.1)): the single-process reference beside what the ranks train."""
+    model = make_model()
+    ref = copy.deepcopy(model).double()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), **kw
+    )
+    return model, ref, opt, torch.optim.SGD(ref.parameters(), lr=0.1)
+
+
 class ToFloat64(hvd.Compressor):
     """A user compressor: float64 on the wire."""
 
@@ -298,12 +309,7 @@ def test_gradient_clipping_and_grad_scaler_patterns():
     data = batches(4)
 
     def clipping():
-        model = make_model()
-        ref = copy.deepcopy(model).double()
-        opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
-        )
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        model, ref, opt, ref_opt = sgd_and_reference()
         for x, y in data:
             opt.zero_grad()
             rank_loss(model, x, y, r)
@@ -326,12 +332,7 @@ def test_gradient_clipping_and_grad_scaler_patterns():
         """step() without skip_synchronize() after synchronize(): gradients changed in place are the
         reduced ones, applied once (Horovod reduces them again, which multiplies a sum by the number
         of ranks); a gradient set anew on some rank (p.grad = ...) is reduced again on every rank."""
-        model = make_model()
-        ref = copy.deepcopy(model).double()
-        opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), op=hvd.Sum
-        )
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        model, ref, opt, ref_opt = sgd_and_reference(op=hvd.Sum)
         for x, y in data[:2]:
             opt.zero_grad()
             rank_loss(model, x, y, r)
@@ -417,12 +418,7 @@ def test_gradient_clipping_and_grad_scaler_patterns():
     def grad_scaler(op=hvd.Average, touch=False):
         """Horovod's recipe; `touch`: the program changes the reduced gradients in place between
         synchronize() and the scaler (here by 1.0), which must not reduce them again (op=Sum: x p)."""
-        model = make_model()
-        ref = copy.deepcopy(model).double()
-        opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), op=op
-        )
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        model, ref, opt, ref_opt = sgd_and_reference(op=op)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         for step, (x, y) in enumerate(data):
             opt.zero_grad()
@@ -1246,12 +1242,7 @@ def test_the_steps_agreement_rides_in_the_fused_steps_final_exchange(monkeypatch
             monkeypatch.setattr(lazy, "AGREE_IN_FINAL_BYTES", 64)
 
         def check(case=case):
-            model = make_model()
-            ref = copy.deepcopy(model).double()
-            opt = hvd.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
-            )
-            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            model, ref, opt, ref_opt = sgd_and_reference()
             for x, y in data:
                 calls.clear()
                 opt.zero_grad()
@@ -1347,12 +1338,7 @@ def test_synchronize_twice_a_checkpoint_at_another_world_size_and_a_dtype_change
     data = batches(2)
 
     def twice():
-        model = make_model()
-        ref = copy.deepcopy(model).double()
-        opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), op=hvd.Sum
-        )
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        model, ref, opt, ref_opt = sgd_and_reference(op=hvd.Sum)
         for x, y in data:
             opt.zero_grad()
             rank_loss(model, x, y, r)
@@ -1394,12 +1380,7 @@ def test_synchronize_twice_a_checkpoint_at_another_world_size_and_a_dtype_change
             assert torch.equal(fresh.state[p]["momentum_buffer"], saved["momentum_buffer"])
 
     def retyped():  # (model.double() after wrapping: the same Parameter objects, another dtype)
-        model = make_model()
-        ref = copy.deepcopy(model).double()
-        opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
-        )
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        model, ref, opt, ref_opt = sgd_and_reference()
         for step, (x, y) in enumerate(batches(3)):
             if step == 1:
                 model.double()
