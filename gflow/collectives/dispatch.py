@@ -117,15 +117,21 @@ def choose(algorithm: str, nbytes: int, ranks: int) -> str:
     elif algorithm in ("ring", "hierarchical"):
         chosen = algorithm
     elif algorithm == "recursive_doubling":
-        if nbytes > config.small_message_bytes:
-            raise ValueError(
-                f"algorithm='recursive_doubling' takes at most config.small_message_bytes = "
-                f"{config.small_message_bytes} bytes, got {nbytes}"
-            )
+        check_recursive_doubling_size(nbytes, config.small_message_bytes)
         chosen = algorithm
     else:
         raise ValueError(f"algorithm: expected one of {USER_ALGORITHMS}, got {algorithm!r}")
     return chosen
+
+
+def check_recursive_doubling_size(nbytes: int, small_message_bytes: int) -> None:
+    """An explicit algorithm="recursive_doubling" takes messages up to small_message_bytes (also what
+    the cost model refuses)."""
+    if nbytes > small_message_bytes:
+        raise ValueError(
+            f"algorithm='recursive_doubling' takes at most config.small_message_bytes = "
+            f"{small_message_bytes} bytes, got {nbytes}"
+        )
 
 
 def settle_auto(ctx: CommContext, nbytes: int, memory: str) -> str:

@@ -84,6 +84,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from ..collectives.dispatch import check_recursive_doubling_size
 from ..collectives.recursive_doubling import HEADER_BYTES, node_fold_bytes, slot_room
 from ..runtime.config import (
     DEFAULT_HIERARCHICAL_MIN_BYTES,
@@ -356,11 +357,8 @@ def allreduce_time(
         nbytes = nbytes * 2 // dtype_bytes
     elif compression is not None:
         raise ValueError(f"compression: expected None, 'fp16' or 'bf16', got {compression!r}")
-    if algorithm == "recursive_doubling" and nbytes > DEFAULT_SMALL_MESSAGE_BYTES:
-        raise ValueError(  # (collectives/dispatch.choose)
-            f"algorithm='recursive_doubling' takes at most config.small_message_bytes = "
-            f"{DEFAULT_SMALL_MESSAGE_BYTES} bytes, got {nbytes}"
-        )
+    if algorithm == "recursive_doubling":
+        check_recursive_doubling_size(nbytes, DEFAULT_SMALL_MESSAGE_BYTES)
     if ranks == 1:
         return codec + cpu * cal.copy * nbytes
     alpha_x, beta_x = (cal.alpha_inter, cal.beta_inter) if m > 1 else (cal.alpha_intra, cpu * cal.beta_intra)
