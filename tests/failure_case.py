@@ -107,6 +107,10 @@ elif mode in ("raise-async", "exit-async"):  # with an async allreduce in flight
         time.sleep(0.3)  # the engine is waiting for the others
         fail(how)
     handle.wait()
+elif mode == "exit-unwaited":  # an async allreduce on this rank alone, never waited for: exit says so
+    if me == failing:
+        gflow.allreduce_async(x[:1000])
+    print(f"rank {me} finished", flush=True)
 elif mode in ("raise-lazy", "exit-lazy"):  # in the middle of a lazy step: half of it pushed
     for i, g in enumerate(grads):
         if me == failing and i == len(grads) // 2:

@@ -104,7 +104,16 @@ def test_an_exit_with_an_async_allreduce_in_flight_finishes_it_first(size):
     status, output, _ = run_job("exit-async", size)
     assert status == 0, output
     assert all(f"rank {r} finished" in output for r in range(size) if r != FAILING), output
-    assert "left the job" not in output, output
+    assert "left the job" not in output and "no wait() collected" not in output, output
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_async_work_that_an_exit_loses_is_said(size):
+    status, output, _ = run_job("exit-unwaited", size)
+    assert status == 0, output
+    lost = re.findall(r"gflow rank (\d+): the program ended with async work that no wait", output)
+    assert lost == [str(FAILING)], output  # that rank only, once
+    assert "allreduce: GflowError" in output and "left the job" in output, output
 
 
 @pytest.mark.parametrize("size", SIZES)

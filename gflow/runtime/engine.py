@@ -72,6 +72,7 @@ class Engine:
         self._thread = None
         self._lock = threading.Lock()
         self._submitted = self._finished = 0  # jobs; equal when nothing is queued or running
+        self._in_flight: dict = {}  # the handles of jobs queued or running, in submission order
 
     def idle(self) -> bool:
         return self._submitted == self._finished
@@ -92,6 +93,7 @@ class Engine:
                 self._thread = threading.Thread(target=self._run, name="gflow-engine", daemon=True)
                 self._thread.start()
             self._submitted += 1
+            self._in_flight[handle] = None
             self._queue.put((fn, handle, ctx))
         if timeline.active():
             timeline.counter("engine queue", self._queue.qsize())
@@ -118,24 +120,38 @@ class Engine:
                 error = exc
             mark.job = None  # before the caller wakes: a finished job is not a busy thread at exit
             self._finished += 1
+            with self._lock:
+                self._in_flight.pop(handle, None)
             handle._finish(result=result, error=error)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Let queued work finish, then stop the thread (bounded: it is a daemon either way)."""
+    def shutdown(self, timeout: float = 10.0) -> list[str]:
+        """Let queued work finish, then stop the thread (bounded: it is a daemon either way). Returns
+        what was lost: a line for each job in flight when called that failed (a peer left first)
+        or had not finished within `timeout`; no caller will wait for those any more."""
         with self._lock:
             thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(self._STOP)
-            thread.join(timeout)
+            left = [h for h in self._in_flight if h.description != "drain"]
+        if thread is None:
+            return []
+        self._queue.put(self._STOP)
+        thread.join(timeout)
+        lost = []
+        for handle in left:
+            if not handle.done():
+                lost.append(f"{handle.description}: not finished after {timeout:g} s, dropped")
+            elif handle._error is not None:
+                lost.append(f"{handle.description}: {type(handle._error).__name__}: {handle._error}")
+        return lost
 
 
 _engine = Engine()  # stopped at exit by lifecycle.py, before MPI finalizes
 stall.register_engine(_engine.idle)
 
 
-def shutdown(timeout: float = 10.0) -> None:
-    """Stop the background thread once its queued work is done (a later submit starts it again)."""
-    _engine.shutdown(timeout)
+def shutdown(timeout: float = 10.0) -> list[str]:
+    """Stop the background thread once its queued work is done (a later submit starts it again);
+    the jobs lost, as Engine.shutdown says."""
+    return _engine.shutdown(timeout)
 
 
 def idle() -> bool:

@@ -6,8 +6,9 @@ what each part needs done while MPI still works.
 """
 
 import atexit
+import sys
 
-from mpi4py import MPI  # noqa: F401 - imported first: its finalizer must run after at_exit
+from mpi4py import MPI  # imported first: its finalizer must run after at_exit
 
 from . import context, engine, stall, timeline
 
@@ -15,8 +16,17 @@ from . import context, engine, stall, timeline
 def at_exit() -> None:
     """Stop the background thread (its collectives use gflow's duplicates), tell peers this rank has
     left (those waiting for it in a collective it will never make raise at once), free the
-    duplicates, then close the timeline file (it records up to the end)."""
-    engine.shutdown()
+    duplicates, then close the timeline file (it records up to the end). Async work that exit
+    loses (started and never waited for, as Horovod's shutdown fails it) is said on stderr."""
+    lost = engine.shutdown()
+    if lost:
+        shown = "; ".join(lost[:3]) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
+        print(
+            f"gflow rank {MPI.COMM_WORLD.Get_rank()}: the program ended with async work that no wait() "
+            f"collected, and it did not complete (its results are lost): {shown}. Wait for every "
+            "async call (Handle.wait, hvd.synchronize) on every rank before the program ends",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     context.finish_duplicates()  # (so that peers still waiting in their making can be told, below)
     stall.goodbye()
     context.free_all()
