@@ -4,6 +4,8 @@ References are MPI's own Allreduce and float64 NumPy (tests/helpers.py); "identi
 MPI's own allgather.
 """
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -325,6 +327,69 @@ def test_ranks_with_different_loss_scales_fail_the_step_on_every_rank():
             assert_close_to_reference(grads[key], raw[key], "mean")
 
     on_all_ranks(recovered)
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_step_where_some_ranks_pushed_nothing_warns_on_every_rank(scaled):
+    """helper-54: a synchronize() more on rank 1 (nothing pushed) paired with the others' next step,
+    and every later step mixed gradients of two steps, silently, until the job ended. Every rank now
+    warns at the step where some ranks pushed nothing and others pushed; a step where all pushed
+    does not warn."""
+    params = make_params(10)
+    dp = DataParallel(params, loss_scaler=gflow.LossScaler() if scaled else None)
+    grads = dp.gradient_buffers()
+    rng = rank_rng(10)
+
+    def step(push: bool):
+        raw = random_grads(rng, params)
+        for key in reversed(list(params)):
+            grads[key][...] = raw[key] * np.float32(dp.loss_scale)
+            if push:
+                dp.push(key)
+        return dp.synchronize(), raw
+
+    def steps():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a step where every rank pushed: no warning
+            step(True)
+        with pytest.warns(RuntimeWarning, match="some ranks pushed no gradient in this step while others"):
+            step(WORLD.rank != 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            applied, raw = step(True)
+        assert applied is True
+        for key in params:
+            assert_close_to_reference(grads[key], raw[key], "mean")
+
+    on_all_ranks(steps)
+
+
+@pytest.mark.parallel([2, 3])
+def test_ranks_with_different_loss_scaler_settings_fail_the_first_step_on_every_rank():
+    """helper-54: a growth_interval of 1 on rank 1 (2000 elsewhere) passed the first step and failed
+    every later one saying the scales differ, pointing at checkpoints; with 2000 against 1000, first
+    about 1000 steps in. The settings are compared with the scale: the first step fails on every rank,
+    naming them, and nothing is written; LossScaler.update alone compares them too."""
+    params = make_params(8)
+    growth = 1 if WORLD.rank == 1 else 2000
+    dp = DataParallel(params, loss_scaler=gflow.LossScaler(growth_interval=growth))
+    grads = dp.gradient_buffers()
+    raw = random_grads(rank_rng(8), params)
+
+    def refused():
+        for key in reversed(list(params)):
+            grads[key][...] = raw[key] * np.float32(dp.loss_scale)
+            dp.push(key)
+        with pytest.raises(gflow.MismatchError, match="LossScaler settings differ .*'growth_interval'"):
+            dp.synchronize()
+        for key in params:
+            np.testing.assert_array_equal(grads[key], raw[key] * np.float32(dp.loss_scale), err_msg=key)
+        alone = gflow.LossScaler(backoff_factor=0.25 if WORLD.rank == 0 else 0.5)
+        with pytest.raises(gflow.MismatchError, match="LossScaler.update: the ranks' LossScaler settings"):
+            alone.update(False)
+
+    on_all_ranks(refused)
 
 
 @pytest.mark.parallel([2, 3])

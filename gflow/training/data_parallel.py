@@ -22,6 +22,7 @@ gradient reached in a step (unused on this rank) is pushed as zeros at synchroni
 commit, and its checkpoint are one contract, read together.)
 """
 
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -37,7 +38,7 @@ from ..fusion.sparse import check_dtype as check_sparse_dtype
 from ..runtime import checkpoint as st
 from ..runtime.context import context
 from ..runtime.signature import is_floating
-from .loss_scaler import LossScaler, bounds
+from .loss_scaler import LossScaler
 
 # The fusion segment size for training (DataParallel, gflow.torch), measured end to end (bench/RESULTS.md,
 # "The fusion threshold for training"). With float32 on the wire, 25 MiB (DDP's bucket_cap_mb): with
@@ -431,12 +432,19 @@ class DataParallel:
         Raises:
             TypeError, ValueError: one of this rank's pushes in this step failed its checks (the
                 others raise MismatchError).
-            GflowError: the collective failed (ranks disagree, or a non-finite value without a loss
-                scaler). On any error the step is forgotten: the next one starts afresh, and the
-                pushed arrays keep their local values (LazyAllreduce's guarantee; dense fp16 overflow
-                without a scaler leaves the reduced values, as there).
+            GflowError: the collective failed: ranks disagree, or without a loss scaler a non-finite
+                value with sparse= or compression (NonFiniteError, CompressionOverflowError; plain
+                float32/float64 pass inf and NaN through, as MPI's allreduce). On any error the step
+                is forgotten: the next one starts afresh, and the pushed arrays keep their local
+                values (LazyAllreduce's guarantee; dense fp16 overflow without a scaler leaves the
+                reduced values, as there).
+
+        Warns (RuntimeWarning, on every rank) where some ranks pushed nothing in the step and others
+        did: an extra synchronize() on some ranks pairs with the others' next step, and every step
+        after mixes gradients of different steps, silently (a rank out of data calls join()).
         """
         ready = self._ready
+        pushed = any(r is not None and r is not _ABSENT for r in ready)
         overflow = False
         if self._error is None:
             try:
@@ -450,18 +458,31 @@ class DataParallel:
         self.agreed = None
         vector, refuse = agree, None
         mine = None if agree is None else np.asarray(agree).reshape(-1)
-        if self._scaler is not None and (mine is None or not mine.size or np.can_cast(mine.dtype, np.int64)):
-            # The scales, compared in the final exchange before any write (where the vector rides
-            # there: else LossScaler.update compares them, after the write). A vector of another
-            # dtype goes as it is, for flush() to refuse naming it.
-            words = np.array(bounds(self._scaler.scale), np.int64)
-            vector = words if mine is None else np.concatenate([mine.astype(np.int64), words])
-            refuse = lambda agreed: self._scaler.check_same(agreed[-2:], "DataParallel.synchronize")  # noqa: E731
+        ours = 0  # where the words of DataParallel's own start in the agreed vector
+        if mine is None or not mine.size or np.can_cast(mine.dtype, np.int64):
+            # In the final exchange (where the vector rides there): whether any rank pushed nothing
+            # while another pushed, and the loss scales, compared before any write (else
+            # LossScaler.update compares them, after the write). A vector of another dtype goes as
+            # it is, for flush() to refuse naming it.
+            words = [int(not pushed), int(pushed)] + ([] if self._scaler is None else self._scaler.words())
+            ours = 0 if mine is None else mine.size
+            vector = np.array(words, np.int64)
+            vector = vector if mine is None else np.concatenate([mine.astype(np.int64), vector])
+            if self._scaler is not None:
+                refuse = lambda agreed: self._scaler.check_same(agreed[-4:], "DataParallel.synchronize")  # noqa: E731
         try:
             try:
                 agreed = self._lazy.flush(commit=False, agree=vector, refuse=refuse)
                 if agree is not None and agreed is not None:
                     self.agreed = agreed[: mine.size]
+                if agreed is not None and len(agreed) > ours + 1 and agreed[ours] and agreed[ours + 1]:
+                    warnings.warn(
+                        "DataParallel.synchronize: some ranks pushed no gradient in this step while others "
+                        "did, so theirs count as zeros. A synchronize() more on some ranks than on others "
+                        "pairs with the others' next step, and every later step mixes gradients of "
+                        "different steps; a rank out of data calls join()",
+                        RuntimeWarning, stacklevel=2,
+                    )  # fmt: skip
             except NonFiniteError:
                 if self._scaler is None or error is not None:
                     raise

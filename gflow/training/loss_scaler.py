@@ -1,6 +1,9 @@
 """Dynamic loss scaling for fp16 training, agreed across ranks (a training concern: it calls
 allreduce, so it sits above the collectives, not beside the codecs)."""
 
+import struct
+import zlib
+
 import numpy as np
 
 from ..arrays.kinds import check_array, check_writable
@@ -114,9 +117,9 @@ class LossScaler:
                 sum by its own factor. A checkpoint loaded on some ranks only does that: load the
                 scaler's state on every rank (it is the same on all of them).
         """
-        # One exchange: max(overflow) and the largest and smallest scale (ranks in join() count as
-        # zeros, which bounds() keeps out of both).
-        agreed = allreduce(np.array([int(overflow), *bounds(self._scale)], np.int64), "max", comm=self._comm)
+        # One exchange: max(overflow), the largest and smallest scale and settings (ranks in join()
+        # count as zeros, which bounds() keeps out of each).
+        agreed = allreduce(np.array([int(overflow), *self.words()], np.int64), "max", comm=self._comm)
         self.check_same(agreed[1:], "LossScaler.update")
         if agreed[0]:
             self._scale = max(self._scale * self.backoff_factor, self.min_scale)
@@ -129,10 +132,23 @@ class LossScaler:
             self._good_steps = 0
         return True
 
-    def check_same(self, agreed_bounds, where: str) -> None:
-        """Raise MismatchError where the ranks' scales differ: `agreed_bounds` is bounds(scale)
+    def words(self) -> list:
+        """What the ranks must agree on, as int64 words maximized over the ranks: the scale's
+        bounds() and those of a fingerprint of the settings (where they differ, the scales part
+        ways later: after growth_interval steps, or at the first overflow)."""
+        settings = struct.pack("<dddq", self.growth_factor, self.backoff_factor, self.min_scale,
+                               self.growth_interval)  # fmt: skip
+        return [*bounds(self._scale), *bounds(float(zlib.crc32(settings) + 1))]
+
+    def check_same(self, agreed_words, where: str) -> None:
+        """Raise MismatchError where the ranks' scales or settings differ: `agreed_words` is words()
         maximized over the ranks (alike on every rank, so every rank raises)."""
-        largest, smallest = value_range(agreed_bounds)
+        if agreed_words[2] + agreed_words[3] != _TOP:  # (the settings' largest and smallest differ)
+            raise MismatchError(
+                f"{where}: the ranks' LossScaler settings differ (this rank's: {self._settings()}): their "
+                "scales would part ways. Make the LossScaler with the same arguments on every rank"
+            )
+        largest, smallest = value_range(agreed_words[:2])
         if largest != smallest:
             raise MismatchError(
                 f"{where}: the ranks' loss scales differ (from {smallest:g} to {largest:g}; this rank's is "
