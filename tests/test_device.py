@@ -184,6 +184,28 @@ def test_bad_device_arguments():
         gflow.allreduce(np.ones(10, np.float32), out=d)
 
 
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("kind", ["numba", "cai"])
+def test_a_device_out_that_overlaps_x_in_part_is_refused(kind):
+    """helper-55: out=base[1:] over x=base[:-1] was taken, and the direct ring and a world of one gave
+    wrong elements (35 of 37), broadcast too; NumPy arrays were refused. Now refused alike, on the
+    rank that passed it before any data moves (its peers: MismatchError), and the next call works."""
+    n = 37
+    base = cuda.to_device(np.concatenate([random_array(rank_rng(77), n, np.float32), [0]]).astype(np.float32))
+    x, out = base[:-1], base[1:]
+    if kind == "cai":
+        x, out = CAIOnly(x), CAIOnly(out)
+    mine = WORLD.rank == WORLD.size - 1
+    for call in (lambda o: gflow.allreduce(x, out=o), lambda o: gflow.broadcast(x, root=0, out=o)):
+        if mine or WORLD.size == 1:
+            on_all_ranks(lambda call=call: pytest.raises(ValueError, call, out).match("overlaps x in part"))
+        else:
+            on_all_ranks(lambda call=call: pytest.raises(gflow.MismatchError, call, None))
+    got = cuda.device_array(n, np.float32)
+    gflow.allreduce(x, out=got)
+    assert_close_to_reference(to_host(got), to_host(base)[:n], "sum")
+
+
 def test_explicit_strides_on_axes_of_extent_one_are_still_c_order():
     """helper-47: a __cuda_array_interface__ with strides given for axes of extent 1 (any value: such an
     axis is never stepped) was refused as non-contiguous; NumPy and Numba call it C order."""

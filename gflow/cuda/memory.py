@@ -109,6 +109,14 @@ def prepare_out(x, out, dtype, count: int, name: str = "out"):
         raise ValueError(f"{name} must be C-contiguous")
     if not writable(out):
         raise ValueError(f"{name} is read-only; the result is written into it: pass a writable array")
+    if out is not x:  # (helper-55: out=base[1:] over x=base[:-1] gave wrong sums on the direct path)
+        mine, theirs = address(out), address(x)
+        apart = not (mine and theirs) or mine[0] >= theirs[0] + theirs[1] or theirs[0] >= mine[0] + mine[1]
+        if mine != theirs and not apart:
+            raise ValueError(
+                f"{name} overlaps x in part: pass out=x (or an array over exactly x's memory) to "
+                "write the result over x, or a separate array"
+            )
     sync_producer(out)  # work queued on out's own stream may still read or write it
     return out
 
