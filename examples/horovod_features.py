@@ -9,7 +9,7 @@ uneven (rank r has 20 + 7 r batches): ranks that run out call hvd.join() and tak
 gradient averages with zeros until the last one finishes. Along the way: a metric averaged over the
 even ranks only (a process set), samples routed to the rank that owns their label (alltoall), a
 sharded average (reducescatter), and the final weights of two replicas combined by Adasum (when the
-number of ranks is a power of two). Prints what each step found, on rank 0.
+number of ranks is a power of two). Prints what each step found, on rank 0. Needs the `torch` extra.
 """
 
 import os

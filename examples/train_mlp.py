@@ -1,5 +1,6 @@
 """Data-parallel training of a small MLP on scikit-learn's digits with gflow's trainer kit: a complete
-custom trainer (NumPy; CuPy when a GPU is present and cupy imports) to copy from.
+custom trainer (NumPy; CuPy when a GPU is present and cupy imports) to copy from. Needs the `examples`
+extra (scikit-learn): `pip install -e '.[mpich,examples]'`.
 
     mpiexec -n 4 .venv/bin/python examples/train_mlp.py                          # dense fp32
     mpiexec -n 4 .venv/bin/python examples/train_mlp.py --compression fp16 --loss-scale

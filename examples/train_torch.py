@@ -8,7 +8,8 @@ Written as for `import horovod.torch as hvd`; only the import differs. gflow's o
 DistributedOptimizer's sparse= (coarse-grained sparse communication): with SGD momentum, the momentum
 moves into CSC's momentum correction, so the update is not accelerated twice. Every rank takes every
 size-th sample of each global batch, so every world size walks the same batches. Prints one line per
-epoch on rank 0 and the final held-out accuracy.
+epoch on rank 0 and the final held-out accuracy. Needs the `torch` and `examples` extras (PyTorch,
+scikit-learn): `pip install -e '.[mpich,torch,examples]'`.
 """
 
 import os

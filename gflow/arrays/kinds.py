@@ -37,9 +37,12 @@ def kind_of(x, name: str = "x"):
         from ..cuda.arrays import DEVICE
 
         return DEVICE
+    got = type(x).__name__
+    if isinstance(x, np.generic):
+        got = f"the NumPy scalar {got} (pass np.array(value))"
     raise TypeError(
         f"{name}: expected a NumPy array, a torch tensor or an object with __cuda_array_interface__, "
-        f"got {type(x).__name__}"
+        f"got {got}"
     )
 
 

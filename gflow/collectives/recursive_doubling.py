@@ -972,11 +972,11 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
         f"rank {rank_b}{world([rank_b])} {said_b}"
     )
     details = [
-        f"  rank {rank}{world([rank])} {describe(sig)}"
+        f"  rank {rank}{world([rank])} {describe(sig, other)}"
         + (f"; {'its error:' if refused else 'it passed'} {words}" if words else "")
-        for rank, sig, words, refused in (
-            (rank_a, sig_a, words_a, rejected[0]),
-            (rank_b, sig_b, words_b, rejected[1]),
+        for rank, sig, other, words, refused in (
+            (rank_a, sig_a, sig_b, words_a, rejected[0]),
+            (rank_b, sig_b, sig_a, words_b, rejected[1]),
         )
     ]
     return "\n".join([headline, details[0] + ";", details[1]])

@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 def mpi_library() -> str:
     """The MPI library mpi4py runs on, in a line ("MPICH Version: 5.0.2", "Open MPI v4.1.4, ...")."""
-    return MPI.Get_library_version().splitlines()[0].strip()
+    return " ".join(MPI.Get_library_version().splitlines()[0].split())  # (MPICH pads with spaces)
 
 
 def thread_level_name(level: int) -> str:

@@ -170,8 +170,9 @@ def _op_name(sig) -> str:
     return CODE_OP.get(int(sig[4]), "?")
 
 
-def describe(sig) -> str:
-    """Human-readable form of a signature, for mismatch messages."""
+def describe(sig, other=None) -> str:
+    """Human-readable form of a signature, for mismatch messages; beside `other` (the signature it
+    disagrees with), the settings checksum only where the two differ in it."""
     collective = CODE_COLLECTIVE.get(int(sig[0]), f"<collective {int(sig[0])}>")
     if int(sig[7]) == SIG_REJECTED:
         return f"called {collective} with arguments it rejected (see the error raised on that rank)"
@@ -187,7 +188,7 @@ def describe(sig) -> str:
         text += f", op={CODE_OP.get(int(sig[4]), '?')}"
     algorithm = CODE_ALGORITHM.get(int(sig[1]) & 0xFF, "?")
     text += f", algorithm={algorithm}"
-    if int(sig[1]) >> _AUTO_SHIFT:
+    if int(sig[1]) >> _AUTO_SHIFT and (other is None or settings_differ(sig, other)):
         names = ", ".join(_SETTINGS.get(algorithm, ("?",)))
         checksum = int(sig[1]) >> _AUTO_SHIFT
         text += f" (settings checksum {checksum}: compare gflow.config.{names} across ranks)"

@@ -30,7 +30,9 @@ def demo(sizes_bytes: list[int], repeats: int) -> int:
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
     if rank == 0:
-        print(f"gflow {gflow.__version__} on {size} ranks, {mpi_library()}")
+        print(f"gflow {gflow.__version__} on {size} rank{'s' if size > 1 else ''}, {mpi_library()}")
+        if size == 1:  # (started without mpiexec: MPI against gflow alone says little)
+            print("one rank: run it under mpiexec (mpiexec -n 4 python -m gflow demo) to compare ranks")
         print(f"{'size':>9} {'gflow (ms)':>11} {'MPI (ms)':>10} {'speedup':>8}  result")
     failures = 0
     for nbytes in sizes_bytes:
@@ -216,7 +218,10 @@ def model_command(parser, args) -> int:
         except ValueError as exc:
             raise ValueError(f"--link {args.link!r}: {exc}") from None
         if not (math.isfinite(link) and link > 0) or args.ranks < 1 or args.ranks_per_node < 1:
-            raise ValueError("--link, --ranks and --ranks-per-node must be positive")
+            raise ValueError(
+                f"--link, --ranks and --ranks-per-node must be positive, got {args.link!r}, {args.ranks}, "
+                f"{args.ranks_per_node}"
+            )
         if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
             raise ValueError(f"--latency-us must be a number >= 0, got {args.latency_us}")
         if args.compute_ms is not None and not (math.isfinite(args.compute_ms) and args.compute_ms > 0):

@@ -442,11 +442,16 @@ def _cross_node(cal: Calibration, shard: float, m: int, k: int, cpu: float) -> f
 
 def parse_rate(text: str) -> float:
     """A link rate in bits/s: '56gbit' -> 56e9; also mbit, kbit, or a plain number of bits/s."""
-    text = text.lower().strip()
-    for suffix, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+    given, text = text, text.lower().strip()
+    number, factor = text, 1.0
+    for suffix, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * factor
-    return float(text)
+            number, factor = text[: -len(suffix)], scale
+            break
+    try:
+        return float(number) * factor
+    except ValueError:
+        raise ValueError(f"expected a rate such as 56gbit, 100mbit or bits/s, got {given!r}") from None
 
 
 def segments(sizes_bytes: list[int], threshold: int) -> list[int]:
