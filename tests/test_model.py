@@ -308,7 +308,7 @@ def test_model_command_prints_the_table(tmp_path):
     [
         (["--ranks", "0"], "must be positive"),
         (["--ranks", "8", "--workload", "vgg"], "workload"),
-        (["--ranks", "8", "--link", "fast"], "could not convert"),
+        (["--ranks", "8", "--link", "fast"], "expected a rate such as 56gbit"),
         (["--ranks", "8", "--calibration", "BAD"], "calibration"),
         (["--ranks", "8", "--calibration", "MISSING"], "missing"),
         (["--ranks", "8", "--calibration", "CROWDED"], "uncrowded must map"),
