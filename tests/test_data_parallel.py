@@ -4,8 +4,6 @@ References are MPI's own Allreduce and float64 NumPy (tests/helpers.py); "identi
 MPI's own allgather.
 """
 
-import warnings
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -327,42 +325,6 @@ def test_ranks_with_different_loss_scales_fail_the_step_on_every_rank():
             assert_close_to_reference(grads[key], raw[key], "mean")
 
     on_all_ranks(recovered)
-
-
-@pytest.mark.parallel([2, 3])
-@pytest.mark.parametrize("scaled", [False, True])
-def test_a_step_where_some_ranks_pushed_nothing_warns_on_every_rank(scaled):
-    """helper-54: a synchronize() more on rank 1 (nothing pushed) paired with the others' next step,
-    and every later step mixed gradients of two steps, silently, until the job ended. Every rank now
-    warns at the step where some ranks pushed nothing and others pushed; a step where all pushed
-    does not warn."""
-    params = make_params(10)
-    dp = DataParallel(params, loss_scaler=gflow.LossScaler() if scaled else None)
-    grads = dp.gradient_buffers()
-    rng = rank_rng(10)
-
-    def step(push: bool):
-        raw = random_grads(rng, params)
-        for key in reversed(list(params)):
-            grads[key][...] = raw[key] * np.float32(dp.loss_scale)
-            if push:
-                dp.push(key)
-        return dp.synchronize(), raw
-
-    def steps():
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a step where every rank pushed: no warning
-            step(True)
-        with pytest.warns(RuntimeWarning, match="some ranks pushed no gradient in this step while others"):
-            step(WORLD.rank != 1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            applied, raw = step(True)
-        assert applied is True
-        for key in params:
-            assert_close_to_reference(grads[key], raw[key], "mean")
-
-    on_all_ranks(steps)
 
 
 @pytest.mark.parallel([2, 3])

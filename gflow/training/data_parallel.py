@@ -22,7 +22,6 @@ gradient reached in a step (unused on this rank) is pushed as zeros at synchroni
 commit, and its checkpoint are one contract, read together.)
 """
 
-import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -439,12 +438,11 @@ class DataParallel:
                 values (LazyAllreduce's guarantee; dense fp16 overflow without a scaler leaves the
                 reduced values, as there).
 
-        Warns (RuntimeWarning, on every rank) where some ranks pushed nothing in the step and others
-        did: an extra synchronize() on some ranks pairs with the others' next step, and every step
-        after mixes gradients of different steps, silently (a rank out of data calls join()).
+        Call it once per step on every rank: a synchronize() more on some ranks pairs with the
+        others' next step, which nothing can tell from a rank whose batch reached no parameter
+        (neither DDP nor Horovod does either).
         """
         ready = self._ready
-        pushed = any(r is not None and r is not _ABSENT for r in ready)
         overflow = False
         if self._error is None:
             try:
@@ -458,31 +456,18 @@ class DataParallel:
         self.agreed = None
         vector, refuse = agree, None
         mine = None if agree is None else np.asarray(agree).reshape(-1)
-        ours = 0  # where the words of DataParallel's own start in the agreed vector
-        if mine is None or not mine.size or np.can_cast(mine.dtype, np.int64):
-            # In the final exchange (where the vector rides there): whether any rank pushed nothing
-            # while another pushed, and the loss scales, compared before any write (else
-            # LossScaler.update compares them, after the write). A vector of another dtype goes as
-            # it is, for flush() to refuse naming it.
-            words = [int(not pushed), int(pushed)] + ([] if self._scaler is None else self._scaler.words())
-            ours = 0 if mine is None else mine.size
-            vector = np.array(words, np.int64)
-            vector = vector if mine is None else np.concatenate([mine.astype(np.int64), vector])
-            if self._scaler is not None:
-                refuse = lambda agreed: self._scaler.check_same(agreed[-4:], "DataParallel.synchronize")  # noqa: E731
+        if self._scaler is not None and (mine is None or not mine.size or np.can_cast(mine.dtype, np.int64)):
+            # The scales and the scaler's settings, compared in the final exchange before any write
+            # (where the vector rides there: else LossScaler.update compares them, after the write).
+            # A vector of another dtype goes as it is, for flush() to refuse naming it.
+            words = np.array(self._scaler.words(), np.int64)
+            vector = words if mine is None else np.concatenate([mine.astype(np.int64), words])
+            refuse = lambda agreed: self._scaler.check_same(agreed[-4:], "DataParallel.synchronize")  # noqa: E731
         try:
             try:
                 agreed = self._lazy.flush(commit=False, agree=vector, refuse=refuse)
                 if agree is not None and agreed is not None:
                     self.agreed = agreed[: mine.size]
-                if agreed is not None and len(agreed) > ours + 1 and agreed[ours] and agreed[ours + 1]:
-                    warnings.warn(
-                        "DataParallel.synchronize: some ranks pushed no gradient in this step while others "
-                        "did, so theirs count as zeros. A synchronize() more on some ranks than on others "
-                        "pairs with the others' next step, and every later step mixes gradients of "
-                        "different steps; a rank out of data calls join()",
-                        RuntimeWarning, stacklevel=2,
-                    )  # fmt: skip
             except NonFiniteError:
                 if self._scaler is None or error is not None:
                     raise
