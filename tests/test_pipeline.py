@@ -380,6 +380,19 @@ def test_lazy_argument_errors():
     assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
+@pytest.mark.parallel([2, 3])
+def test_gradient_buffers_of_other_shapes_on_one_rank_are_named():
+    """helper-54: a parameter of another shape on one rank failed gradient_buffers() on every rank
+    with "ranks disagree on the call's extra field: rank 0 passed one, rank 1 another". The message
+    names the buffer and both shapes now."""
+    last = WORLD.rank == WORLD.size - 1
+    shapes = [(10, 11), (5, 11) if last else (11, 5), (5,)]
+    lazy = gflow.LazyAllreduce()
+    theirs, mine = r"an array of shape \(11, 5\) \(buffer 1\)", r"an array of shape \(5, 11\) \(buffer 1\)"
+    headline = f"ranks disagree on the shape: rank \\d+ passed {theirs}, rank {WORLD.size - 1} passed {mine}"
+    on_all_ranks(lambda: pytest.raises(gflow.MismatchError, lazy.gradient_buffers, shapes).match(headline))
+
+
 @pytest.mark.parallel([1, 3])
 @pytest.mark.parametrize("reduce_in_place", [False, True])
 def test_lazy_gradient_buffers_live_in_the_pool(reduce_in_place):

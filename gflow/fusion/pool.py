@@ -17,12 +17,12 @@ import zlib
 import numpy as np
 
 from ..collectives import hierarchical
-from ..collectives.operations import rejected_in_background
+from ..collectives.operations import annotated, rejected_in_background
 from ..collectives.recursive_doubling import agreed, allreduce_with_agreement, wants_agreement
 from ..runtime import engine
 from ..runtime.config import config
 from ..runtime.context import context
-from ..runtime.signature import check_dtype, check_op, signature
+from ..runtime.signature import Words, check_dtype, check_op, signature
 
 _SHAPES = [struct.Struct(f"<{n}q") for n in range(8)]
 
@@ -74,8 +74,9 @@ def pool_memory(parent, shapes, dtype: np.dtype, memory: str = "host"):
 
     def allocate():
         ctx.check_usable()
-        if wants_agreement(ctx):
-            allreduce_with_agreement(ctx, sig, config.small_message_bytes)
+        if wants_agreement(ctx):  # (a MismatchError names the shapes: helper-54 got "the extra field")
+            agree = lambda: allreduce_with_agreement(ctx, sig, config.small_message_bytes)  # noqa: E731
+            annotated(agree, Words(_shapes_in_words, shapes))
             agreed(ctx)
         return hierarchical.shared_pool(ctx, nbytes, memory)
 
@@ -89,6 +90,11 @@ def pool_memory(parent, shapes, dtype: np.dtype, memory: str = "host"):
             stacklevel=3,
         )
     return _private(nbytes, memory) if pool is None else pool
+
+
+def _shapes_in_words(shapes) -> str:
+    """What a rank asked gradient_buffers() for, in fields the mismatch message compares one by one."""
+    return ", ".join(f"an array of shape {tuple(shape)} (buffer {i})" for i, shape in enumerate(shapes))
 
 
 def _private(nbytes: int, memory: str):

@@ -223,6 +223,7 @@ _EXTRA_MEANS = {
     "broadcast": "the shape (with the same number of elements), or in gflow.torch the dtype or name=",
     "lazy": "the tensors pushed so far (their order or sizes), the fusion threshold, or its tuning",
     "sparse": "the gradient size or the CSC settings",
+    "gradient_buffers": "the parameters' shapes (their number, order or sizes)",
 }
 
 
