@@ -172,6 +172,32 @@ def test_device_state_is_saved_on_the_host_and_restored_to_the_device():
 
 
 @pytest.mark.parallel([1, 2])
+def test_a_state_saved_in_one_memory_resumes_with_gradients_in_the_other():
+    """helper-55: a CSC state saved from device memory and loaded where the gradients are on the host
+    (or the reverse) was taken, and the next step refused it: "the gradient changed: expected 64
+    float32 elements (device memory), got 64 float32 (host memory)". The state follows the gradient.
+    (Momentum 0: with momentum, the host's kernel may fuse a multiply-add that the simulator rounds twice.)"""
+    rng = rank_rng(5)
+    grads = [np.array(rng.standard_normal(40), np.float32) for _ in range(4)]
+    place = {"host": lambda g: g.copy(), "device": cuda.to_device}
+    back = {"host": lambda y: y, "device": lambda y: y.copy_to_host()}
+
+    def check():
+        for saved, used in (("device", "host"), ("host", "device")):
+            a = gflow.SparseAllreduce(density=0.25, chunk_elems=5)
+            for g in grads[:2]:
+                a(place[saved](g))
+            b = gflow.SparseAllreduce(density=0.25, chunk_elems=5)
+            b.load_state_dict(pickle.loads(pickle.dumps(a.state_dict())))
+            for g in grads[2:]:
+                expected = back[saved](a(place[saved](g)))
+                np.testing.assert_array_equal(back[used](b(place[used](g))), expected)
+            assert b.state_dict()["memory"] == used
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([1, 2])
 def test_loading_another_world_size_or_other_settings_names_what_differs():
     size = WORLD.size
     csc = gflow.SparseAllreduce(density=0.5, chunk_elems=4)

@@ -175,6 +175,12 @@ class SparseAllreduce:
         shape, flat = kind.shape(grad), kind.read(grad, "grad")
         if self._state is not None:
             v = self._state[1]
+            if kind.ops is not self._ops and (v.size, np.dtype(v.dtype)) == (flat.size, dtype):
+                # The gradient is in the other memory (host or device) than the state: a checkpoint
+                # taken on the other, or a trainer that moved. The state follows it (helper-55: the
+                # step refused it, saying "the gradient changed").
+                self._state = tuple(from_host(to_host(a, self._ops), kind.ops) for a in self._state)
+                self._ops, self._spare = kind.ops, None
             if (v.size, np.dtype(v.dtype), self._ops) != (flat.size, dtype, kind.ops):
                 raise ValueError(
                     f"SparseAllreduce: the gradient changed: expected {v.size} {np.dtype(v.dtype)} "
@@ -392,7 +398,8 @@ class SparseAllreduce:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a state_dict() of this rank, into the memory (host or device) it was saved from.
+        """Restore a state_dict() of this rank, into the memory (host or device) it was saved from
+        (a step on gradients in the other memory moves it there).
 
         Raises:
             ValueError: the state was saved with other settings, at another world size or on another
