@@ -152,6 +152,9 @@ def test_stall_abort_ends_the_job_with_the_message(mode):
     assert "rank 2 has not entered it yet" in output, output
     assert "ending the job (GFLOW_STALL_ABORT_S=3)" in output, output
     assert "finished" not in output, output
+    # helper-56: MPI_Abort returned before the launcher's kill, and the line came again, as a warning
+    aborting = [line for line in output.splitlines() if "waited 3 s" in line]
+    assert all(line.endswith("ending the job (GFLOW_STALL_ABORT_S=3)") for line in aborting), output
 
 
 def test_stall_abort_ends_a_job_late_for_its_first_collective():

@@ -432,6 +432,7 @@ def _inspect(m: _Mark) -> None:
         from .failures import end_job
 
         end_job(f"{text}; ending the job (GFLOW_STALL_ABORT_S={abort:g})")
+        return  # (MPI_Abort may return before the launcher's kill arrives: said once, above)
     if reporter is None or reporter is _UNDECIDED:
         print(text, file=sys.stderr, flush=True)
         ctx.stall_report = (number, _REPORTED)
