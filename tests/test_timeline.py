@@ -129,6 +129,9 @@ def test_unfinished_and_merged_files_load(tmp_path):
         junk.write_text(text)
         with pytest.raises(ValueError, match="junk.json: not a gflow timeline"):
             timeline.load(str(junk))
+    junk.write_bytes(b"\x89PNG\r\n\x1a\n")  # helper-56: a plot passed to merge ("'utf-8' codec can't ...")
+    with pytest.raises(ValueError, match="junk.json: not a gflow timeline \\(not text"):
+        timeline.load(str(junk))
     with pytest.warns(RuntimeWarning, match="no timeline"):
         assert gflow.start_timeline(str(tmp_path / "t{rank}{step}.json")) is None
 

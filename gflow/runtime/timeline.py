@@ -215,8 +215,11 @@ def merge(paths: list[str], out: str) -> int:
 
 def load(path: str) -> list[dict]:
     """A trace's events: a rank's file (also one its rank left unfinished) or a merged trace."""
-    with open(path) as f:
-        text = f.read().strip()
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a gflow timeline (not text; the timeline is JSON)") from None
     if text in ("", "["):  # a rank that ended before writing any event
         return []
     if text.startswith("[") and not text.endswith("]"):  # ... or before closing its file

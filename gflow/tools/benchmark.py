@@ -5,7 +5,8 @@
 For each size from -b to -e (times -f each step) every rank allreduces random data of --dtype with --op,
 --algorithm and --compression: -w warm-up calls, then -n timed ones, each started together (a barrier)
 and timed by the slowest rank; the row shows their median. algbw = bytes / time; busbw = algbw *
-2(p-1)/p, the bytes each rank's link carries in a ring (nccl-tests' definition), comparable across p.
+2(p-1)/p, the bytes each rank's link carries in a ring (nccl-tests' definition), comparable across p
+(at p = 1, algbw itself).
 --check allreduces fresh random data once more and counts the elements that differ from MPI's own
 Allreduce in float64 by more than the rounding the dtype (or float16 on the wire) allows, plus every
 element of a result that is not bitwise the same on all ranks.
@@ -257,11 +258,17 @@ def _plot(report: dict, path: str, say) -> None:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("-b", "--minbytes", dest="begin", type=_size_argument, default=4096)
-    parser.add_argument("-e", "--maxbytes", dest="end", type=_size_argument, default=64 * 2**20)
-    parser.add_argument("-f", "--stepfactor", dest="factor", type=float, default=2.0)
-    parser.add_argument("-n", "--iters", type=int, default=20, help="timed calls per size")
-    parser.add_argument("-w", "--warmup", type=int, default=3, help="untimed calls per size first")
+    parser.add_argument(
+        "-b", "--minbytes", dest="begin", type=_size_argument, default=4096, help="smallest size (default 4K)"
+    )
+    parser.add_argument(
+        "-e", "--maxbytes", dest="end", type=_size_argument, default=64 * 2**20, help="largest (default 64M)"
+    )
+    parser.add_argument(
+        "-f", "--stepfactor", dest="factor", type=float, default=2.0, help="size growth per row (default 2)"
+    )
+    parser.add_argument("-n", "--iters", type=int, default=20, help="timed calls per size (default 20)")
+    parser.add_argument("-w", "--warmup", type=int, default=3, help="untimed calls per size (default 3)")
     parser.add_argument("--op", default="sum", choices=["sum", "mean", "max", "min"])
     parser.add_argument(
         "--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64", "int32", "int64"]
