@@ -404,6 +404,17 @@ def test_object_parameter_and_optimizer_state_broadcasts():
         # As Horovod's: a zero gradient where there was none (not a step: the parameters are unchanged)
         for q, b in zip(model.parameters(), before, strict=True):
             assert torch.equal(q.grad, torch.zeros_like(q)) and torch.equal(q.detach(), b)
+        # helper-58, Horovod's resume: root alone loaded a state, the others' is empty. The other
+        # ranks zeroed p.grad where root left None, and SGD then moved an unused parameter with
+        # momentum and weight decay on them only. Whether to zero is root's state's, on every rank.
+        resumed = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        if r == 0:  # (a state of root's own: momentum buffers)
+            model(torch.randn(2, 2, 5, 5)).pow(2).mean().backward()
+            resumed.step()
+        for q in model.parameters():
+            q.grad = None
+        hvd.broadcast_optimizer_state(resumed, root_rank=0)
+        assert all(q.grad is None for q in model.parameters())
 
     on_all_ranks(check)
 

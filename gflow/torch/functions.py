@@ -175,12 +175,15 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=No
     dtype. Unlike Horovod, an optimizer whose state is still empty is not stepped with zero
     gradients first (that step changes the parameters under weight decay, and Adam's step count):
     every rank just gets root's (empty) state. As Horovod's, it leaves a zero gradient on each
-    parameter that requires one and has none yet, when this rank's state is empty (programs
-    written for Horovod read or broadcast p.grad right after). For a DistributedOptimizer, every
-    rank also takes root's position in tuning threshold_bytes="auto" (the threshold it settled on,
-    or where it is in the schedule), so that restoring a checkpoint on root alone, Horovod's idiom,
-    keeps the ranks fusing alike; gflow's per-rank state (CSC residuals) is left alone. `model` is
-    accepted and ignored.
+    parameter that requires one and has none yet (programs written for Horovod read or broadcast
+    p.grad right after), but where root's state is empty, on every rank alike: Horovod decides on
+    each rank's own, and after root alone loaded a checkpoint (its resume recipe) the other ranks
+    held zero gradients where root held none, which SGD's momentum and weight decay or Adam then
+    applied on them only, for a parameter unused in the first step (helper-58). For a
+    DistributedOptimizer, every rank also takes root's position in tuning threshold_bytes="auto"
+    (the threshold it settled on, or where it is in the schedule), so that restoring a checkpoint on
+    root alone, Horovod's idiom, keeps the ranks fusing alike; gflow's per-rank state (CSC
+    residuals) is left alone. `model` is accepted and ignored.
     process_set: the ranks to broadcast to (default all; a gflow extension of Horovod's call).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -191,8 +194,6 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=No
     wrapped = getattr(optimizer, "_gflow_wrapped", False)
     is_root = _basics.rank() == root_rank
     own = optimizer._wrapped_state_dict() if wrapped else optimizer.state_dict()
-    if not own["state"]:
-        _zero_gradients(optimizer)
     tensors: list = []
     skeleton = None
     failure = None
@@ -209,6 +210,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=No
             f"broadcast_optimizer_state: root rank {root_rank} could not send its optimizer state "
             f"({skeleton.text}); nothing was changed here"
         )
+    if not skeleton.get("state"):  # (root's, on every rank)
+        _zero_gradients(optimizer)
     if not is_root:
         slots: list = []
         _collect_slots(skeleton, slots)
