@@ -296,8 +296,8 @@ def _drop_background(ctx) -> None:
 
 _CROSSED_CAUSE = (
     "The ranks made different calls: a blocking collective on some ranks only while async work is in "
-    "flight (a metric reduced on rank 0 only between backward() and step(), while the optimizer's "
-    "segments are on their way?). Make it on every rank, or after step() / synchronize() / wait()"
+    "flight (a metric reduced on rank 0 only, while the optimizer's segments are on their way?). Make "
+    "it on every rank: a collective some ranks do not make never completes"
 )
 
 
