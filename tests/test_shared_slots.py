@@ -304,6 +304,34 @@ def test_an_interrupt_as_the_compiled_exchange_hands_over_refuses_the_next_call(
     WORLD.Barrier()
 
 
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("algorithm", ["hierarchical", "ring"])
+def test_an_interrupt_in_the_bandwidth_phase_refuses_the_next_call(monkeypatch, algorithm):
+    """helper-59: a Ctrl-C that landed in the node phase's reduce (Numba code, not a wait) was not
+    recorded, so the rank's next call went ahead and met the others' unfinished one: a hang. An
+    interrupt anywhere after the agreement now marks the call abandoned. (Here on every rank, the
+    same: the others would otherwise wait for it.)"""
+    from gflow.collectives import dispatch, hierarchical, ring
+
+    comm = WORLD.Dup()
+    x = random_array(rank_rng(SEED + 4), 1 << 16, np.float64)
+    gflow.allreduce(x, comm=comm, algorithm=algorithm)
+    module = hierarchical if algorithm == "hierarchical" else ring
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "allreduce", interrupted)
+    assert dispatch.hierarchical is hierarchical and dispatch.ring is ring  # (where dispatch finds them)
+    with pytest.raises(KeyboardInterrupt):
+        gflow.allreduce(x, comm=comm, algorithm=algorithm)
+    monkeypatch.undo()
+    with pytest.raises(gflow.GflowError, match="interrupted after its message may have reached"):
+        gflow.allreduce(x, comm=comm, algorithm=algorithm)
+    y = gflow.allreduce(x, algorithm=algorithm)  # (another communicator works)
+    on_all_ranks(lambda: assert_close_to_reference(y, x, "sum"))
+
+
 @pytest.mark.parallel([3, 4])
 @pytest.mark.parametrize("op", ["sum", "max", "mean"])
 def test_every_rank_of_one_host_folds_in_rank_order(op):

@@ -9,7 +9,8 @@ signature by runtime/signature.py, so ranks configured differently fail the agre
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime import timeline
+from ..errors import GflowError
+from ..runtime import stall, timeline
 from ..runtime.config import config, latency_path_limit
 from ..runtime.context import TAG_ALLTOALL, CommContext
 from ..runtime.signature import CODE_MEMORY, signature
@@ -78,18 +79,31 @@ def allreduce_flat(
                 return
         else:
             agree(ctx, sig)
-        agreed = CODE_MEMORY[int(sig[6])]  # the arrays' memory, unlike the transport each rank picked
-        if chosen == "auto":
-            chosen = settle_auto(ctx, dst.nbytes, agreed)
-        if chosen == "hierarchical":  # (the timeline shows which by the phases inside)
-            hierarchical.allreduce(ctx, src, dst, ops, name, agreed, staging)
-        elif staging is not None:
-            host_src = staging.send(ctx, src)
-            host_dst = staging.buffer_for(ctx, "stage_out", dst)
-            ring.allreduce(ctx, host_src, host_dst, staging.ops, name)
-            staging.store(dst, host_dst)
-        else:
-            ring.allreduce(ctx, src, dst, ops, name)
+        try:
+            _bandwidth_allreduce(ctx, src, dst, ops, sig, chosen, name, staging)
+        except GflowError:  # (on every rank alike, or a peer has left)
+            raise
+        except BaseException:  # Ctrl-C in the node phase's reduce or a copy (helper-59: the next call
+            stall.abandoned(stall.mark())  # went on, and met the others' unfinished one: a hang)
+            raise
+
+
+def _bandwidth_allreduce(
+    ctx: CommContext, src, dst, ops, sig: tuple, chosen: str, name: str, staging
+) -> None:
+    """allreduce_flat's ring or hierarchical allreduce, once the ranks agreed on the call."""
+    agreed = CODE_MEMORY[int(sig[6])]  # the arrays' memory, unlike the transport each rank picked
+    if chosen == "auto":
+        chosen = settle_auto(ctx, dst.nbytes, agreed)
+    if chosen == "hierarchical":  # (the timeline shows which by the phases inside)
+        hierarchical.allreduce(ctx, src, dst, ops, name, agreed, staging)
+    elif staging is not None:
+        host_src = staging.send(ctx, src)
+        host_dst = staging.buffer_for(ctx, "stage_out", dst)
+        ring.allreduce(ctx, host_src, host_dst, staging.ops, name)
+        staging.store(dst, host_dst)
+    else:
+        ring.allreduce(ctx, src, dst, ops, name)
 
 
 def _may_reduce_in_slots(ctx: CommContext, ops, chosen: str, staging, nbytes: int) -> bool:
