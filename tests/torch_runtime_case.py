@@ -113,7 +113,7 @@ elif mode == "metric":  # a metric reduced between backward and step (issue 24, 
                     hvd.allreduce(loss.detach(), op=hvd.Sum, name="loss")
                 opt.step()
             except gflow.MismatchError as exc:
-                crossed = "crossed waits" in str(exc) and "between backward() and step()" in str(exc)
+                crossed = "crossed waits" in str(exc) and "a metric reduced on rank 0 only" in str(exc)
                 horovod = isinstance(exc, hvd.HorovodInternalError) or me == 0
                 waited = time.monotonic() - start
                 say(f"{label}: raised after {waited:.1f} s, crossed {crossed}, horovod {horovod}")
