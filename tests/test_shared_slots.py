@@ -177,9 +177,10 @@ def test_join_with_uneven_steps_through_the_slots():
 def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(when):
     """Ctrl-C in a wait whose message is in shared memory already: the others take that message for
     their own call (as they would an MPI message sent eagerly), so this rank's next call on the
-    communicator would meet their next one: it raises instead, and their call completes. "As soon
-    as posted": while the compiled exchange spins (the interrupt is raised as it returns, outside
-    the watched wait)."""
+    communicator would meet their next one: it raises instead. It tells the others, which refuse
+    that call and every later one there too (helper-59: they waited until the interrupted rank
+    exited). "As soon as posted": while the compiled exchange spins (the interrupt is raised as it
+    returns, outside the watched wait)."""
     import _thread
     import threading
     import time
@@ -189,7 +190,6 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(w
         gflow.allreduce(np.ones(10), comm=comm)  # exchange: the next is one)
     assert context(comm).slots
     x = random_array(rank_rng(SEED + 2), 10, np.float64)
-    everyone = WORLD.allgather(x)
     if WORLD.rank == 0 and when == "in the wait":
         threading.Timer(0.3, _thread.interrupt_main).start()
     elif WORLD.rank == 0:
@@ -208,10 +208,14 @@ def test_a_wait_interrupted_after_its_message_was_posted_refuses_the_next_call(w
             gflow.allreduce(x, comm=comm)  # (the peer sleeps: this wait is interrupted)
         with pytest.raises(gflow.GflowError, match="interrupted after its message may have reached"):
             gflow.allreduce(x, comm=comm)
-    else:
+    else:  # told (stall.abandoned), the others refuse it too, at once or in their wait for it
         time.sleep(1.0)
-        y = gflow.allreduce(x, comm=comm)
-        np.testing.assert_array_equal(y, in_rank_order(everyone))
+        with pytest.raises(
+            gflow.GflowError, match=r"rank 0 was interrupted in a collective .*\(rank 0 in #4"
+        ):
+            gflow.allreduce(x, comm=comm)
+        with pytest.raises(gflow.GflowError, match="can never finish on gflow rank"):
+            gflow.allreduce(x, comm=comm)
     WORLD.Barrier()
 
 

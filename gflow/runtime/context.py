@@ -164,6 +164,7 @@ class CommContext:
         self.stall_report = (-1, 0)  # (collective, whether this rank reports its stall: stall.py)
         self.departed = {}  # rank -> collectives it completed here before its process exited
         self.abandoned = None  # the collective this rank left unfinished (stall.abandoned)
+        self.interrupted = {}  # rank -> the collective it left unfinished here, as it told (stall.py)
         # Ranks that left ({rank: when this rank heard}), shared by a user communicator's context and
         # its background contexts: a fresh background context (after a failed one), or one whose peers
         # said goodbye only on the other context, must know them before its peers can say so.

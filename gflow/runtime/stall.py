@@ -51,7 +51,7 @@ from .config import config
 
 POLL_S = 0.05
 ANSWER_S = 2.0
-TAG_QUESTION, TAG_ANSWER, TAG_GOODBYE, TAG_CROSSED = 1, 2, 3, 4
+TAG_QUESTION, TAG_ANSWER, TAG_GOODBYE, TAG_CROSSED, TAG_ABANDONED = 1, 2, 3, 4, 5
 CROSSED_S = 1.0  # a blocking wait this long is checked for crossed waits (again after 2x, 4x, ...)
 # What a question asks about: the context it travels on, its background context (whose own duplicates
 # are still being made), or the context whose background context it is (not yet on its own duplicates)
@@ -106,6 +106,8 @@ def entered(ctx, sig) -> None:
     before any message moves, if a rank that left can never enter it."""
     if ctx.departed:
         _raise_departed(ctx, ctx.entered + 1, sig)
+    if ctx.interrupted:
+        raise _interrupted_error(ctx, ctx.entered + 1, sig)
     ctx.entered += 1
     ctx.last_sig = sig
     try:
@@ -181,6 +183,11 @@ def _answer(ctx) -> None:
         departures.append((ctx, status.Get_source()))
         caller = ctx.parent or ctx  # the teller left a collective unfinished there: its messages stay
         caller.failed = caller.failed or f"crossed waits with rank {status.Get_source()} (see its error)"
+    while comm.Iprobe(MPI.ANY_SOURCE, TAG_ABANDONED, status):
+        number = np.empty(1, np.int64)
+        comm.Recv(number, status.Get_source(), TAG_ABANDONED)
+        ctx.interrupted[status.Get_source()] = int(number[0])
+        departures.append((ctx, status.Get_source()))
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_GOODBYE, status):
         completed = np.empty(1, np.int64)
         comm.Recv(completed, status.Get_source(), TAG_GOODBYE)
@@ -248,6 +255,8 @@ def check_waiting() -> None:
         )
     if ctx.departed:
         _raise_departed(ctx, ctx.entered, ctx.last_sig)
+    if ctx.interrupted:
+        raise _interrupted_error(ctx, ctx.entered, ctx.last_sig)
     if len(ctx.gone) > len(ctx.departed):
         _raise_unheard(ctx, mark)
     if ctx.abandoned is not None:  # (by another thread of this rank: give_up)
@@ -349,9 +358,35 @@ def _completed_before_leaving(ctx, ranks) -> str:
 def abandoned(m: _Mark) -> None:
     """This thread's wait was interrupted by an exception of the program's (a signal handler's
     SystemExit, KeyboardInterrupt): it leaves its collective unfinished, so goodbye must not count
-    it as completed."""
-    if m.ctx is not None:
-        m.ctx.abandoned = m.ctx.entered
+    it as completed, and this rank refuses its later ones there (CommContext.check_usable). Its
+    peers are told, so that they raise too instead of waiting in it until this process exits."""
+    ctx = m.ctx
+    if ctx is None:
+        return
+    first = ctx.abandoned is None
+    ctx.abandoned = ctx.entered
+    if first and ctx.monitor_comm is not None and ctx.size > 1 and not MPI.Is_finalized():
+        told = np.array([ctx.abandoned], np.int64)
+        with _lock:
+            sends = [ctx.monitor_comm.Isend(told, r, TAG_ABANDONED) for r in range(ctx.size) if r != ctx.rank]
+        deadline = time.monotonic() + 1.0  # (tiny messages: sent eagerly; a peer gone is not waited for)
+        while not MPI.Request.Testall(sends) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def _interrupted_error(ctx, number: int, sig) -> GflowError:
+    """The error of collective #number on ctx where a peer left one unfinished (Ctrl-C) and told."""
+    world = world_ranks(ctx)
+    ranks = sorted(ctx.interrupted)
+    where = ", ".join(f"rank {r} in #{ctx.interrupted[r]}" for r in ranks)
+    what = _brief(sig) if sig is not None else "a collective"
+    was, refuses = ("was", "refuses") if len(ranks) == 1 else ("were", "refuse")
+    return GflowError(
+        f"{ranks_text(ranks)}{world(ranks)} {was} interrupted in a collective on this communicator "
+        f"({where}: Ctrl-C, or a signal handler's exception) and {refuses} every later one there, so "
+        f"collective #{number} on this communicator of {ctx.size} ranks ({what}) can never finish on "
+        f"gflow rank {ctx.rank}{world(None)}. Use another communicator"
+    )
 
 
 def give_up(ctx) -> None:
