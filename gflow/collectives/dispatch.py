@@ -9,7 +9,6 @@ signature by runtime/signature.py, so ranks configured differently fail the agre
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import GflowError
 from ..runtime import stall, timeline
 from ..runtime.config import config, latency_path_limit
 from ..runtime.context import TAG_ALLTOALL, CommContext
@@ -79,12 +78,13 @@ def allreduce_flat(
                 return
         else:
             agree(ctx, sig)
+        # Ctrl-C or a signal handler's exit in the node phase's reduce or a copy leaves the call
+        # unfinished (helper-59: the next call went on, and met the others' unfinished one: a hang).
+        # Not the errors every rank raises alike before any message moves (a bad topology: helper-60).
         try:
             _bandwidth_allreduce(ctx, src, dst, ops, sig, chosen, name, staging)
-        except GflowError:  # (on every rank alike, or a peer has left)
-            raise
-        except BaseException:  # Ctrl-C in the node phase's reduce or a copy (helper-59: the next call
-            stall.abandoned(stall.mark())  # went on, and met the others' unfinished one: a hang)
+        except (KeyboardInterrupt, SystemExit):
+            stall.abandoned(stall.mark())
             raise
 
 
