@@ -71,11 +71,10 @@ class Engine:
         self._queue: queue.Queue = queue.Queue()
         self._thread = None
         self._lock = threading.Lock()
-        self._submitted = self._finished = 0  # jobs; equal when nothing is queued or running
         self._in_flight: dict = {}  # the handles of jobs queued or running, in submission order
 
     def idle(self) -> bool:
-        return self._submitted == self._finished
+        return not self._in_flight
 
     def submit(self, description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
         handle = Handle(description, keep, on_failure, ctx)
@@ -92,7 +91,6 @@ class Engine:
                     )
                 self._thread = threading.Thread(target=self._run, name="gflow-engine", daemon=True)
                 self._thread.start()
-            self._submitted += 1
             self._in_flight[handle] = None
             self._queue.put((fn, handle, ctx))
         if timeline.active():
@@ -119,7 +117,6 @@ class Engine:
                     ctx.failed = f"{handle.description}: {exc}"
                 error = exc
             mark.job = None  # before the caller wakes: a finished job is not a busy thread at exit
-            self._finished += 1
             with self._lock:
                 self._in_flight.pop(handle, None)
             handle._finish(result=result, error=error)

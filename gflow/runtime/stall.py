@@ -369,9 +369,7 @@ def abandoned(m: _Mark) -> None:
         told = np.array([ctx.abandoned], np.int64)
         with _lock:
             sends = [ctx.monitor_comm.Isend(told, r, TAG_ABANDONED) for r in range(ctx.size) if r != ctx.rank]
-        deadline = time.monotonic() + 1.0  # (tiny messages: sent eagerly; a peer gone is not waited for)
-        while not MPI.Request.Testall(sends) and time.monotonic() < deadline:
-            time.sleep(0.001)
+        _sent_within(sends, 1.0)
 
 
 def _interrupted_error(ctx, number: int, sig) -> GflowError:
@@ -425,7 +423,12 @@ def goodbye() -> None:
             payloads.append(completed)
             peers = (r for r in range(ctx.size) if r != ctx.rank)
             sends += [ctx.monitor_comm.Isend(completed, r, TAG_GOODBYE) for r in peers]
-    deadline = time.monotonic() + 1.0
+    _sent_within(sends, 1.0)
+
+
+def _sent_within(sends: list, seconds: float) -> None:
+    """Wait at most `seconds` for tiny sends to peers (sent eagerly; a peer gone is not waited for)."""
+    deadline = time.monotonic() + seconds
     while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
         time.sleep(0.001)
 

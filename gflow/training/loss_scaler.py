@@ -143,7 +143,8 @@ class LossScaler:
     def check_same(self, agreed_words, where: str) -> None:
         """Raise MismatchError where the ranks' scales or settings differ: `agreed_words` is words()
         maximized over the ranks (alike on every rank, so every rank raises)."""
-        if agreed_words[2] + agreed_words[3] != _TOP:  # (the settings' largest and smallest differ)
+        most, least = value_range(agreed_words[2:4])  # (the settings' fingerprints)
+        if most != least:
             raise MismatchError(
                 f"{where}: the ranks' LossScaler settings differ (this rank's: {self._settings()}): their "
                 "scales would part ways. Make the LossScaler with the same arguments on every rank"
