@@ -243,3 +243,37 @@ def test_a_two_byte_mean_that_fits_the_type_never_overflows():
 
 def reference_float64_mean(x: np.ndarray) -> np.ndarray:
     return np.mean(np.stack(WORLD.allgather(x.astype(np.float64))), axis=0)
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_a_joined_rank_changes_no_min_or_max_on_any_path():
+    """While rank 0 is in join() (Horovod's uneven data), the others' min and max are over their own
+    values: the joined rank contributes values that change nothing (it contributed zeros, and a min of
+    values above 0 came out 0); a sum still counts it as zeros. Every path a joined rank serves: the
+    latency path's payload inline and apart, the slots' reduce-scatter (p >= 3), the ring, and the
+    node phase; float64 and int32, values of both signs."""
+    from gflow.collectives.join import join
+
+    comm = WORLD.Dup()
+    others = comm.Split(int(comm.rank > 0), comm.rank)  # (the reference: MPI over the ranks with data)
+    calls = [(7, "auto"), (5000, "auto"), (40_000, "auto"), (3001, "ring"), (300_001, "auto")]
+    calls += [(9000, "hierarchical")]
+
+    def check():
+        if comm.rank == 0:
+            assert join(comm) == comm.size - 1
+            return
+        for i, (n, algorithm) in enumerate(calls):
+            for dtype in (np.float64, np.int32):
+                x = random_array(rank_rng(800 + i), n, dtype)
+                for op, mpi_op in (("min", MPI.MIN), ("max", MPI.MAX), ("sum", MPI.SUM)):
+                    expected = np.empty_like(x)
+                    others.Allreduce(x, expected, mpi_op)
+                    got = gflow.allreduce(x, op, comm=comm, algorithm=algorithm)
+                    if op == "sum" and dtype == np.float64:
+                        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12, err_msg=f"{n} {op}")
+                    else:
+                        np.testing.assert_array_equal(got, expected, err_msg=f"{n} {dtype} {op} {algorithm}")
+        assert join(comm) == comm.size - 1
+
+    on_all_ranks(check)

@@ -424,3 +424,34 @@ def test_zero_chunks_matches_numpy(n, chunk):
         host.zero_chunks(x, ids, chunk)
         np.testing.assert_array_equal(d.copy_to_host(), x)
         assert (x == 0).sum() == sum(min(chunk, n - i * chunk) for i in ids)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int8, np.uint8, np.int64, np.bool_, "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_neutral_leaves_every_operand_as_it_is_on_host_and_device(dtype, op):
+    """What a rank in join() contributes: the same bits on the device as on the host, and reducing
+    random values (NaN and the type's extremes among them) with it changes none of them."""
+    import ml_dtypes
+
+    host_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    bits = np.dtype(np.uint16) if dtype == "bfloat16" else host_dtype
+    n = 41
+    values = rand(np.random.default_rng(), n, np.float32)
+    if host_dtype.kind == "f" or dtype == "bfloat16":
+        values[:3] = [np.nan, np.inf, -np.inf]
+        values = values.astype(host_dtype)
+    elif host_dtype.kind == "b":
+        values = values > 0
+    else:
+        info = np.iinfo(host_dtype)
+        values = np.clip(values, info.min, info.max).astype(host_dtype)
+        values[:2] = [info.min, info.max]
+    neutral = host.neutral(n, host_dtype, op)
+    assert neutral.dtype == host_dtype and neutral.shape == (n,)
+    np.testing.assert_array_equal(dev.neutral(n, host_dtype, op).copy_to_host(), neutral.view(bits))
+    if host_dtype.kind == "b" or op == "mean":
+        return  # (gflow reduces no bool; a mean is summed, then divided)
+    for low, high in ((values, neutral), (neutral, values)):
+        out = np.empty(n, host_dtype)
+        host.reduce(out, low, high, op)
+        np.testing.assert_array_equal(out.view(bits), values.view(bits))

@@ -219,6 +219,27 @@ def zeros(n: int, dtype) -> np.ndarray:
     return np.zeros(n, dtype=dtype)
 
 
+def neutral_value(dtype, op: str):
+    """The value that leaves any operand as it is under op (sum and mean: 0; min: the type's largest;
+    max: its smallest): what a rank in join() contributes, so that its absence never enters a min or
+    max as a 0 (Horovod's zeros are this for its sums and means)."""
+    dtype = np.dtype(dtype)
+    if op not in ("min", "max"):
+        return dtype.type(0)
+    largest = op == "min"
+    if dtype.kind == "b":
+        return np.bool_(largest)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return dtype.type(info.max if largest else info.min)
+    return dtype.type(np.inf if largest else -np.inf)  # (floats, bfloat16 included)
+
+
+def neutral(n: int, dtype, op: str) -> np.ndarray:
+    """n elements of neutral_value(dtype, op)."""
+    return np.full(n, neutral_value(dtype, op), dtype=dtype)
+
+
 def index_array(ids: np.ndarray) -> np.ndarray:
     return ids
 

@@ -1,5 +1,6 @@
 """Ranks in join() (Horovod's uneven data): a rank that ran out of data takes part in the other ranks'
-allreduces with zeros until every rank has joined.
+allreduces with zeros until every rank has joined (in a min or max, with values that change nothing:
+host_ops.neutral_value; "zeros" below means those).
 
 Every collective of gflow starts with the agreement of collectives/recursive_doubling.py (its header
 carries the call's signature, and on the latency path the payload too). A joined rank cannot know
@@ -128,7 +129,7 @@ def _serve(ctx: CommContext) -> None:
         if algorithm == "hierarchical":
             _hierarchical_zeros(ctx, count, dtype, op, memory)
         else:
-            zeros = np.zeros(count, dtype)
+            zeros = host.neutral(count, dtype, op)
             ring.allreduce(ctx, zeros, zeros, host, op)
 
 
@@ -150,13 +151,13 @@ def _hierarchical_zeros(ctx: CommContext, count: int, dtype, op: str, memory: st
     the device ops and this rank's transport, as the callers run it, so that the node phase's peer
     memory (made collectively, per memory and transport) is the same on every rank of the node."""
     if memory == "host":
-        zeros = np.zeros(count, dtype)
+        zeros = host.neutral(count, dtype, op)
         hierarchical.allreduce(ctx, zeros, zeros, host, op, memory, None)
         return
     from ..cuda.arrays import DEVICE
 
     transport = DEVICE.transport()
-    zeros = DEVICE.ops.zeros(count, dtype)
+    zeros = DEVICE.ops.neutral(count, dtype, op)
     if transport.name == "staged":
         hierarchical.allreduce(ctx, zeros, zeros, DEVICE.ops, op, memory, transport)
     else:
@@ -250,7 +251,7 @@ def _node_exchange(ctx: CommContext, mine):
     dtype, op = _payload_spec(verdict)
     count = int(verdict[_SIG_A][2])
     if verdict[_FOLLOWS]:
-        zeros = np.zeros(count, dtype)
+        zeros = host.neutral(count, dtype, op)
         ring.allreduce(ctx, zeros, zeros, host, op)
         return verdict, False
     if all(len(m) == HEADER_BYTES for m in messages):  # (headers alone: an agreement before a ring)
@@ -269,11 +270,11 @@ def _combine(mine, acc, theirs, payload, peer_is_lower: bool):
     joined = int(mine[_RANK_B]) + int(theirs[_RANK_B])
     if theirs[1] == JOINED:
         if acc is not None:  # zeros from the peer
-            acc = _reduce(acc, np.zeros_like(acc), peer_is_lower, mine)
+            acc = _reduce(acc, _neutral_like(acc, mine), peer_is_lower, mine)
     elif mine[1] == JOINED:  # the first real header: adopt the call, this rank's share is zeros
         mine[1], mine[_SIG_A], mine[_RANK_A] = _OK, theirs[_SIG_A], theirs[_RANK_A]
         if payload is not None:
-            acc = _reduce(np.zeros_like(payload), payload, peer_is_lower, mine)
+            acc = _reduce(_neutral_like(payload, mine), payload, peer_is_lower, mine)
     elif tuple(mine[_SIG_A]) == tuple(theirs[_SIG_A]):
         mine[_RANK_A] = min(mine[_RANK_A], theirs[_RANK_A])
         if acc is not None and payload is not None:
@@ -283,6 +284,12 @@ def _combine(mine, acc, theirs, payload, peer_is_lower: bool):
         return mine, acc
     mine[_RANK_B] = joined
     return mine, acc
+
+
+def _neutral_like(a, header):
+    """What this joined rank contributes to the call a header names, shaped like a (zeros for a sum)."""
+    _, op = _payload_spec(header)
+    return host.neutral(a.size, a.dtype, op)
 
 
 def _reduce(own, incoming, peer_is_lower: bool, header):

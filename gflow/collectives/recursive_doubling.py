@@ -523,7 +523,7 @@ def scatter_gather(ctx: CommContext, messages, dtype, count: int, own, dst, op, 
     operands = []
     for r, message in enumerate(messages):
         if zeros is not None and zeros[r]:
-            operands.append(np.zeros(hi - lo, dtype))
+            operands.append(host.neutral(hi - lo, dtype, op))
         elif r == rank:
             operands.append(own[lo:hi])
         else:
@@ -543,7 +543,9 @@ def _fold_in_rank_order(dst, messages, like, op, zeros) -> None:
     """dst = the payloads of every rank's message (arrays like `like`) folded in rank order, where
     zeros[r] says rank r's counts as zeros (a rank in join())."""
     operands = [
-        np.zeros_like(like) if zero else np.frombuffer(m, like.dtype, like.size, HEADER_BYTES)
+        host.neutral(like.size, like.dtype, op)
+        if zero
+        else np.frombuffer(m, like.dtype, like.size, HEADER_BYTES)
         for m, zero in zip(messages, zeros, strict=True)
     ]
     host.reduce(dst, operands[0], operands[1], op)
@@ -765,9 +767,10 @@ def _combine(plan: _Plan, own, out, peer_is_lower: bool, op) -> None:
     mine = np.frombuffer(send_mv[:HEADER_BYTES], dtype=np.int64).copy()
     theirs = np.frombuffer(recv_mv[:HEADER_BYTES], dtype=np.int64)
     if theirs[0] == _MAGIC and theirs[1] == JOINED and mine[1] == _OK:
-        # A rank in join() that did not know the call yet: its payload counts as zeros (Horovod's)
+        # A rank in join() that did not know the call yet: its payload counts as zeros (Horovod's; for
+        # min and max the values that change nothing: host_ops.neutral_value)
         if own is not None:
-            plan.incoming[...] = 0
+            plan.incoming[...] = host.neutral_value(plan.incoming.dtype, op)
             host.reduce(out, plan.incoming, own, op) if peer_is_lower else host.reduce(
                 out, own, plan.incoming, op
             )

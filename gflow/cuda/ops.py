@@ -238,6 +238,18 @@ def zeros(n: int, dtype):
     return x
 
 
+def neutral(n: int, dtype, op: str):
+    """n elements of host_ops.neutral_value(dtype, op) (a rank in join()'s operand), in storage(dtype)."""
+    from ..arrays.host_ops import neutral_value
+
+    x = cuda.device_array(n, dtype=storage(dtype))
+    if n:
+        value = np.array(neutral_value(dtype, op), dtype=dtype).view(x.dtype)[()]
+        blocks, threads = _grid(n)
+        kernels.fill[blocks, threads](x, value)
+    return x
+
+
 def index_array(ids: np.ndarray):
     """Chunk indices chosen on the host, where the kernels read them."""
     return cuda.to_device(ids)
