@@ -1395,3 +1395,66 @@ def test_synchronize_twice_a_checkpoint_at_another_world_size_and_a_dtype_change
     on_all_ranks(retyped, "a dtype changed after wrapping")
     on_all_ranks(lambda: resized(False), "dense at another world size")
     on_all_ranks(lambda: resized(True), "sparse at another world size")
+
+
+class ChannelsLast(torch.nn.Module):
+    """A conv net in channels_last (its weights' gradients are not contiguous) with a transposed
+    parameter (a non-contiguous view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.fc = torch.nn.Linear(4 * 4 * 4, 4)
+        self.mix = torch.nn.Parameter(torch.randn(4, 4).t())
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1)) @ self.mix
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"gradient_predivide_factor": 2.0},
+        {"backward_passes_per_step": 2, "gradient_predivide_factor": 2.0},
+        {"gradient_as_bucket_view": True},
+    ],
+    ids=["plain", "predivide", "bpps2-predivide", "views"],
+)
+def test_a_channels_last_model_trains_as_one_process(kw):
+    """broadcast_parameters into a channels_last model (through a contiguous copy: Horovod's raises),
+    then steps on its non-contiguous gradients: equal to the float64 one-process reference, identical
+    on every rank (with gradient_predivide_factor every step raised "grad must be C-contiguous")."""
+    r, p = WORLD.rank, WORLD.size
+    parts = kw.get("backward_passes_per_step", 1)
+
+    def check():
+        torch.manual_seed(r)  # every rank different: broadcast_parameters must fix it
+        model = ChannelsLast().to(memory_format=torch.channels_last)
+        assert not model.conv.weight.is_contiguous() and not model.mix.is_contiguous()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        assert not model.conv.weight.is_contiguous()  # (the layout kept)
+        ref = copy.deepcopy(model).double()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            **kw,
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x = torch.randn(p * PER_RANK, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+            y = torch.randint(0, 4, (p * PER_RANK,), generator=g)
+            opt.zero_grad()
+            mine = slice(r * PER_RANK, (r + 1) * PER_RANK)
+            for xm, ym in zip(x[mine].chunk(parts), y[mine].chunk(parts), strict=True):
+                (F.cross_entropy(model(xm), ym) / parts).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            (F.cross_entropy(ref(x.double()), y)).backward()
+            ref_opt.step()
+            assert_identical(model)
+            assert_close_to(model, ref, atol=1e-5)
+
+    on_all_ranks(check)

@@ -273,6 +273,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     "hook its gradient. If the new one replaces this one, drop every reference to the old "
                     "(a learning-rate scheduler holds one) before the next backward."
                 )
+            else:
+                message += (
+                    " Or: the parameter is used in two segments of torch.utils.checkpoint with "
+                    "use_reentrant=True, which computes its gradient once for each: use use_reentrant=False."
+                )
             raise AssertionError(message)
         self._delay[index] -= 1
         if self._delay[index] == 0:
@@ -297,11 +302,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             if id(p) not in self._absent:  # (else reduced on its own at synchronize: _reduce_absent)
                 self._dp.push(self._gflow_keys[index])
             return
-        work = grad
+        work = grad if grad.is_contiguous() else grad.contiguous()  # (channels_last: reduced in a copy)
         if self.gradient_predivide_factor != 1.0:
-            work = grad * (1.0 / self.gradient_predivide_factor)
-        elif not grad.is_contiguous():  # e.g. channels_last: reduced in a contiguous copy
-            work = grad.contiguous()
+            work = work * (1.0 / self.gradient_predivide_factor)
         ctx = None
         if self._compressor is not None:
             work, ctx = self._compressor.compress(work)
@@ -348,6 +351,10 @@ class _DistributedOptimizer(OptimizerCheckpoint):
     def _gflow_synchronize(self, scale: float | None = None) -> None:
         """synchronize(); with `scale` (a GradScaler's), the ranks also agree that they scaled their
         losses alike, or raise MismatchError on every rank."""
+        with np.errstate(over="ignore", invalid="ignore"):  # (inf/NaN in a gradient: GradScaler's to find)
+            self._synchronize_now(scale)
+
+    def _synchronize_now(self, scale) -> None:
         self._check_set()
         if not self._touched:
             self._gflow_begin_step()

@@ -98,7 +98,15 @@ def broadcast_parameters(params, root_rank=0, process_set=None) -> None:
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     for name, tensor in items:  # (named, as Horovod does: keys that differ fail on every rank, not swap)
-        broadcast_(tensor, root_rank, name=None if name is None else str(name), process_set=process_set)
+        name = None if name is None else str(name)
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and not tensor.is_contiguous():
+            # (a channels_last model: through a contiguous copy, where Horovod's raises)
+            work = tensor.contiguous()
+            broadcast_(work, root_rank, name=name, process_set=process_set)
+            with torch.no_grad():
+                tensor.copy_(work)
+            continue
+        broadcast_(tensor, root_rank, name=name, process_set=process_set)
 
 
 class _Slot:
