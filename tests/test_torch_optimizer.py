@@ -1458,3 +1458,38 @@ def test_a_channels_last_model_trains_as_one_process(kw):
             assert_close_to(model, ref, atol=1e-5)
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel([1, 2])
+def test_a_layer_in_two_reentrant_checkpoints_is_named_as_the_cause():
+    """A layer used in two segments of reentrant checkpointing has its gradient computed twice per
+    backward: the error says so and what to use instead (it advised only a larger
+    backward_passes_per_step, which works at exactly twice the passes); use_reentrant=False trains."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Twice(torch.nn.Module):
+        def __init__(self, reentrant):
+            super().__init__()
+            self.a, self.b, self.reentrant = torch.nn.Linear(6, 6), torch.nn.Linear(6, 1), reentrant
+
+        def forward(self, x):
+            h = checkpoint(lambda h: torch.tanh(self.a(h)), x, use_reentrant=self.reentrant)
+            return checkpoint(lambda h: self.b(self.a(h)), h, use_reentrant=self.reentrant)
+
+    def check():
+        for reentrant in (True, False):
+            model = Twice(reentrant)
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters()
+            )
+            x = torch.randn(4, 6, requires_grad=True)
+            if reentrant:
+                with pytest.raises(AssertionError, match="use_reentrant=False"):
+                    model(x).sum().backward()
+            else:
+                model(x).sum().backward()
+                opt.step()
+            del opt
+            gc.collect()
+
+    on_all_ranks(check)
