@@ -200,6 +200,19 @@ def test_cast_scaled_every_pair_matches_host_bitwise(src_dtype, dst_dtype):
             assert flag == expected_flag is False
 
 
+@pytest.mark.parametrize("dst_dtype", [np.float16, BF16])
+def test_float64_casts_to_two_bytes_through_float32_on_host_and_device(dst_dtype):
+    """Conversions compute in float32, as on the GPU (codecs.py): a float64 input within 2**-29 of a
+    halfway point rounds to float32 first (helper-61: one unit from a direct astype), alike on both."""
+    ulp = 2.0**-10 if dst_dtype == np.float16 else 2.0**-7  # (at 1; twice that at 2)
+    src = np.array([1 + ulp / 2 + 2.0**-40, 1 + 3 * ulp / 2 - 2.0**-40, 1.25, -(2 + ulp + 2.0**-39)])
+    got, flag, expected, expected_flag = _cast_both(src, dst_dtype, 1.0)
+    _assert_same_bits(got, expected)
+    _assert_same_bits(expected, src.astype(np.float32).astype(dst_dtype))
+    assert not (flag or expected_flag)
+    assert not np.array_equal(expected.view(np.uint16), src.astype(dst_dtype).view(np.uint16))  # (as said)
+
+
 # A value that overflows dst (with the scale given) where the src dtype can hold it.
 def _overflowing(src_dtype, dst_dtype):
     src_dtype, dst_dtype = np.dtype(src_dtype), np.dtype(dst_dtype)

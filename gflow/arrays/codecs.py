@@ -6,8 +6,11 @@ in float32 and rounds once. For op="mean" each rank divides by the world size *b
 DDP's fp16 hook), so the sum is already the mean and cannot overflow where the mean would not. fp16
 keeps 11 significant bits but overflows above 65504, so training needs loss scaling (gflow.LossScaler);
 bf16 has float32's range (no overflow below its largest value, 3.39e38, so no scaler) and 8 significant
-bits. Values beyond the wire's range are never silently turned into inf: an overflow or a NaN anywhere
-makes the reduced result non-finite on every rank alike, and every rank raises CompressionOverflowError.
+bits. Values beyond the wire's range are never silently turned into inf: an overflow or a NaN that
+reaches the reduced result makes it non-finite on every rank alike, and every rank raises
+CompressionOverflowError (a value a max or min leaves out of the result changes nothing). Conversions
+compute in float32, as on the GPU: a float64 value is rounded to float32 first (one unit in the last
+place of the 2-byte type from a direct rounding, within 2**-29 of a halfway point).
 """
 
 import numpy as np

@@ -6,10 +6,10 @@ ml_dtypes' bfloat16 ufuncs likewise, which would eat the whole saving of sending
 loops convert float16/bfloat16 <-> float32 with integer operations (round to nearest even, as NumPy,
 ml_dtypes and the GPU do), fuse conversion with the reduction or the scaling, and are compiled once
 (cache=True) on first use. gflow/arrays/host_ops.py calls them whenever either side is float16 or bfloat16;
-results are bit-identical to NumPy's float16 and ml_dtypes' bfloat16 arithmetic (one float32 operation,
-then one rounding; a bfloat16 NaN comes out as the quiet NaN of its sign, where ml_dtypes keeps the
-payload, and the sign of NaN + NaN is whatever the hardware gives), and to the CUDA twins in
-gflow/cuda/kernels.py.
+results are bit-identical to NumPy's float16 and ml_dtypes' bfloat16 arithmetic on float32 values (one
+float32 operation, then one rounding; a float64 input is rounded to float32 first, as on the GPU; a
+bfloat16 NaN comes out as the quiet NaN of its sign, where ml_dtypes keeps the payload, and the sign of
+NaN + NaN is whatever the hardware gives), and to the CUDA twins in gflow/cuda/kernels.py.
 """
 
 import threading
