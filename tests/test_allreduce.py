@@ -261,19 +261,23 @@ def test_a_joined_rank_changes_no_min_or_max_on_any_path():
 
     def check():
         if comm.rank == 0:
-            assert join(comm) == comm.size - 1
+            last = join(comm)
+            assert comm.allgather(last) == [last] * comm.size and last > 0  # (whichever joined last)
             return
         for i, (n, algorithm) in enumerate(calls):
             for dtype in (np.float64, np.int32):
                 x = random_array(rank_rng(800 + i), n, dtype)
+                x[0] = -0.0 if dtype == np.float64 else x[0]  # (a sum of -0.0s is -0.0, as MPI's)
                 for op, mpi_op in (("min", MPI.MIN), ("max", MPI.MAX), ("sum", MPI.SUM)):
                     expected = np.empty_like(x)
                     others.Allreduce(x, expected, mpi_op)
                     got = gflow.allreduce(x, op, comm=comm, algorithm=algorithm)
                     if op == "sum" and dtype == np.float64:
                         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12, err_msg=f"{n} {op}")
+                        assert np.signbit(got[0]) == np.signbit(expected[0]), (n, algorithm)
                     else:
                         np.testing.assert_array_equal(got, expected, err_msg=f"{n} {dtype} {op} {algorithm}")
-        assert join(comm) == comm.size - 1
+        last = join(comm)
+        assert comm.allgather(last) == [last] * comm.size and last > 0
 
     on_all_ranks(check)

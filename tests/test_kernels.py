@@ -451,7 +451,7 @@ def test_neutral_leaves_every_operand_as_it_is_on_host_and_device(dtype, op):
     n = 41
     values = rand(np.random.default_rng(), n, np.float32)
     if host_dtype.kind == "f" or dtype == "bfloat16":
-        values[:3] = [np.nan, np.inf, -np.inf]
+        values[:4] = [np.nan, np.inf, -np.inf, -0.0]
         values = values.astype(host_dtype)
     elif host_dtype.kind == "b":
         values = values > 0

@@ -1460,6 +1460,27 @@ def test_a_channels_last_model_trains_as_one_process(kw):
     on_all_ranks(check)
 
 
+@pytest.mark.parallel([2, 3])
+def test_broadcast_parameters_refuses_an_expanded_tensor_before_anything_moves():
+    """Only layouts whose memory holds each element once (channels_last, a transpose) go through a
+    contiguous copy; an expanded tensor on one rank is refused there, the others raise MismatchError,
+    nothing moved (helper-64: it was broadcast, then the copy back failed on that rank alone), and the
+    next broadcast works."""
+    r = WORLD.rank
+
+    def check():
+        shared = torch.full((1,), float(r)).expand(4) if r == 1 else torch.full((4,), float(r))
+        params = {"a": torch.full((3,), float(r)), "b": shared}
+        with pytest.raises((ValueError, gflow.MismatchError)) as caught:
+            hvd.broadcast_parameters(params, root_rank=0)
+        assert isinstance(caught.value, ValueError if r == 1 else gflow.MismatchError), caught.value
+        after = {"a": torch.full((3,), float(r))}
+        hvd.broadcast_parameters(after, root_rank=0)
+        assert after["a"].tolist() == [0.0] * 3
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([1, 2])
 def test_a_layer_in_two_reentrant_checkpoints_is_named_as_the_cause():
     """A layer used in two segments of reentrant checkpointing has its gradient computed twice per

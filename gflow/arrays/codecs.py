@@ -9,8 +9,9 @@ bf16 has float32's range (no overflow below its largest value, 3.39e38, so no sc
 bits. Values beyond the wire's range are never silently turned into inf: an overflow or a NaN that
 reaches the reduced result makes it non-finite on every rank alike, and every rank raises
 CompressionOverflowError (a value a max or min leaves out of the result changes nothing). Conversions
-compute in float32, as on the GPU: a float64 value is rounded to float32 first (one unit in the last
-place of the 2-byte type from a direct rounding, within 2**-29 of a halfway point).
+compute in float32, as on the GPU: a float64 value is rounded to float32 first, so one closer to a
+halfway point between two 2-byte values than float32's precision (about 2**-24 of its magnitude) can
+land one unit in the last place from a direct rounding.
 """
 
 import numpy as np

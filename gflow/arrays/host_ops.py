@@ -220,12 +220,13 @@ def zeros(n: int, dtype) -> np.ndarray:
 
 
 def neutral_value(dtype, op: str):
-    """The value that leaves any operand as it is under op (sum and mean: 0; min: the type's largest;
-    max: its smallest): what a rank in join() contributes, so that its absence never enters a min or
-    max as a 0 (Horovod's zeros are this for its sums and means)."""
+    """The value that leaves any operand as it is under op (sum and mean: 0, for floats -0.0, which
+    leaves a -0.0 as it is too; min: the type's largest; max: its smallest): what a rank in join()
+    contributes, so that its absence never enters a min or max as a 0 (Horovod's zeros are this for
+    its sums and means)."""
     dtype = np.dtype(dtype)
     if op not in ("min", "max"):
-        return dtype.type(0)
+        return dtype.type(0) if dtype.kind in "biu" else dtype.type(-0.0)
     largest = op == "min"
     if dtype.kind == "b":
         return np.bool_(largest)

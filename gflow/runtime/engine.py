@@ -12,7 +12,6 @@ which mpi4py asks for by default; the engine checks it on first use.
 import queue
 import threading
 
-import numpy as np
 from mpi4py import MPI
 
 from ..errors import GflowError, NonFiniteError
@@ -99,9 +98,6 @@ class Engine:
         return handle
 
     def _run(self) -> None:
-        # This thread's NumPy error state (its own): an inf or NaN reduced here is the caller's data
-        # (a GradScaler or check_finite finds it), not a warning from inside gflow.
-        np.seterr(over="ignore", invalid="ignore")
         while True:
             item = self._queue.get()
             if item is self._STOP:

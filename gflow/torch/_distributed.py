@@ -351,10 +351,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
     def _gflow_synchronize(self, scale: float | None = None) -> None:
         """synchronize(); with `scale` (a GradScaler's), the ranks also agree that they scaled their
         losses alike, or raise MismatchError on every rank."""
-        with np.errstate(over="ignore", invalid="ignore"):  # (inf/NaN in a gradient: GradScaler's to find)
-            self._synchronize_now(scale)
-
-    def _synchronize_now(self, scale) -> None:
         self._check_set()
         if not self._touched:
             self._gflow_begin_step()

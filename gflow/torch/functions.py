@@ -99,14 +99,29 @@ def broadcast_parameters(params, root_rank=0, process_set=None) -> None:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     for name, tensor in items:  # (named, as Horovod does: keys that differ fail on every rank, not swap)
         name = None if name is None else str(name)
-        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and not tensor.is_contiguous():
-            # (a channels_last model: through a contiguous copy, where Horovod's raises)
+        if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous() and _dense_permuted(tensor):
+            # (a channels_last model: through a contiguous copy, where Horovod's raises; other layouts,
+            # an expanded tensor, are refused before anything moves, as Horovod's)
             work = tensor.contiguous()
             broadcast_(work, root_rank, name=name, process_set=process_set)
             with torch.no_grad():
                 tensor.copy_(work)
             continue
         broadcast_(tensor, root_rank, name=name, process_set=process_set)
+
+
+def _dense_permuted(tensor) -> bool:
+    """Whether a strided tensor's elements fill its memory once each in some order of its dimensions
+    (channels_last, a transpose): a contiguous copy can be written back into it."""
+    if tensor.layout != torch.strided or tensor.is_inference():
+        return False
+    expected = 1
+    dims = sorted((st, n) for st, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class _Slot:
