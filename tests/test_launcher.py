@@ -75,3 +75,9 @@ def test_import_warns_and_info_says_so():
         [sys.executable, "-m", "gflow", "info"], env=env, capture_output=True, text=True, timeout=60
     )
     assert "LAUNCHER MISMATCH" in done.stdout and "Open MPI's mpiexec (4 ranks)" in done.stdout, done.stdout
+    # the demo fails, where each rank ran its own one-rank demo and called it correct (helper-65)
+    done = subprocess.run(
+        [sys.executable, "-m", "gflow", "demo"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "sees a world of 1" in done.stderr, done.stdout + done.stderr
+    assert "correct" not in done.stdout, done.stdout

@@ -25,10 +25,14 @@ def demo(sizes_bytes: list[int], repeats: int) -> int:
     from mpi4py import MPI
 
     import gflow
-    from gflow.runtime.mpi import mpi_library
+    from gflow.runtime.mpi import launcher_mismatch, mpi_library
 
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
+    mismatch = launcher_mismatch()
+    if mismatch is not None:  # (each rank would run its own one-rank demo and call it correct)
+        print(f"gflow demo: {mismatch}", file=sys.stderr)
+        return 1
     if rank == 0:
         print(f"gflow {gflow.__version__} on {size} rank{'s' if size > 1 else ''}, {mpi_library()}")
         if size == 1:  # (started without mpiexec: MPI against gflow alone says little)
