@@ -29,8 +29,7 @@ def demo(sizes_bytes: list[int], repeats: int) -> int:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
-    mismatch = launcher_mismatch()
-    if mismatch is not None:  # (each rank would run its own one-rank demo and call it correct)
+    if (mismatch := launcher_mismatch()) is not None:  # (each rank would run a one-rank demo, "correct")
         print(f"gflow demo: {mismatch}", file=sys.stderr)
         return 1
     if rank == 0:
@@ -119,8 +118,7 @@ def info() -> int:
         lines["device buffers"] = transport.describe()
     except Exception as exc:  # noqa: BLE001 - Numba's CUDA support may fail to load without a GPU
         lines["device buffers"] = f"unavailable ({type(exc).__name__})"
-    mismatch = launcher_mismatch()
-    if mismatch is not None:
+    if (mismatch := launcher_mismatch()) is not None:
         lines["LAUNCHER MISMATCH"] = mismatch
     if MPI.COMM_WORLD.rank == 0:
         width = max(map(len, lines))
