@@ -256,6 +256,12 @@ def test_a_joined_rank_changes_no_min_or_max_on_any_path():
 
     comm = WORLD.Dup()
     others = comm.Split(int(comm.rank > 0), comm.rank)  # (the reference: MPI over the ranks with data)
+    # Set-up on every rank first, as the other join tests: the communicators gflow makes (its
+    # duplicates, the slots, the node phase's). Under Open MPI 4.1 a rank whose first call on comm is
+    # join() hung (its background duplicate stays unmatched until the others make theirs, and Open MPI
+    # makes no other communicator meanwhile): named in docs/cluster.md, not fixed.
+    gflow.allreduce_async(np.ones(2), comm=comm).wait(timeout=30)
+    gflow.allreduce(np.ones(9000), comm=comm, algorithm="hierarchical")
     calls = [(7, "auto"), (5000, "auto"), (40_000, "auto"), (3001, "ring"), (300_001, "auto")]
     calls += [(9000, "hierarchical")]
 
