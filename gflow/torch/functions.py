@@ -98,16 +98,14 @@ def broadcast_parameters(params, root_rank=0, process_set=None) -> None:
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     for name, tensor in items:  # (named, as Horovod does: keys that differ fail on every rank, not swap)
-        name = None if name is None else str(name)
-        if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous() and _dense_permuted(tensor):
-            # (a channels_last model: through a contiguous copy, where Horovod's raises; other layouts,
-            # an expanded tensor, are refused before anything moves, as Horovod's)
-            work = tensor.contiguous()
-            broadcast_(work, root_rank, name=name, process_set=process_set)
+        # (a channels_last model: through a contiguous copy, where Horovod's raises; other layouts, an
+        # expanded tensor, are refused before anything moves, as Horovod's)
+        copied = isinstance(tensor, torch.Tensor) and not tensor.is_contiguous() and _dense_permuted(tensor)
+        work = tensor.contiguous() if copied else tensor
+        broadcast_(work, root_rank, name=None if name is None else str(name), process_set=process_set)
+        if copied:
             with torch.no_grad():
                 tensor.copy_(work)
-            continue
-        broadcast_(tensor, root_rank, name=name, process_set=process_set)
 
 
 def _dense_permuted(tensor) -> bool:
