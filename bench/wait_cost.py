@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 import gflow
 from gflow.runtime import context as _context
+from gflow.runtime.waiting import watched
 
 DEFAULT_SIZES = [4096, 16384, 65536, 1 << 20, 4 << 20, 16 << 20]
 
@@ -30,7 +31,7 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     sizes = [int(s) for s in sys.argv[1:]] or DEFAULT_SIZES
     ctx = _context.context(None)
-    waits = {"before": _context.watched(MPI.Request.Waitall), "now": ctx.waitall}
+    waits = {"before": watched(MPI.Request.Waitall), "now": ctx.waitall}
     sendrecvs = {"before": blocking_sendrecv, "now": _context.CommContext.sendrecv}
     if comm.rank == 0:
         print("| p | size | before (us) | now (us) | now / before |\n|---|---|---|---|---|", flush=True)

@@ -241,6 +241,49 @@ def test_a_two_byte_mean_that_fits_the_type_never_overflows():
         on_all_ranks(check, str(dtype))
 
 
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("first", ["blocking", "async", "both"])
+def test_join_as_a_ranks_first_call_on_a_communicator(first):
+    """Rank 0's first call on a fresh communicator is join(); the others' first is a blocking call, an
+    async one, or both, then calls on every path that makes a communicator of gflow's on first use (the
+    slots, the node phase). Under Open MPI 4.1 this hung whatever the others' first call: the joined
+    rank's background duplicate stayed pending until the others' first async call, and Open MPI makes
+    no other communicator on a rank meanwhile. Every rank now makes its duplicates and its background
+    context's together, in its first collective of either kind."""
+    from gflow.collectives.join import join
+
+    comm = WORLD.Dup()
+    others = comm.Split(int(comm.rank > 0), comm.rank)
+
+    def reduced(x, algorithm="auto", run_async=False):
+        expected = np.empty_like(x)
+        others.Allreduce(x, expected, MPI.SUM)
+        if run_async:
+            got = gflow.allreduce_async(x, comm=comm, algorithm=algorithm).wait(timeout=30)
+        else:
+            got = gflow.allreduce(x, comm=comm, algorithm=algorithm)
+        np.testing.assert_allclose(got, expected, rtol=1e-12, err_msg=f"{x.size} {algorithm} {run_async}")
+
+    def check():
+        if comm.rank == 0:
+            last = join(comm)
+        else:
+            x = random_array(rank_rng(900), 700, np.float64)
+            if first in ("blocking", "both"):
+                reduced(x)
+            if first in ("async", "both"):
+                reduced(x, run_async=True)
+            for n, algorithm in ((300_001, "auto"), (9000, "hierarchical"), (5001, "ring")):
+                reduced(random_array(rank_rng(n), n, np.float64), algorithm)
+                reduced(random_array(rank_rng(n + 1), n, np.float64), algorithm, run_async=True)
+            last = join(comm)
+        assert comm.allgather(last) == [last] * comm.size and last > 0  # (whichever joined last)
+
+    on_all_ranks(check)
+    others.Free()
+    comm.Free()
+
+
 def reference_float64_mean(x: np.ndarray) -> np.ndarray:
     return np.mean(np.stack(WORLD.allgather(x.astype(np.float64))), axis=0)
 
@@ -256,12 +299,8 @@ def test_a_joined_rank_changes_no_min_or_max_on_any_path():
 
     comm = WORLD.Dup()
     others = comm.Split(int(comm.rank > 0), comm.rank)  # (the reference: MPI over the ranks with data)
-    # Set-up on every rank first, as the other join tests: the communicators gflow makes (its
-    # duplicates, the slots, the node phase's). Under Open MPI 4.1 a rank whose first call on comm is
-    # join() hung (its background duplicate stays unmatched until the others make theirs, and Open MPI
-    # makes no other communicator meanwhile): named in docs/cluster.md, not fixed.
-    gflow.allreduce_async(np.ones(2), comm=comm).wait(timeout=30)
-    gflow.allreduce(np.ones(9000), comm=comm, algorithm="hierarchical")
+    # (join() is rank 0's first call on comm: the communicators gflow makes in the others' first calls,
+    # its duplicates, the slots' and the node phase's, are made with it serving)
     calls = [(7, "auto"), (5000, "auto"), (40_000, "auto"), (3001, "ring"), (300_001, "auto")]
     calls += [(9000, "hierarchical")]
 

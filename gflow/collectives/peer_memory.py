@@ -23,8 +23,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime import stall
-from ..runtime.context import CommContext, watched
+from ..runtime.context import CommContext
 from ..runtime.shared_memory import HostWindow, PeerMemoryUnavailable, pages
+from ..runtime.waiting import watched
 
 _CODE = {"host": 1, "device": 2}  # what a node rank can map, as the node's ranks compare it
 

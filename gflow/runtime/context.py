@@ -5,16 +5,16 @@ attribute, so it is freed with it and a reused handle never finds a stale one. T
 private duplicate can never match the user's own messages.
 """
 
-import os
+import threading
 import time
-from functools import partial
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import GflowError
-from . import stall, timeline
-from .config import BACKGROUND_POLL_BACKOFF, config
+from . import stall
+from .config import config
+from .waiting import caller_wait_until, caller_waitall, polite_wait_until, polite_waitall, watched
 
 # Tags inside the private communicator; one per phase, so a protocol bug shows up as a mismatch.
 TAG_AGREE = 11
@@ -22,6 +22,10 @@ TAG_RING_RS = 12
 TAG_RING_AG = 13
 TAG_ALLTOALL = 14
 TAG_ADASUM = 15
+
+# A context's duplicate whose Idup is not posted yet: a user communicator's first background context,
+# made in its parent's sequence (CommContext.make_duplicates)
+_NOT_POSTED = "not posted"
 
 
 def rd_schedule(rank: int, size: int):
@@ -51,74 +55,6 @@ def rd_schedule(rank: int, size: int):
     return fold, rounds
 
 
-def _caller_wait_until(arrived) -> None:
-    """The caller's thread: poll arrived(), yielding the core between polls as MPICH's own Waitall
-    does (a rank whose peer shares its core must let it run: without the yield, 4 ranks on 2 cores
-    took 80x longer for a 4 KB allreduce). It comes back to Python between polls, so that a peer that
-    has left the job is noticed (stall.check_waiting) and signal handlers (Ctrl-C) run."""
-    departures, pause = stall.departures, os.sched_yield
-    while not arrived():
-        if departures:
-            stall.check_waiting()
-        pause()
-
-
-def _polite_wait_until(arrived) -> None:
-    """Poll arrived(), sleeping between polls. MPI progresses only while polled, but a busy-polling
-    background thread would take the core from the computation it is meant to overlap with; socket
-    and shared-memory buffers hold far more than what moves in one sleep, so bandwidth is kept. The
-    pause doubles while the wait lasts (up to BACKGROUND_POLL_BACKOFF times background_poll_us): on a
-    slow link the thread wakes seldom, on shared memory as often as before (native_loops.py alike)."""
-    departures = stall.departures
-    pause = config.background_poll_us * 1e-6
-    longest = pause * BACKGROUND_POLL_BACKOFF
-    while not arrived():
-        if departures:
-            stall.check_waiting()
-        time.sleep(pause)
-        pause = min(pause * 2, longest)
-
-
-def _caller_waitall(requests) -> None:
-    """_caller_wait_until for MPI requests (a peer's message in shared memory is the other case:
-    shared_slots.py)."""
-    _caller_wait_until(partial(MPI.Request.Testall, requests))
-
-
-def _polite_waitall(requests) -> None:
-    """_polite_wait_until for MPI requests."""
-    _polite_wait_until(partial(MPI.Request.Testall, requests))
-
-
-def watched(wait):
-    """wait (a function of a list of requests), marked for the stall inspector (this thread waits
-    on a peer since now), and shown as a "wait" span when a timeline is on: every wait on a peer
-    goes through one of these."""
-
-    local, monotonic = stall._local, time.monotonic
-
-    def waitall(requests):
-        try:
-            mark = local.mark
-        except AttributeError:
-            mark = stall.mark()
-        mark.since = monotonic()
-        try:
-            if not timeline.active():
-                return wait(requests)
-            with timeline.span("wait"):
-                return wait(requests)
-        except GflowError:  # failed on every rank alike (or a peer left): nothing left unfinished here
-            raise
-        except BaseException:  # a signal handler's SystemExit, Ctrl-C, ...: this rank leaves the
-            stall.abandoned(mark)  # collective unfinished, and must not tell its peers it finished it
-            raise
-        finally:
-            mark.since = None
-
-    return waitall
-
-
 def _wait_for_duplicates(requests, ctx) -> None:
     """Wait for a background context's duplicates (a collective: every rank's first async call)
     politely, and raise GflowError if a rank of its parent has left and they are still not made a
@@ -146,14 +82,26 @@ def _wait_for_duplicates(requests, ctx) -> None:
 class CommContext:
     """gflow's view of one user communicator."""
 
-    def __init__(self, comm: MPI.Intracomm, background: bool = False, own: bool = False):
+    def __init__(self, comm: MPI.Intracomm, background: bool = False, own: bool = False, by_parent=False):
         """own: comm is gflow's already (a node or cross-node communicator of the hierarchical
-        allreduce): talk on it as it is, and free it with the context."""
+        allreduce): talk on it as it is, and free it with the context. by_parent: a background
+        context whose duplicates its parent makes with its own (make_duplicates)."""
         self.user_handle = comm.handle
         # Idup, not Dup: making a context must not block, or an async call whose peers have not
         # started theirs yet could never return. The duplicate is waited for on first use (.comm).
         self._user_comm = comm
-        self._comm, self._pending = (comm, None) if own else comm.Idup()
+        if own:
+            self._comm, self._pending = comm, None
+        elif by_parent:
+            self._comm, self._pending = None, _NOT_POSTED
+        else:
+            self._comm, self._pending = comm.Idup()
+        self.by_parent = by_parent
+        # A user communicator's context makes its first background context's duplicates with its own
+        self._eager_background = not (own or background)
+        self._making_lock = threading.Lock()  # (held while the duplicates are made: either thread may)
+        self._background_lock = threading.Lock()  # (never held while waiting: async calls never block)
+        self._monitor_pending = None  # (the monitor's Idup, between its post and its completion)
         self.making_interrupted = False  # (an exception of the program's in the wait for the duplicates)
         # The stall inspector's questions travel on a duplicate of their own (none for gflow's own
         # node and cross-node communicators: their collectives are counted on the caller's context),
@@ -198,8 +146,8 @@ class CommContext:
         # How this context waits for its messages: the caller's thread polls, yielding between polls
         # (lowest latency); the engine thread polls and sleeps in between, so the caller's computation
         # keeps the core. Both notice a peer that has left (stall.check_waiting).
-        self.waitall = watched(_polite_waitall if background else _caller_waitall)
-        self.wait_until = watched(_polite_wait_until if background else _caller_wait_until)
+        self.waitall = watched(polite_waitall if background else caller_waitall)
+        self.wait_until = watched(polite_wait_until if background else caller_wait_until)
         # The ranks' slots in shared memory (collectives/shared_slots.py): None until the set-up in
         # the first exchange, then SharedSlots or False (MPI's messages)
         self.slots = None
@@ -235,14 +183,46 @@ class CommContext:
     def comm(self) -> MPI.Intracomm:
         """gflow's private duplicate (completing its creation the first time)."""
         if self._pending is not None:
-            self._wait_for(self._pending)
-            self._pending = None
-            if self._wants_monitor:
-                monitor, pending = self._comm.Idup()
-                self._wait_for(pending)
-                self.monitor_comm = monitor  # (only once made: the inspector asks on it when set)
-                stall.watch(self)
+            maker = self.parent if self.by_parent else self
+            with maker._making_lock:
+                if self._pending is not None:  # (waited for as this context's: its collective waits)
+                    maker.make_duplicates(lambda _, request: self._wait_for(request) or True)
         return self._comm
+
+    def make_duplicates(self, wait) -> bool:
+        """Finish this context's duplicates (gflow's and the stall inspector's), in one sequence that is
+        the same on every rank whichever thread gets there first. A user communicator's context makes
+        its first background context's with them, at its first collective of either kind: Open MPI
+        4.1 makes no other communicator on a rank while a duplicate is pending that its peers have
+        not started, as a rank's background one was where join() was its first call on the
+        communicator and the others' first calls were blocking (the slots' and the node phase's
+        communicators were then never made). wait(ctx, request) -> whether it completed (finish_duplicates
+        gives up at a deadline); returns whether all did."""
+        if self._pending is not None:
+            if not wait(self, self._pending):
+                return False
+            self._pending = None
+        background = self._first_background()
+        if self._wants_monitor and self.monitor_comm is None:
+            if self._monitor_pending is None:
+                self._monitor_pending = self._comm.Idup()
+            monitor, pending = self._monitor_pending
+            if not wait(self, pending):
+                return False
+            self._monitor_pending = None
+            self.monitor_comm = monitor  # (only once made: the inspector asks on it when set)
+            stall.watch(self)
+        return background is None or background._pending is None or background.make_duplicates(wait)
+
+    def _first_background(self):
+        """The background context whose duplicate this context's make_duplicates makes, its Idup posted
+        (before this context's monitor duplicate, on every rank); None where there is none to make."""
+        if not self._eager_background or self._user_comm is None:
+            return None
+        background = self.background()
+        if background._pending is _NOT_POSTED:
+            background._comm, background._pending = self._user_comm.Idup()
+        return background if background.by_parent else None
 
     def _wait_for(self, request) -> None:
         """Wait for one of this context's duplicates. Making them is a collective, in the first
@@ -268,15 +248,20 @@ class CommContext:
     def background(self) -> "CommContext":
         """A second context, on its own duplicate, for the engine thread's collectives: they run
         while the caller's thread may run blocking ones on this context, and must not meet them.
-        Made on first use; that is a collective call, as every rank's first async call is."""
-        if self._background is None:
-            self._background = CommContext(self._user_comm, background=True)
-            self.backgrounds_made += 1
-            self._background.generation = self.backgrounds_made
-            self._background.parent = self
-            self._background.gone = self.gone
-            self._background.crossed = self.crossed
-        return self._background
+        Its duplicates are made with this context's, in the first collective of either kind
+        (make_duplicates); after a failure, a fresh one's at the next async call, as every rank's is."""
+        with self._background_lock:
+            if self._background is None:
+                # The first one is made with this context's duplicates (make_duplicates); a later one
+                # (after a failure) at the first async call after it, as every rank makes it
+                first = self._eager_background and self.backgrounds_made == 0
+                self._background = CommContext(self._user_comm, background=True, by_parent=first)
+                self.backgrounds_made += 1
+                self._background.generation = self.backgrounds_made
+                self._background.parent = self
+                self._background.gone = self.gone
+                self._background.crossed = self.crossed
+            return self._background
 
     def scratch(self, name: str, count: int, dtype, ops):
         """A reusable buffer of count elements of dtype, one per (name, memory): `ops` (or
@@ -331,7 +316,9 @@ class CommContext:
             self.slots = None
             self.rd_plans.clear()
             self.small_calls.clear()
-            if self._pending is None or (
+            if self._pending is _NOT_POSTED:  # (never made: nothing to free)
+                self._pending = None
+            elif self._pending is None or (
                 self.failed is None and _done_by(self._pending, time.monotonic() + FREE_PENDING_S)
             ):
                 self._pending = None
@@ -382,16 +369,10 @@ def finish_duplicates(seconds: float = FINISH_DUPLICATES_S) -> None:
     contexts = list(_by_handle.values())
     contexts += [c._background for c in contexts if c._background is not None]
     for ctx in contexts:
-        if not ctx.making_interrupted or ctx._pending is None or ctx._user_comm is None:
+        if not ctx.making_interrupted or ctx._user_comm is None:
             continue
-        if not _done_by(ctx._pending, deadline):
-            continue
-        ctx._pending = None
-        if ctx._wants_monitor and ctx.monitor_comm is None:
-            monitor, pending = ctx._comm.Idup()
-            if _done_by(pending, deadline):
-                ctx.monitor_comm = monitor
-                stall.watch(ctx)
+        maker = ctx.parent if ctx.by_parent else ctx
+        maker.make_duplicates(lambda _, request: _done_by(request, deadline))
 
 
 def _done_by(request, deadline: float) -> bool:

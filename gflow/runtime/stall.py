@@ -20,13 +20,12 @@ poll (50 ms) as long as the Python interpreter runs; one that does not answer wi
 not answering. Each rank applies its own settings (they change no result, so ranks may differ).
 
 Every collective is inspected, a communicator's first included. That one makes gflow's duplicates
-(a collective itself), and the wait for them is marked like any other (Mark.making), so it is warned
-of and aborted alike. Its late ranks are named where a channel already exists: for the engine's
-background context (an async call, LazyAllreduce, a trainer's first step) the peers are asked on the
-caller's context's duplicate about their background context (a rank that has not made it, or has
-entered fewer collectives there, is late). Where none exists (the very first collective on a
-communicator, blocking or async) the message says that some rank has not entered it and that which
-one cannot be told yet.
+(a collective itself: both channels' at once, context.CommContext.make_duplicates), and the wait for
+them is marked like any other (Mark.making), so it is warned of and aborted alike. No channel to ask
+the peers on exists yet: the message says that some rank has not entered it and that which one
+cannot be told yet. A fresh background context after a failure is made at the next async call: its
+peers are asked on the caller's context's duplicate about their background context (a rank that has
+not made it, or has entered fewer collectives there, is late).
 
 The same monitor learns which ranks have left (gflow/runtime/failures.py): a rank whose interpreter exits
 says goodbye on every watched duplicate, with the number of collectives it completed there. A peer
