@@ -250,6 +250,9 @@ class CommContext:
         while the caller's thread may run blocking ones on this context, and must not meet them.
         Its duplicates are made with this context's, in the first collective of either kind
         (make_duplicates); after a failure, a fresh one's at the next async call, as every rank's is."""
+        background = self._background
+        if background is not None:  # (every async call asks: no lock once made)
+            return background
         with self._background_lock:
             if self._background is None:
                 # The first one is made with this context's duplicates (make_duplicates); a later one
