@@ -1,5 +1,7 @@
 """allreduce against MPI's own Allreduce and float64 NumPy, at world sizes 1 to 4."""
 
+import time
+
 import numpy as np
 import pytest
 from helpers import (
@@ -281,6 +283,40 @@ def test_join_as_a_ranks_first_call_on_a_communicator(first):
 
     on_all_ranks(check)
     others.Free()
+    comm.Free()
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_blocking_call_waits_for_the_duplicates_an_async_call_is_making(monkeypatch):
+    """An async call starts a fresh communicator's first collective (the engine thread makes gflow's
+    duplicates) and a blocking call follows at once on the caller's thread. On rank 0 the engine thread
+    is held right after posting the background context's duplicate (a preemption there): the blocking
+    call must wait for the rest, not start its own collectives on gflow's duplicate before the stall
+    inspector's is posted (the ranks then made them in different orders, and both calls hung; helper-66)."""
+    from gflow.runtime.context import CommContext
+
+    if WORLD.rank == 0:
+        first_background = CommContext._first_background
+
+        def held(self):
+            made = first_background(self)
+            time.sleep(0.5)
+            return made
+
+        monkeypatch.setattr(CommContext, "_first_background", held)
+    comm = WORLD.Dup()
+
+    def check():
+        x, y = random_array(rank_rng(950), 9, np.float64), random_array(rank_rng(951), 5, np.float64)
+        expected_x, expected_y = np.empty_like(x), np.empty_like(y)
+        WORLD.Allreduce(x, expected_x)
+        WORLD.Allreduce(y, expected_y)
+        handle = gflow.allreduce_async(x, comm=comm)
+        time.sleep(0.1)
+        np.testing.assert_allclose(gflow.allreduce(y, comm=comm), expected_y, rtol=1e-12)
+        np.testing.assert_allclose(handle.wait(timeout=20), expected_x, rtol=1e-12)
+
+    on_all_ranks(check)
     comm.Free()
 
 

@@ -102,6 +102,9 @@ class CommContext:
         self._making_lock = threading.Lock()  # (held while the duplicates are made: either thread may)
         self._background_lock = threading.Lock()  # (never held while waiting: async calls never block)
         self._monitor_pending = None  # (the monitor's Idup, between its post and its completion)
+        # Whether make_duplicates has finished (set last: a thread that sees it may use the duplicates
+        # at once, without the lock; _pending alone is cleared before the monitor's Idup is posted)
+        self._made = own
         self.making_interrupted = False  # (an exception of the program's in the wait for the duplicates)
         # The stall inspector's questions travel on a duplicate of their own (none for gflow's own
         # node and cross-node communicators: their collectives are counted on the caller's context),
@@ -182,10 +185,10 @@ class CommContext:
     @property
     def comm(self) -> MPI.Intracomm:
         """gflow's private duplicate (completing its creation the first time)."""
-        if self._pending is not None:
+        if not self._made:
             maker = self.parent if self.by_parent else self
             with maker._making_lock:
-                if self._pending is not None:  # (waited for as this context's: its collective waits)
+                if not self._made:  # (waited for as this context's: its collective waits)
                     maker.make_duplicates(lambda _, request: self._wait_for(request) or True)
         return self._comm
 
@@ -212,7 +215,10 @@ class CommContext:
             self._monitor_pending = None
             self.monitor_comm = monitor  # (only once made: the inspector asks on it when set)
             stall.watch(self)
-        return background is None or background._pending is None or background.make_duplicates(wait)
+        if background is not None and not background._made and not background.make_duplicates(wait):
+            return False
+        self._made = True
+        return True
 
     def _first_background(self):
         """The background context whose duplicate this context's make_duplicates makes, its Idup posted
