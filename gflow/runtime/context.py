@@ -56,11 +56,12 @@ def rd_schedule(rank: int, size: int):
 
 
 def _wait_for_duplicates(requests, ctx) -> None:
-    """Wait for a background context's duplicates (a collective: every rank's first async call)
-    politely, and raise GflowError if a rank of its parent has left and they are still not made a
-    second later: the rank that left never started them. (Its count on the background context cannot
-    tell: the rank that left may never have made that context.) A peer that found crossed waits with
-    this one (stall._check_crossed) makes it raise MismatchError at once."""
+    """Wait politely for duplicates on a background context's behalf (on the engine thread: its first
+    collective on a communicator makes them all, CommContext.make_duplicates; a fresh background context's
+    are made at the first async call after a failure), and raise GflowError if a rank of its parent has
+    left and they are still not made a second later: the rank that left never started them. (Its count on
+    the background context cannot tell: the rank that left may never have made that context.) A peer that
+    found crossed waits with this one (stall._check_crossed) makes it raise MismatchError at once."""
     parent = ctx.parent
     pause, noticed = config.background_poll_us * 1e-6, None
     while not MPI.Request.Testall(requests):
@@ -205,7 +206,9 @@ class CommContext:
             if not wait(self, self._pending):
                 return False
             self._pending = None
-        background = self._first_background()
+        background = self._first_background(wait)
+        if background is False:
+            return False
         if self._wants_monitor and self.monitor_comm is None:
             if self._monitor_pending is None:
                 self._monitor_pending = self._comm.Idup()
@@ -220,15 +223,27 @@ class CommContext:
         self._made = True
         return True
 
-    def _first_background(self):
-        """The background context whose duplicate this context's make_duplicates makes, its Idup posted
-        (before this context's monitor duplicate, on every rank); None where there is none to make."""
+    def _first_background(self, wait):
+        """The first background context, its duplicate made (before this context's monitor duplicate,
+        on every rank); None where there is none to make (a later one, after a failure, is made at the
+        next async call, as before). Duplicated from gflow's own duplicate, not the user's communicator:
+        this may run on the engine thread, whose order among the program's own calls on that
+        communicator (a Split right after an async call) would differ between ranks."""
         if not self._eager_background or self._user_comm is None:
             return None
+        if self._background is None and self.backgrounds_made > 0:
+            return None
         background = self.background()
+        if not background.by_parent:
+            return None
         if background._pending is _NOT_POSTED:
-            background._comm, background._pending = self._user_comm.Idup()
-        return background if background.by_parent else None
+            background._comm, background._pending = self._comm.Idup()
+        # (waited for before the monitor's Idup of the same communicator: Open MPI 4.1 can hang with
+        # two outstanding, ompi#2025)
+        if background._pending is not None and not wait(background, background._pending):
+            return False
+        background._pending = None
+        return background
 
     def _wait_for(self, request) -> None:
         """Wait for one of this context's duplicates. Making them is a collective, in the first
@@ -378,9 +393,9 @@ def finish_duplicates(seconds: float = FINISH_DUPLICATES_S) -> None:
     contexts = list(_by_handle.values())
     contexts += [c._background for c in contexts if c._background is not None]
     for ctx in contexts:
-        if not ctx.making_interrupted or ctx._user_comm is None:
-            continue
         maker = ctx.parent if ctx.by_parent else ctx
+        if not ctx.making_interrupted or ctx._user_comm is None or maker._made:
+            continue
         maker.make_duplicates(lambda _, request: _done_by(request, deadline))
 
 

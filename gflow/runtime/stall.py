@@ -209,7 +209,7 @@ def _answer(ctx) -> None:
 
 def _where(ctx) -> tuple:
     """(collectives this rank has entered on ctx, how long a thread of it has waited in one, or -1);
-    (0, -1) for a context this rank has not made (a background context before its first async call)."""
+    (0, -1) for a context this rank has not made (a fresh background context after a failure)."""
     if ctx is None:
         return 0, -1.0
     marks = [m for m in list(_marks) if m.ctx is ctx or m.making is ctx]
@@ -327,8 +327,8 @@ LEFT_UNCOUNTED = -1
 def _raise_unheard(ctx, m: _Mark) -> None:
     """Raise GflowError for ranks that left having said goodbye only on ctx's sibling (a user
     communicator's context or its background one, which share `gone`): ctx had no channel of theirs to
-    hear it on (a rank whose only calls were async ones, leaving while this one makes the first
-    blocking call). How many collectives they completed on ctx is not known, so this waits until
+    hear it on (a rank that left during the first collective, or one whose background context was
+    dropped after a failure). How many collectives they completed on ctx is not known, so this waits until
     UNHEARD_GRACE_S after both the news and the wait began: one they finished would have ended by then."""
     now = time.monotonic()
     unheard = sorted(r for r, heard in ctx.gone.items() if r not in ctx.departed
