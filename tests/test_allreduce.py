@@ -8,6 +8,7 @@ from helpers import (
     WORLD,
     assert_close_to_reference,
     assert_same_on_all_ranks,
+    mpi_allreduce,
     on_all_ranks,
     random_array,
     rank_rng,
@@ -258,8 +259,7 @@ def test_join_as_a_ranks_first_call_on_a_communicator(first):
     others = comm.Split(int(comm.rank > 0), comm.rank)
 
     def reduced(x, algorithm="auto", run_async=False):
-        expected = np.empty_like(x)
-        others.Allreduce(x, expected, MPI.SUM)
+        expected = mpi_allreduce(x, comm=others)
         if run_async:
             got = gflow.allreduce_async(x, comm=comm, algorithm=algorithm).wait(timeout=30)
         else:
@@ -308,9 +308,7 @@ def test_a_blocking_call_waits_for_the_duplicates_an_async_call_is_making(monkey
 
     def check():
         x, y = random_array(rank_rng(950), 9, np.float64), random_array(rank_rng(951), 5, np.float64)
-        expected_x, expected_y = np.empty_like(x), np.empty_like(y)
-        WORLD.Allreduce(x, expected_x)
-        WORLD.Allreduce(y, expected_y)
+        expected_x, expected_y = mpi_allreduce(x), mpi_allreduce(y)
         handle = gflow.allreduce_async(x, comm=comm)
         time.sleep(0.1)
         np.testing.assert_allclose(gflow.allreduce(y, comm=comm), expected_y, rtol=1e-12)
@@ -336,8 +334,7 @@ def test_the_programs_own_calls_on_a_communicator_right_after_its_first_async_ca
         for i in range(20):
             comm = WORLD.Dup()
             x = random_array(rank_rng(960 + i), 33, np.float64)
-            expected = np.empty_like(x)
-            WORLD.Allreduce(x, expected)
+            expected = mpi_allreduce(x)
             handle = gflow.allreduce_async(x, comm=comm)
             halves = comm.Split(comm.rank % 2, comm.rank)
             twin = comm.Dup()

@@ -190,7 +190,7 @@ class CommContext:
             maker = self.parent if self.by_parent else self
             with maker._making_lock:
                 if not self._made:  # (waited for as this context's: its collective waits)
-                    maker.make_duplicates(lambda _, request: self._wait_for(request) or True)
+                    maker.make_duplicates(lambda request: self._wait_for(request) or True)
         return self._comm
 
     def make_duplicates(self, wait) -> bool:
@@ -200,10 +200,10 @@ class CommContext:
         4.1 makes no other communicator on a rank while a duplicate is pending that its peers have
         not started, as a rank's background one was where join() was its first call on the
         communicator and the others' first calls were blocking (the slots' and the node phase's
-        communicators were then never made). wait(ctx, request) -> whether it completed (finish_duplicates
-        gives up at a deadline); returns whether all did."""
+        communicators were then never made). wait(request) -> whether it completed (finish_duplicates gives
+        up at a deadline); returns whether all did."""
         if self._pending is not None:
-            if not wait(self, self._pending):
+            if not wait(self._pending):
                 return False
             self._pending = None
         background = self._first_background(wait)
@@ -213,7 +213,7 @@ class CommContext:
             if self._monitor_pending is None:
                 self._monitor_pending = self._comm.Idup()
             monitor, pending = self._monitor_pending
-            if not wait(self, pending):
+            if not wait(pending):
                 return False
             self._monitor_pending = None
             self.monitor_comm = monitor  # (only once made: the inspector asks on it when set)
@@ -240,7 +240,7 @@ class CommContext:
             background._comm, background._pending = self._comm.Idup()
         # (waited for before the monitor's Idup of the same communicator: Open MPI 4.1 can hang with
         # two outstanding, ompi#2025)
-        if background._pending is not None and not wait(background, background._pending):
+        if background._pending is not None and not wait(background._pending):
             return False
         background._pending = None
         return background
@@ -396,7 +396,7 @@ def finish_duplicates(seconds: float = FINISH_DUPLICATES_S) -> None:
         maker = ctx.parent if ctx.by_parent else ctx
         if not ctx.making_interrupted or ctx._user_comm is None or maker._made:
             continue
-        maker.make_duplicates(lambda _, request: _done_by(request, deadline))
+        maker.make_duplicates(lambda request: _done_by(request, deadline))
 
 
 def _done_by(request, deadline: float) -> bool:
