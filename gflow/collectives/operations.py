@@ -101,7 +101,7 @@ def rejected_in_background(parent: CommContext, collective: str, error: Exceptio
     position (theirs then fail with MismatchError), and wait() raises `error`. Reporting it through
     the handle rather than at once keeps every rank's program on the same path: each waits on the
     handle of that call and resets the background channel there, whatever it had queued behind it."""
-    ctx = parent.background()
+    ctx = parent.for_async()
 
     def run():
         reject(ctx, collective, error)
@@ -117,6 +117,8 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compr
 
     Arguments as for allreduce; they are checked now, in the caller's thread. Every rank must start
     its async collectives in the same order. Do not modify x (or read out) until the handle is done.
+    Under Open MPI a communicator's first call makes gflow's communicators there, an async one too:
+    it returns once every rank has made its first call on it (docs/cluster.md).
     gflow.config is read when the operation runs, on the background thread: change a setting only
     while no async collective is in flight (else ranks may read it on either side of the change, and
     the call raises MismatchError on every rank).
@@ -144,7 +146,7 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
             kind = check_allreduce(x, op, out, algorithm, compression, ranks=parent.size, need_out=False)[0]
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
-    ctx = parent.background()
+    ctx = parent.for_async()
     run = lambda: allreduce_on(  # noqa: E731
         ctx, x, op, out=out, algorithm=algorithm, compression=compression, tag=tag, about=about
     )
@@ -157,7 +159,7 @@ def background_on(parent: CommContext, collective: str, call, *arrays):
     collectives this rank started before (every rank starts them in the same order); `arrays` are
     kept alive, and read after the work that produced them (device arrays). Returns the Handle. The
     arguments must have been checked: a rank that refuses its own calls rejected_in_background."""
-    ctx = parent.background()
+    ctx = parent.for_async()
     run = kind_of(arrays[0]).in_background(lambda: call(ctx), *arrays)
     return engine.submit(collective, run, keep=arrays, ctx=ctx, on_failure=parent.reset_background)
 

@@ -13,8 +13,14 @@ from mpi4py import MPI
 
 from ..errors import GflowError
 from . import stall
-from .config import config
-from .waiting import caller_wait_until, caller_waitall, polite_wait_until, polite_waitall, watched
+from .waiting import (
+    caller_wait_until,
+    caller_waitall,
+    polite_wait_until,
+    polite_waitall,
+    wait_for_duplicates,
+    watched,
+)
 
 # Tags inside the private communicator; one per phase, so a protocol bug shows up as a mismatch.
 TAG_AGREE = 11
@@ -26,6 +32,11 @@ TAG_ADASUM = 15
 # A context's duplicate whose Idup is not posted yet: a user communicator's first background context,
 # made in its parent's sequence (CommContext.make_duplicates)
 _NOT_POSTED = "not posted"
+
+# Open MPI (4.1 here) lets a pending duplicate of a communicator meet the program's own next Split or
+# Dup of it out of order (both ask that communicator for a context id at once: ompi#2025), and both
+# hang: there the caller's thread finishes gflow's duplicates in an async call too (for_async)
+_DUPLICATES_BEFORE_ASYNC = MPI.get_vendor()[0] == "Open MPI"
 
 
 def rd_schedule(rank: int, size: int):
@@ -53,31 +64,6 @@ def rd_schedule(rank: int, size: int):
         rounds.append((peer, peer_new < newrank))
         mask <<= 1
     return fold, rounds
-
-
-def _wait_for_duplicates(requests, ctx) -> None:
-    """Wait politely for duplicates on a background context's behalf (on the engine thread: its first
-    collective on a communicator makes them all, CommContext.make_duplicates; a fresh background context's
-    are made at the first async call after a failure), and raise GflowError if a rank of its parent has
-    left and they are still not made a second later: the rank that left never started them. (Its count on
-    the background context cannot tell: the rank that left may never have made that context.) A peer that
-    found crossed waits with this one (stall._check_crossed) makes it raise MismatchError at once."""
-    parent = ctx.parent
-    pause, noticed = config.background_poll_us * 1e-6, None
-    while not MPI.Request.Testall(requests):
-        if parent.crossed:
-            stall.raise_crossed(ctx, 1)
-        if parent.gone:
-            noticed = noticed or time.monotonic()
-            if time.monotonic() - noticed > 1.0:
-                gone = sorted(parent.gone)
-                raise GflowError(
-                    f"{stall.ranks_text(gone)} {'has' if len(gone) == 1 else 'have'} left the job "
-                    f"({'its process' if len(gone) == 1 else 'their processes'} exited) without making "
-                    f"gflow's background communicator with rank "
-                    f"{parent.rank}: no async collective can start"
-                )
-        time.sleep(pause)
 
 
 class CommContext:
@@ -257,7 +243,7 @@ class CommContext:
             if self.parent is None:
                 self.waitall([request])
             else:
-                watched(lambda requests: _wait_for_duplicates(requests, self))([request])
+                watched(lambda requests: wait_for_duplicates(requests, self))([request])
         except GflowError:
             raise
         except BaseException:  # (Ctrl-C, a signal handler's exception: finish_duplicates, at exit)
@@ -265,6 +251,21 @@ class CommContext:
             raise
         finally:
             mark.making = None
+
+    def for_async(self) -> "CommContext":
+        """The background context an async collective is queued on. Under Open MPI the caller's thread
+        first finishes its duplicates, and this context's (so a communicator's first async call there
+        returns once every rank has made its first call on it, and the first after a failure once
+        every rank has made its next async call): a duplicate left pending on the engine thread would
+        meet the program's own Split or Dup of the communicator right after the call out of order."""
+        if not _DUPLICATES_BEFORE_ASYNC:
+            return self.background()
+        if not self._made:
+            self.comm  # noqa: B018 (the property makes them)
+        background = self.background()
+        if not background._made:
+            background.comm  # noqa: B018
+        return background
 
     def background(self) -> "CommContext":
         """A second context, on its own duplicate, for the engine thread's collectives: they run

@@ -79,3 +79,28 @@ def watched(wait):
             mark.since = None
 
     return waitall
+
+
+def wait_for_duplicates(requests, ctx) -> None:
+    """Wait politely for a background context's duplicates (made with its parent's in the first
+    collective on a communicator, context.CommContext.make_duplicates, or after a failure at the next
+    async call), and raise GflowError if a rank of its parent has left and they are still not made a
+    second later: the rank that left never started them. (Its count on the background context cannot
+    tell: the rank that left may never have made that context.) A peer that found crossed waits with
+    this one (stall._check_crossed) makes it raise MismatchError at once."""
+    parent = ctx.parent
+    pause, noticed = config.background_poll_us * 1e-6, None
+    while not MPI.Request.Testall(requests):
+        if parent.crossed:
+            stall.raise_crossed(ctx, 1)
+        if parent.gone:
+            noticed = noticed or time.monotonic()
+            if time.monotonic() - noticed > 1.0:
+                gone = sorted(parent.gone)
+                raise GflowError(
+                    f"{stall.ranks_text(gone)} {'has' if len(gone) == 1 else 'have'} left the job "
+                    f"({'its process' if len(gone) == 1 else 'their processes'} exited) without making "
+                    f"gflow's background communicator with rank "
+                    f"{parent.rank}: no async collective can start"
+                )
+        time.sleep(pause)
