@@ -89,6 +89,16 @@ elif mode == "exit-before-async":  # the others' first async call on a communica
         fail(how)
     time.sleep(0.5)
     gflow.allreduce_async(x, comm=sub).wait()
+elif mode in ("exit-before-first-async", "exit-before-first-blocking"):  # the others' first call on a
+    # communicator it never used: it said goodbye on the world's channel only (stall.hear_elsewhere)
+    sub = world.Split(0, me)
+    if me == failing:
+        fail(how)
+    time.sleep(0.5)
+    if mode.endswith("async"):
+        gflow.allreduce_async(x, comm=sub).wait()
+    else:
+        gflow.allreduce(x, comm=sub)
 elif mode == "exit-before-blocking":  # the others' first blocking call on a communicator whose
     # calls were all async (a trainer's steps, then a metric on some ranks): its goodbye went out on
     # the background channel only

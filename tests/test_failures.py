@@ -58,6 +58,7 @@ LEAVING = ["exit", "exit-early", "exit-inside", "exit-before-async", "exit-befor
 LEAVING += ["exit-in-flush"]
 LEAVING += ["exit-in-join", "exit-in-join-over-mpi"]  # (the joined ranks hung: serve's waits were unwatched)
 LEAVING += ["exit-after-refused-in-join"]  # (the joined ranks hung: its only channel had been dropped)
+LEAVING += ["exit-before-first-async", "exit-before-first-blocking"]  # (both hung: no goodbye on it)
 
 
 @pytest.mark.parametrize(("mode", "size"), every_mode_at_2_and_3(LEAVING, ["exit", "exit-in-flush"]))

@@ -101,7 +101,7 @@ def rejected_in_background(parent: CommContext, collective: str, error: Exceptio
     position (theirs then fail with MismatchError), and wait() raises `error`. Reporting it through
     the handle rather than at once keeps every rank's program on the same path: each waits on the
     handle of that call and resets the background channel there, whatever it had queued behind it."""
-    ctx = parent.for_async()
+    ctx = parent.for_async(collective)
 
     def run():
         reject(ctx, collective, error)
@@ -146,7 +146,7 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
             kind = check_allreduce(x, op, out, algorithm, compression, ranks=parent.size, need_out=False)[0]
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
-    ctx = parent.for_async()
+    ctx = parent.for_async("allreduce")
     run = lambda: allreduce_on(  # noqa: E731
         ctx, x, op, out=out, algorithm=algorithm, compression=compression, tag=tag, about=about
     )
@@ -159,7 +159,7 @@ def background_on(parent: CommContext, collective: str, call, *arrays):
     collectives this rank started before (every rank starts them in the same order); `arrays` are
     kept alive, and read after the work that produced them (device arrays). Returns the Handle. The
     arguments must have been checked: a rank that refuses its own calls rejected_in_background."""
-    ctx = parent.for_async()
+    ctx = parent.for_async(collective)
     run = kind_of(arrays[0]).in_background(lambda: call(ctx), *arrays)
     return engine.submit(collective, run, keep=arrays, ctx=ctx, on_failure=parent.reset_background)
 

@@ -281,7 +281,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         dtype = strategy.wire_dtype(members[0][0].dtype)
         total = sum(m.size for m, _, _ in members)
         index = len(self._fired)
-        ctx = context(self._comm).for_async()
+        ctx = context(self._comm).for_async(f"lazy allreduce segment {index}")
         name = check_op(self.op, holds(members[0][0].dtype))
         try:
             strategy.check_size(index, total)
@@ -430,7 +430,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             csc.discard()
 
     def _flush(self, commit: bool, agree, refuse):
-        ctx = context(self._comm).for_async()
+        ctx = context(self._comm).for_async("lazy allreduce flush")
         if agree is not None and np.size(agree) and not np.can_cast(np.asarray(agree).dtype, np.int64):
             # (a float vector was cut to integers: a max of 0.9 came back 0)
             got = np.asarray(agree).dtype

@@ -68,7 +68,7 @@ def pool_memory(parent, shapes, dtype: np.dtype, memory: str = "host"):
     nbytes = -(-count * dtype.itemsize // 64) * 64
     if parent is None:
         return _private(nbytes, memory)
-    ctx = parent.for_async()
+    ctx = parent.for_async("gradient_buffers")
     layout = b"".join(shape_bytes(shape) for shape in shapes) + struct.pack("<q", len(shapes))
     sig = signature("gradient_buffers", "mpi", count, dtype, None, extra=zlib.crc32(layout), memory=memory)
 

@@ -33,9 +33,8 @@ TAG_ADASUM = 15
 # made in its parent's sequence (CommContext.make_duplicates)
 _NOT_POSTED = "not posted"
 
-# Open MPI (4.1 here) lets a pending duplicate of a communicator meet the program's own next Split or
-# Dup of it out of order (both ask that communicator for a context id at once: ompi#2025), and both
-# hang: there the caller's thread finishes gflow's duplicates in an async call too (for_async)
+# Open MPI (4.1 here) lets a pending duplicate of a communicator meet the program's next Split or Dup
+# of it out of order (ompi#2025): there the caller's thread makes them in an async call too (for_async)
 _DUPLICATES_BEFORE_ASYNC = MPI.get_vendor()[0] == "Open MPI"
 
 
@@ -93,6 +92,7 @@ class CommContext:
         # at once, without the lock; _pending alone is cleared before the monitor's Idup is posted)
         self._made = own
         self.making_interrupted = False  # (an exception of the program's in the wait for the duplicates)
+        self.making_error = None  # (what failed making them in for_async)
         # The stall inspector's questions travel on a duplicate of their own (none for gflow's own
         # node and cross-node communicators: their collectives are counted on the caller's context),
         # made from the first once it exists: Open MPI 4.1 can hang with two Idups of one communicator
@@ -107,6 +107,7 @@ class CommContext:
         # its background contexts: a fresh background context (after a failed one), or one whose peers
         # said goodbye only on the other context, must know them before its peers can say so.
         self.gone = {}
+        self.heard_departures = 0  # (stall.hear_elsewhere: the news it looked at)
         # Crossed waits (stall._check_crossed), shared the same way: peers that said they wait in a
         # blocking collective here that this rank has not entered ({rank: (its place on its background
         # context, its collective here)}), and the error of one this rank found itself.
@@ -173,6 +174,9 @@ class CommContext:
     def comm(self) -> MPI.Intracomm:
         """gflow's private duplicate (completing its creation the first time)."""
         if not self._made:
+            if self.making_error is not None:  # (for_async's, raised by the work queued after it)
+                error, self.making_error = self.making_error, None
+                raise error
             maker = self.parent if self.by_parent else self
             with maker._making_lock:
                 if not self._made:  # (waited for as this context's: its collective waits)
@@ -252,19 +256,27 @@ class CommContext:
         finally:
             mark.making = None
 
-    def for_async(self) -> "CommContext":
+    def for_async(self, collective: str) -> "CommContext":
         """The background context an async collective is queued on. Under Open MPI the caller's thread
         first finishes its duplicates, and this context's (so a communicator's first async call there
         returns once every rank has made its first call on it, and the first after a failure once
         every rank has made its next async call): a duplicate left pending on the engine thread would
-        meet the program's own Split or Dup of the communicator right after the call out of order."""
-        if not _DUPLICATES_BEFORE_ASYNC:
-            return self.background()
-        if not self._made:
-            self.comm  # noqa: B018 (the property makes them)
+        meet the program's own Split or Dup of the communicator right after the call out of order.
+        What fails there is raised by the queued work, as where the engine thread makes them.
+        `collective` names the call in a stall warning meanwhile."""
         background = self.background()
-        if not background._made:
-            background.comm  # noqa: B018
+        if not _DUPLICATES_BEFORE_ASYNC or (self._made and background._made):
+            return background
+        mark = stall.mark()
+        # (the wait is in none of this thread's collectives: an interrupt is not one left unfinished
+        # on the communicator of its last; a peer checking for crossed waits sees whose work it waits for)
+        last, mark.ctx, mark.blocked_on, mark.job = mark.ctx, None, background, collective
+        try:
+            background.comm  # noqa: B018 (the property makes them, the parent's first)
+        except Exception as error:  # noqa: BLE001 - raised by the first work queued on it (.comm)
+            background.making_error = error
+        finally:
+            mark.ctx, mark.blocked_on, mark.job = last, None, None
         return background
 
     def background(self) -> "CommContext":

@@ -256,6 +256,8 @@ def check_waiting() -> None:
         _raise_departed(ctx, ctx.entered, ctx.last_sig)
     if ctx.interrupted:
         raise _interrupted_error(ctx, ctx.entered, ctx.last_sig)
+    if mark.making is not None:
+        hear_elsewhere(ctx)
     if len(ctx.gone) > len(ctx.departed):
         _raise_unheard(ctx, mark)
     if ctx.abandoned is not None:  # (by another thread of this rank: give_up)
@@ -322,6 +324,28 @@ UNHEARD_GRACE_S = 1.0  # how long past news heard only on the sibling context be
 # say), whose own error is on its way. So the peer only learns that the rank left (`gone`, named after
 # UNHEARD_GRACE_S, as news from a sibling context is), not how far it came there.
 LEFT_UNCOUNTED = -1
+
+
+def hear_elsewhere(ctx) -> None:
+    """Add to ctx.gone the ranks of ctx that said goodbye on another communicator this rank watches,
+    while ctx's duplicates are being made (its first collective): a rank that left before its first
+    call on ctx had no channel of ctx's to say so on, and the duplicates can never be made without
+    it. (Looked up again only when news came since.)"""
+    if ctx.heard_departures == len(departures) or ctx._user_comm is None:
+        return
+    ctx.heard_departures = len(departures)
+    group = ctx._user_comm.Get_group()
+    try:
+        for other in list(_watched):
+            if other.gone and other.monitor_comm is not None and other.gone is not ctx.gone:
+                theirs = other.monitor_comm.Get_group()
+                mapped = MPI.Group.Translate_ranks(theirs, sorted(other.gone), group)
+                theirs.Free()
+                for rank in mapped:
+                    if rank != MPI.UNDEFINED:
+                        ctx.gone.setdefault(rank, time.monotonic())
+    finally:
+        group.Free()
 
 
 def _raise_unheard(ctx, m: _Mark) -> None:
@@ -502,7 +526,9 @@ def _report(ctx, m: _Mark, waited: float) -> tuple:
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
     world = world_ranks(ctx)
     me_named = f"gflow rank {ctx.rank}{world(None)}"
-    parts = [f"{me_named}: waited {waited:.0f} s on thread {m.thread}{job} in collective #{ctx.entered}"]
+    # (#1 while a first async call makes the duplicates on the caller's thread: not entered yet)
+    number = max(ctx.entered, 1) if m.making is not None else ctx.entered
+    parts = [f"{me_named}: waited {waited:.0f} s on thread {m.thread}{job} in collective #{number}"]
     parts.append(f"on a communicator of {ctx.size} ranks: {what}")
     if asked is None:  # the duplicates the peers would be asked on are made in this very collective
         parts.append(

@@ -91,6 +91,8 @@ def wait_for_duplicates(requests, ctx) -> None:
     parent = ctx.parent
     pause, noticed = config.background_poll_us * 1e-6, None
     while not MPI.Request.Testall(requests):
+        if stall.departures:
+            stall.hear_elsewhere(parent)
         if parent.crossed:
             stall.raise_crossed(ctx, 1)
         if parent.gone:
