@@ -9,10 +9,11 @@ import time
 
 import numpy as np
 import pytest
-from helpers import WORLD, on_all_ranks
+from helpers import WORLD, mpi_allreduce, on_all_ranks, random_array, rank_rng
 from mpi4py import MPI
 
 import gflow
+import gflow.runtime.context as context_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -138,6 +139,35 @@ def test_a_rank_late_for_the_first_collective_is_warned_of(monkeypatch, capsys, 
             assert "on thread MainThread (allreduce) in collective #1; on a communicator" in err, err
     else:
         assert "waited" not in err, err
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("on_caller", [False, True])
+def test_a_rank_late_for_the_first_async_call_after_a_failed_one_is_named(monkeypatch, capsys, on_caller):
+    """After a failed async call every rank makes a fresh background channel at its next async call:
+    on the engine thread, or under Open MPI on the caller's (CommContext.for_async; forced here with
+    on_caller, on any MPI). Either way the peer late for that call is named: on the caller's thread
+    the warning said every rank had entered it (helper-69)."""
+    monkeypatch.setattr(context_module, "_DUPLICATES_BEFORE_ASYNC", on_caller)
+    monkeypatch.setattr(gflow.config, "stall_warning_s", 1.0)
+    comm = WORLD.Dup()
+    x = random_array(rank_rng(70), 40, np.float64)
+    expected = mpi_allreduce(x)
+    gflow.allreduce(x, comm=comm)
+    wrong = random_array(rank_rng(71), 3 if WORLD.rank == 0 else 4, np.float64)
+    with pytest.raises(gflow.MismatchError):
+        gflow.allreduce_async(wrong, comm=comm).wait(timeout=20)
+    capsys.readouterr()
+    late = WORLD.size - 1
+    if WORLD.rank == late:
+        time.sleep(3.5)
+    got = gflow.allreduce_async(x, comm=comm).wait(timeout=20)
+    comm.Free()
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    err = capsys.readouterr().err
+    if WORLD.rank == 0:  # (the lowest waiting rank reports)
+        assert f"rank {late} has not entered it yet" in err, err
+        assert "every rank has entered it" not in err, err
 
 
 def run_stall_case(mode: str, seconds: int):

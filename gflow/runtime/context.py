@@ -86,7 +86,7 @@ class CommContext:
         # A user communicator's context makes its first background context's duplicates with its own
         self._eager_background = not (own or background)
         self._making_lock = threading.Lock()  # (held while the duplicates are made: either thread may)
-        self._background_lock = threading.Lock()  # (never held while waiting: async calls never block)
+        self._background_lock = threading.Lock()  # (never held while waiting)
         self._monitor_pending = None  # (the monitor's Idup, between its post and its completion)
         # Whether make_duplicates has finished (set last: a thread that sees it may use the duplicates
         # at once, without the lock; _pending alone is cleared before the monitor's Idup is posted)
@@ -265,8 +265,8 @@ class CommContext:
         What fails there is raised by the queued work, as where the engine thread makes them.
         `collective` names the call in a stall warning meanwhile."""
         background = self.background()
-        if not _DUPLICATES_BEFORE_ASYNC or (self._made and background._made):
-            return background
+        if not _DUPLICATES_BEFORE_ASYNC or (self._made and background._made) or background.failed is not None:
+            return background  # (a failed one refuses its work: check_usable)
         mark = stall.mark()
         # (the wait is in none of this thread's collectives: an interrupt is not one left unfinished
         # on the communicator of its last; a peer checking for crossed waits sees whose work it waits for)

@@ -214,7 +214,9 @@ def _where(ctx) -> tuple:
         return 0, -1.0
     marks = [m for m in list(_marks) if m.ctx is ctx or m.making is ctx]
     waiting = [t for t in (m.since for m in marks) if t is not None]
-    return ctx.entered, time.monotonic() - min(waiting) if waiting else -1.0
+    # (a thread making its duplicates before entering it, as CommContext.for_async does, is in it too)
+    ahead = any(m.making is ctx and m.ctx is not ctx and m.since is not None for m in marks)
+    return ctx.entered + ahead, time.monotonic() - min(waiting) if waiting else -1.0
 
 
 def _background_wait(background) -> tuple:
@@ -331,19 +333,30 @@ def hear_elsewhere(ctx) -> None:
     while ctx's duplicates are being made (its first collective): a rank that left before its first
     call on ctx had no channel of ctx's to say so on, and the duplicates can never be made without
     it. (Looked up again only when news came since.)"""
-    if ctx.heard_departures == len(departures) or ctx._user_comm is None:
+    count, user = len(departures), ctx._user_comm  # (once: another thread may free it meanwhile)
+    if ctx.heard_departures == count or user is None:
         return
-    ctx.heard_departures = len(departures)
-    group = ctx._user_comm.Get_group()
+    try:
+        group = user.Get_group()
+    except MPI.Exception:  # (freed meanwhile)
+        return
     try:
         for other in list(_watched):
-            if other.gone and other.monitor_comm is not None and other.gone is not ctx.gone:
-                theirs = other.monitor_comm.Get_group()
+            monitor = other.monitor_comm  # (once, as above)
+            if not other.gone or monitor is None or other.gone is ctx.gone:
+                continue
+            try:
+                theirs = monitor.Get_group()
+            except MPI.Exception:  # (freed meanwhile)
+                continue
+            try:
                 mapped = MPI.Group.Translate_ranks(theirs, sorted(other.gone), group)
+            finally:
                 theirs.Free()
-                for rank in mapped:
-                    if rank != MPI.UNDEFINED:
-                        ctx.gone.setdefault(rank, time.monotonic())
+            for rank in mapped:
+                if rank != MPI.UNDEFINED:
+                    ctx.gone.setdefault(rank, time.monotonic())
+        ctx.heard_departures = count
     finally:
         group.Free()
 
@@ -536,7 +549,7 @@ def _report(ctx, m: _Mark, waited: float) -> tuple:
             "cannot be told yet (the channel gflow asks its peers on is made in that collective)"
         )
         return "; ".join(parts), None
-    me, mine = ctx.rank, ctx.entered
+    me, mine = ctx.rank, number
     peers = [r for r in range(ctx.size) if r != me]
     answers = _ask(asked, about, peers)
     late = sorted(r for r, (count, *_) in answers.items() if count < mine)
