@@ -212,11 +212,16 @@ def _where(ctx) -> tuple:
     (0, -1) for a context this rank has not made (a fresh background context after a failure)."""
     if ctx is None:
         return 0, -1.0
-    marks = [m for m in list(_marks) if m.ctx is ctx or m.making is ctx]
-    waiting = [t for t in (m.since for m in marks) if t is not None]
-    # (a thread making its duplicates before entering it, as CommContext.for_async does, is in it too)
-    ahead = any(m.making is ctx and m.ctx is not ctx and m.since is not None for m in marks)
-    return ctx.entered + ahead, time.monotonic() - min(waiting) if waiting else -1.0
+    marks = [(m, m.since) for m in list(_marks) if m.ctx is ctx or m.making is ctx]
+    waiting = [(since, _collective_of(ctx, m)) for m, since in marks if since is not None]
+    entered = max((number for _, number in waiting), default=ctx.entered)
+    return entered, time.monotonic() - min(since for since, _ in waiting) if waiting else -1.0
+
+
+def _collective_of(ctx, m: _Mark) -> int:
+    """The number on ctx of the collective m's thread waits in: a thread making ctx's duplicates before
+    it has entered one there (CommContext.for_async) is in the next."""
+    return ctx.entered + (m.making is ctx and m.ctx is not ctx)
 
 
 def _background_wait(background) -> tuple:
@@ -539,8 +544,7 @@ def _report(ctx, m: _Mark, waited: float) -> tuple:
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
     world = world_ranks(ctx)
     me_named = f"gflow rank {ctx.rank}{world(None)}"
-    # (#1 while a first async call makes the duplicates on the caller's thread: not entered yet)
-    number = max(ctx.entered, 1) if m.making is not None else ctx.entered
+    number = _collective_of(ctx, m)
     parts = [f"{me_named}: waited {waited:.0f} s on thread {m.thread}{job} in collective #{number}"]
     parts.append(f"on a communicator of {ctx.size} ranks: {what}")
     if asked is None:  # the duplicates the peers would be asked on are made in this very collective
