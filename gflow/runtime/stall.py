@@ -491,13 +491,13 @@ def _inspect(m: _Mark) -> None:
     ):
         m.crossed_at = waited
         with _lock:
-            _check_crossed(ctx, making is not None)
+            _check_crossed(ctx, _collective_of(ctx, m))
     due_abort = abort > 0 and waited >= abort
     due_warning = warn > 0 and waited >= warn and (m.warned_at is None or waited - m.warned_at >= warn)
     if not (due_abort or due_warning):
         return
     m.warned_at = float("inf")  # once per wait (the abort, if set, still comes)
-    number = ctx.entered
+    number = _collective_of(ctx, m)  # (what peers are told: _answer compares it with _where)
     ctx.stall_report = (number, _ABOUT_TO_REPORT)  # (peers that ask meanwhile leave it to this rank)
     with _lock:
         text, reporter = _report(ctx, m, waited)
@@ -639,7 +639,7 @@ def register_engine(idle) -> None:
     _engine_idle = idle
 
 
-def _check_crossed(ctx, making: bool) -> None:
+def _check_crossed(ctx, number: int) -> None:
     """Crossed waits (a deadlock across gflow's two channels): this rank's thread waits in a blocking
     collective on ctx, the caller's channel, that a peer has not entered, while that peer's program
     waits for its async work (Handle.wait: a LazyAllreduce flush, an optimizer's step) and its engine
@@ -647,9 +647,9 @@ def _check_crossed(ctx, making: bool) -> None:
     this rank's waiting thread could start it, and that thread waits for the peer: neither can go on.
     Found, this rank's wait raises MismatchError (check_waiting), and each such peer is told, so that
     its background wait raises too: an error on every rank instead of a hang. Checked after CROSSED_S
-    of waiting, then at 2x, 4x, ... (each check asks every peer once). `making`: the wait is ctx's
-    first collective, which makes its duplicates; the peers are then asked on its background
-    context's, where that has them."""
+    of waiting, then at 2x, 4x, ... (each check asks every peer once). `number`: the collective
+    this thread waits in. While it makes ctx's duplicates (ctx's first collective) the peers are
+    asked on its background context's, where that has them."""
     background = ctx._background
     if ctx.monitor_comm is not None:
         asked, about = ctx, ABOUT_ITSELF
@@ -659,7 +659,6 @@ def _check_crossed(ctx, making: bool) -> None:
         return
     if not _engine_idle():
         return
-    number = ctx.entered + making  # the collective this thread waits in
     position = -1 if background is None else background.entered  # what this rank has entered there
     answers = _ask(asked, about, [r for r in range(ctx.size) if r != ctx.rank])
     crossed = sorted(
