@@ -18,6 +18,7 @@ SIZES = [1, 2, 3, 4]
 
 @pytest.fixture(autouse=True)
 def _init():
+    hvd.shutdown()  # (init() alone keeps the sets registered: each test starts without any)
     hvd.init()
 
 
@@ -133,8 +134,9 @@ def test_sets_that_differ_between_ranks_fail_on_every_rank_and_duplicates_are_re
             with pytest.raises(ValueError, match="not registered"):
                 hvd.allreduce(torch.ones(1), process_set=pair)  # (every rank: removed everywhere)
             if WORLD.rank in pair.ranks:  # its ranks alone: they raise at once, as Horovod's (they
-                with pytest.raises(ValueError, match=r"not registered \(removed\)"):  # rejected on the
-                    hvd.allreduce(torch.ones(1), process_set=pair)  # global set: helper-43)
+                # were rejected on the global set: helper-43)
+                with pytest.raises(ValueError, match=r"not registered \(hvd.remove_process_set removed it\)"):
+                    hvd.allreduce(torch.ones(1), process_set=pair)
             assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == WORLD.size
         with pytest.raises(ValueError, match="list of ranks"):
             hvd.ProcessSet("01")
@@ -156,9 +158,91 @@ def test_init_registers_process_sets_of_ranks_and_of_communicators():
             if WORLD.rank < 2:
                 assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=first_two).item() == 2
         finally:
-            hvd.init()  # forgets the sets
+            hvd.shutdown()
+            hvd.init()  # (after shutdown: forgets the sets)
             split.Free()
         assert first_two.process_set_id is None
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([3, 4])
+def test_sets_of_split_communicators_are_known_to_every_rank():
+    """Horovod's split-communicator example: each rank passes the set of its own communicator; every
+    rank then knows every set, with one id everywhere, so registering the same ranks again raises
+    ValueError on every rank (helper-71: the ranks outside it waited in Comm.Create for ever)."""
+
+    def check():
+        split = WORLD.Split(color=WORLD.rank % 2, key=WORLD.rank)
+        mine = hvd.ProcessSet(split)
+        hvd.init(process_sets=[mine])
+        try:
+            evens = [r for r in range(WORLD.size) if r % 2 == 0]
+            odds = [r for r in range(WORLD.size) if r % 2 == 1]
+            assert mine.ranks == (evens if WORLD.rank % 2 == 0 else odds)
+            assert mine.process_set_id == (1 if WORLD.rank % 2 == 0 else 2)  # (rank 0's set first)
+            x = torch.from_numpy(rank_rng(3).standard_normal(5))
+            got = hvd.allreduce(x, op=hvd.Sum, process_set=mine)
+            np.testing.assert_allclose(got.numpy(), members_rows(x, mine.ranks).sum(0), rtol=1e-12)
+            with pytest.raises(ValueError, match=r"registered already"):
+                hvd.add_process_set(evens)
+            with pytest.raises(ValueError, match=r"registered already"):
+                hvd.add_process_set(odds)
+            both = hvd.add_process_set([0, 1])  # (a new set still registers, with the next id)
+            assert both.process_set_id == 3
+            hvd.remove_process_set(both)
+        finally:
+            hvd.shutdown()
+            hvd.init()
+            split.Free()
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([3, 4])
+def test_sets_of_communicators_not_passed_by_every_member_fail_on_every_rank():
+    def check():
+        split = WORLD.Split(color=int(WORLD.rank in (0, WORLD.size - 1)), key=WORLD.rank)
+        given = [hvd.ProcessSet(split)] if WORLD.rank != WORLD.size - 1 else []
+        try:
+            with pytest.raises(ValueError, match=r"passed by"):
+                hvd.init(process_sets=given)
+            hvd.allreduce(torch.ones(1))  # (every rank went on in step)
+        finally:
+            hvd.shutdown()
+            hvd.init()
+            split.Free()
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([3, 4])
+def test_init_again_keeps_the_sets_and_init_on_another_communicator_says_it_dropped_them():
+    """A second init() (wrappers such as Lightning's make one) leaves registered sets usable, as in
+    Horovod; one on another communicator drops them, and a call with one says so (helper-71: it said
+    "removed", and DistributedOptimizer blamed hvd.remove_process_set)."""
+
+    def check():
+        first_two = hvd.add_process_set([0, 1])
+        hvd.init()
+        if WORLD.rank < 2:
+            got = hvd.allreduce(torch.tensor([float(WORLD.rank + 1)]), op=hvd.Sum, process_set=first_two)
+            assert got.item() == 3.0
+        hvd.init(comm=list(range(WORLD.size)))  # (the same ranks, as a list)
+        assert first_two.process_set_id is not None
+        reversed_world = WORLD.Split(0, key=-WORLD.rank)  # (the same ranks, numbered otherwise)
+        try:
+            hvd.init(comm=reversed_world)
+            assert first_two.process_set_id is None
+            if WORLD.rank < 2:
+                with pytest.raises(
+                    ValueError, match=r"a later hvd.init\(\) on another communicator dropped it"
+                ):
+                    hvd.allreduce(torch.ones(1), process_set=first_two)
+        finally:
+            hvd.shutdown()
+            hvd.init()
+            reversed_world.Free()
 
     on_all_ranks(check)
 

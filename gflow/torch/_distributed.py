@@ -216,7 +216,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         error would say only "Null communicator")."""
         if self._gflow_comm == MPI.COMM_NULL:
             raise ValueError(
-                "DistributedOptimizer: its process set was removed (hvd.remove_process_set); drop this "
+                "DistributedOptimizer: its process set was removed (hvd.remove_process_set, or a later "
+                "hvd.init() on another communicator); drop this "
                 "optimizer (its hooks stay on the parameters while it lives) and wrap the inner one again "
                 "on a registered set"
             )

@@ -10,7 +10,8 @@ from . import process_sets as process_sets_module
 
 
 def init(comm=None, process_sets=None) -> None:
-    """Initialise gflow.torch (collective over the communicator's ranks; calling it again re-reads it).
+    """Initialise gflow.torch (collective over the communicator's ranks; calling it again re-reads it,
+    and keeps the process sets registered unless the communicator is another).
 
     Args:
         comm: None (MPI.COMM_WORLD), an mpi4py intracommunicator, or a list of ranks of COMM_WORLD
@@ -54,7 +55,7 @@ def init(comm=None, process_sets=None) -> None:
     sizes = np.array([state.local_size, -state.local_size], np.int64)
     largest, smallest = gflow.allreduce(sizes, "max", comm=comm)
     state.homogeneous = bool(largest == -smallest)
-    state.comm = comm
-    process_sets_module.setup_global(comm)
+    previous, state.comm = state.comm, comm
+    process_sets_module.setup_global(comm, previous)
     process_sets_module.init_sets(process_sets)
     _settings.apply(state.rank)

@@ -27,7 +27,7 @@ class ProcessSet:
     process_set_id = None
     ranks = None
     mpi_comm = None
-    removed = False  # by hvd.remove_process_set (on every rank: a call with it raises locally)
+    removed = ""  # how it was unregistered on every rank (a call with it then raises locally)
 
     def __init__(self, ranks_or_comm):
         if isinstance(ranks_or_comm, MPI.Comm):
@@ -84,21 +84,28 @@ _registered: dict = {}  # id -> ProcessSet, the global one included (id 0)
 _next_id = [1]
 
 
-def setup_global(comm) -> None:
-    """init()'s part: the global set is every rank of the communicator; other sets are forgotten."""
-    for ps in list(_registered.values()):
-        if ps is not global_process_set:
-            _forget(ps)
+def setup_global(comm, previous) -> None:
+    """init()'s part: the global set is every rank of the communicator. The other sets stay where
+    init() is called again on the same ranks (as in Horovod, where a second init() changes nothing:
+    wrappers call it again), and are forgotten where its communicator is another."""
     global_process_set.ranks = list(range(comm.Get_size()))
     global_process_set._comm = comm
+    if previous is not None and MPI.Comm.Compare(previous, comm) in (MPI.IDENT, MPI.CONGRUENT):
+        return
+    for ps in list(_registered.values()):
+        if ps is not global_process_set:
+            _forget(ps, "a later hvd.init() on another communicator dropped it")
     _registered.clear()
     _registered[0] = global_process_set
     _next_id[0] = 1
 
 
 def init_sets(process_sets) -> None:
-    """Register init(process_sets=...): a list of ProcessSets, or "dynamic" (none now)."""
+    """Register init(process_sets=...): a list of ProcessSets, or "dynamic" (none now). Collective:
+    the sets of communicators are exchanged even where none is given (a rank outside them all may
+    pass none)."""
     if process_sets is None or (isinstance(process_sets, str) and process_sets.lower() == "dynamic"):
+        _register_comms([])
         return
     if isinstance(process_sets, (str, bytes, ProcessSet)):
         raise TypeError(
@@ -107,10 +114,10 @@ def init_sets(process_sets) -> None:
     for ps in process_sets:
         if not isinstance(ps, ProcessSet):
             raise TypeError(f"init: process_sets must hold hvd.ProcessSet objects, got {type(ps).__name__}")
-        if ps.ranks is None:
-            _register_comm(ps)
-        else:
+    for ps in process_sets:
+        if ps.ranks is not None:
             add_process_set(ps)
+    _register_comms([ps for ps in process_sets if ps.ranks is None])
 
 
 def add_process_set(process_set):
@@ -148,18 +155,56 @@ def add_process_set(process_set):
     return process_set
 
 
-def _register_comm(process_set) -> None:
-    """A set given by an mpi4py communicator (init only): its ranks are its members' ranks in
-    gflow.torch's communicator; the communicator itself is used (gflow talks on its duplicate)."""
-    comm = process_set.mpi_comm
-    if comm == MPI.COMM_NULL:
-        raise ValueError("init: a ProcessSet's communicator is COMM_NULL")
-    members = list(range(comm.Get_size()))
-    ranks = MPI.Group.Translate_ranks(comm.Get_group(), members, _basics.comm().Get_group())
-    if MPI.UNDEFINED in ranks:
-        raise ValueError("init: a ProcessSet's communicator has ranks outside gflow.torch's communicator")
-    process_set.ranks = sorted(ranks)
-    _adopt(process_set, comm)
+def _register_comms(given: list) -> None:
+    """Register the sets given by mpi4py communicators (init only; each rank passes those it is in,
+    as Horovod's split-communicator example does): every rank learns every rank's, so each set has
+    one id everywhere, a rank outside it refuses its collectives, and add_process_set of the same
+    ranks raises on every rank (helper-71: it left the ranks outside in Comm.Create). A set's
+    communicator is used itself (gflow talks on its duplicate). Raises ValueError on every rank for
+    a COMM_NULL, a communicator with ranks outside gflow.torch's, one that not all its members
+    passed, or a set registered already."""
+    comm = _basics.comm()
+    size, me = comm.Get_size(), comm.Get_rank()
+    rows = np.zeros((len(given), size + 2), np.int64)  # (passed by, problem, one column per member)
+    mine: dict = {}  # this rank's sets: their ranks -> the ProcessSet it passed
+    for row, ps in zip(rows, given, strict=True):
+        row[0] = me
+        if ps.mpi_comm == MPI.COMM_NULL:
+            row[1] = 1
+            continue
+        members = MPI.Group.Translate_ranks(
+            ps.mpi_comm.Get_group(), list(range(ps.mpi_comm.Get_size())), comm.Get_group()
+        )
+        if MPI.UNDEFINED in members:
+            row[1] = 2
+        else:
+            row[2 + np.array(members, np.int64)] = 1
+            mine[tuple(sorted(members))] = ps
+    table = gflow.allgather(rows, comm=comm) if size > 1 else rows
+    problems = {1: "a COMM_NULL", 2: "a communicator with ranks outside gflow.torch's communicator"}
+    told = [f"rank {int(r[0])} passed {problems[int(r[1])]}" for r in table if r[1]]
+    passers: dict = {}  # a set's ranks -> the ranks that passed it
+    for r in table:
+        if not r[1]:
+            passers.setdefault(tuple(int(m) for m in np.flatnonzero(r[2:])), []).append(int(r[0]))
+    for ranks, who in passers.items():
+        if who != list(ranks):  # (a member that passed it twice, or not at all)
+            told.append(f"the set of ranks {list(ranks)} was passed by {ranks_text(sorted(who))}")
+        elif any(ps.ranks == list(ranks) for ps in _registered.values()):
+            told.append(f"the set of ranks {list(ranks)} is registered already")
+    if told:
+        raise ValueError(
+            "init: every rank passes a ProcessSet of each communicator it is in, and only once (each "
+            f"member passes it); {'; '.join(told)}"
+        )
+    for ranks in passers:
+        process_set = mine.get(ranks)
+        if process_set is None:  # (a set this rank is not in: known, so that ids agree and it is refused)
+            process_set = ProcessSet(list(ranks))
+            _adopt(process_set, MPI.COMM_NULL)
+        else:
+            process_set.ranks = list(ranks)
+            _adopt(process_set, process_set.mpi_comm)
 
 
 def _adopt(process_set, comm) -> None:
@@ -199,7 +244,7 @@ def remove_process_set(process_set) -> bool:
     if not registered:
         return False
     engine.drain()  # async collectives started before, on this set too, end before its communicator
-    _forget(process_set)
+    _forget(process_set, "hvd.remove_process_set removed it")
     return True
 
 
@@ -208,14 +253,14 @@ def _registered_text(set_id: int) -> str:
     return f"process set {set_id}" + (f" (ranks {known.ranks})" if known is not None else "")
 
 
-def _forget(process_set) -> None:
+def _forget(process_set, how: str) -> None:
     _registered.pop(process_set.process_set_id, None)
     comm = process_set._comm
     if comm is not None and comm != MPI.COMM_NULL and process_set.mpi_comm is None:
         comm.Free()
     process_set._comm = None
     process_set.process_set_id = None
-    process_set.removed = True
+    process_set.removed = how
 
 
 def comm_of(process_set, where: str):
@@ -229,7 +274,8 @@ def comm_of(process_set, where: str):
     if _registered.get(process_set.process_set_id) is not process_set:
         error = RemovedSet if process_set.removed else ValueError
         raise error(
-            f"{where}: {process_set} is not registered{' (removed)' if process_set.removed else ''}; "
+            f"{where}: {process_set} is not registered"
+            f"{f' ({process_set.removed})' if process_set.removed else ''}; "
             "register it with hvd.add_process_set() or hvd.init(process_sets=[...])"
         )
     if _basics.rank() not in process_set.ranks:
