@@ -1329,6 +1329,62 @@ def test_a_scheduler_made_before_wrapping_and_a_closure_optimizer_stay_exact():
 
 
 @pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("load", ["broadcast_optimizer_state", "checkpoint"])
+def test_a_scheduler_made_before_wrapping_follows_a_loaded_state(load):
+    """helper-70: torch's load_state_dict gives the wrapper new param groups, and a scheduler made on
+    the inner optimizer before wrapping went on setting the old ones' rates: after Horovod's start-up
+    (broadcast_optimizer_state loads on the ranks but the root) the ranks stepped at different rates,
+    replicas apart, no error; after a checkpoint's load the rate stayed where it was saved."""
+    r = WORLD.rank
+    data = batches(4)
+
+    def build():
+        model = make_model()
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(base, 1, 0.5)
+        return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters()), sched
+
+    def train(model, opt, sched, steps):
+        for x, y in steps:
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            opt.step()
+            sched.step()
+            assert_identical(model)
+
+    def check():
+        model, opt, sched = build()
+        ref = copy.deepcopy(model).double()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.5)
+        for x, y in data:
+            reference_step(ref, ref_opt, x, y)
+            ref_sched.step()
+        if load == "broadcast_optimizer_state":
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+            train(model, opt, sched, data)
+        else:
+            train(model, opt, sched, data[:2])
+            saved = io.BytesIO()
+            torch.save(
+                {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, saved
+            )
+            saved.seek(0)
+            state = torch.load(saved, weights_only=False)
+            model, opt, sched = build()
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            train(model, opt, sched, data[2:])
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.1 / 16
+        assert sched.optimizer.param_groups is opt.param_groups
+        assert_close_to(model, ref, atol=1e-5)
+
+    on_all_ranks(check, load)
+
+
+@pytest.mark.parallel([2, 3])
 def test_synchronize_twice_a_checkpoint_at_another_world_size_and_a_dtype_changed_after_wrapping():
     """helper-50: a second synchronize() before step() (a framework's hook and the user's code both)
     reduced the reduced gradients again: with op=Sum, the number of ranks times the gradient. A

@@ -55,10 +55,34 @@ def derived_class(bases: tuple, like: type) -> type:
     return derived
 
 
+class _SharedWithInner:
+    """The wrapper and the optimizer it wraps share their param groups and state (with_methods), and
+    go on sharing them after a load_state_dict (broadcast_optimizer_state's on the other ranks, a
+    checkpoint's): torch's replaces both with new objects on the wrapper alone, and an LR scheduler
+    made on the inner optimizer before wrapping then set the learning rate of groups nothing steps
+    with (helper-70: the ranks stepped with different rates, replicas apart, no error)."""
+
+    def load_state_dict(self, state_dict):
+        groups, state = self.param_groups, self.state
+        dicts = list(groups)
+        super().load_state_dict(state_dict)
+        if self.param_groups is not groups:  # (its length is checked: one group per group)
+            for shared, loaded in zip(dicts, self.param_groups, strict=True):
+                shared.clear()
+                shared.update(loaded)
+            groups[:] = dicts
+            self.param_groups = groups
+        if self.state is not state:
+            loaded = self.state
+            state.clear()
+            state.update(loaded)
+            self.state = state
+
+
 def with_methods(mixin: type, optimizer):
     """The optimizer as an instance of a subclass of its class with `mixin`'s methods first, sharing
     its attributes (param groups, state): how DistributedOptimizer wraps an optimizer."""
-    cls = derived_class((mixin, type(optimizer)), type(optimizer))
+    cls = derived_class((mixin, _SharedWithInner, type(optimizer)), type(optimizer))
     wrapped = cls.__new__(cls)
     # Not an instance attribute that would hide one of mixin's methods: an LR scheduler made before
     # wrapping patches optimizer.step on the instance, and that copy ran the inner step, unreduced
