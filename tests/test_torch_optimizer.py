@@ -1329,6 +1329,42 @@ def test_a_scheduler_made_before_wrapping_and_a_closure_optimizer_stay_exact():
 
 
 @pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("differs", ["op", "threshold_bytes"])
+def test_a_rank_that_replaces_its_optimizer_after_a_failed_step_trains_on(differs):
+    """helper-70: after a step that failed (one rank's optimizer built otherwise), that rank built a
+    right one and dropped the old, which lived on: the engine thread held the failed job's error
+    (its traceback, the step's frames, the optimizer) until its next job, and the rest was a
+    reference cycle; the old one's hooks went on reducing, and the next steps failed on every rank."""
+    r = WORLD.rank
+    data = batches(4)
+    model = make_model()
+    wrong = {"op": hvd.Sum, "threshold_bytes": 64}[differs] if r == WORLD.size - 1 else None
+
+    def build(setting):
+        kw = {} if setting is None else {differs: setting}
+        return hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), **kw
+        )
+
+    opt = build(wrong)
+    opt.zero_grad()
+    rank_loss(model, *data[0], r)
+    with pytest.raises(gflow.MismatchError):
+        opt.step()
+    ref = copy.deepcopy(model).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    if wrong is not None:
+        opt = build(None)  # (no gc.collect(): the program only drops its reference)
+    for x, y in data[1:]:
+        opt.zero_grad()
+        rank_loss(model, x, y, r)
+        opt.step()
+        reference_step(ref, ref_opt, x, y)
+        assert_identical(model)
+    assert_close_to(model, ref, atol=1e-5)
+
+
+@pytest.mark.parallel([2, 3])
 @pytest.mark.parametrize("load", ["broadcast_optimizer_state", "checkpoint"])
 def test_a_scheduler_made_before_wrapping_follows_a_loaded_state(load):
     """helper-70: torch's load_state_dict gives the wrapper new param groups, and a scheduler made on

@@ -102,24 +102,31 @@ class Engine:
             item = self._queue.get()
             if item is self._STOP:
                 return
-            fn, handle, ctx = item
-            mark = stall.mark()
-            mark.job = handle.description
-            result = error = None
-            try:
-                with timeline.span(handle.description):
-                    result = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                # (not for inf/NaN: every rank settles that alike after its collective completed, so
-                # their queues stay alike, and ranks in join() stay on this channel with them)
-                failed = isinstance(exc, GflowError) and not isinstance(exc, NonFiniteError)
-                if ctx is not None and ctx.failed is None and failed:
-                    ctx.failed = f"{handle.description}: {exc}"
-                error = exc
-            mark.job = None  # before the caller wakes: a finished job is not a busy thread at exit
-            with self._lock:
-                self._in_flight.pop(handle, None)
-            handle._finish(result=result, error=error)
+            self._run_one(*item)
+            item = None  # (nothing of a job outlives it here: see _run_one)
+
+    def _run_one(self, fn, handle: Handle, ctx) -> None:
+        """Run one job and hand its result or error to its handle. Its own frame: an error raised
+        again by Handle.wait carries the waiting caller's frames, whose locals hold the program's
+        objects, and a reference to it left in this thread until the next job kept those alive
+        (helper-70: an optimizer replaced after a failed step went on reducing its parameters)."""
+        mark = stall.mark()
+        mark.job = handle.description
+        result = error = None
+        try:
+            with timeline.span(handle.description):
+                result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            # (not for inf/NaN: every rank settles that alike after its collective completed, so
+            # their queues stay alike, and ranks in join() stay on this channel with them)
+            failed = isinstance(exc, GflowError) and not isinstance(exc, NonFiniteError)
+            if ctx is not None and ctx.failed is None and failed:
+                ctx.failed = f"{handle.description}: {exc}"
+            error = exc
+        mark.job = None  # before the caller wakes: a finished job is not a busy thread at exit
+        with self._lock:
+            self._in_flight.pop(handle, None)
+        handle._finish(result=result, error=error)
 
     def shutdown(self, timeout: float = 10.0) -> list[str]:
         """Let queued work finish, then stop the thread (bounded: it is a daemon either way). Returns

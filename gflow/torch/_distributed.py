@@ -4,6 +4,7 @@ agreement that keeps every rank's step alike (changed gradients, GradScaler, mom
 Long because a step's protocol is read as one; checkpoints are in _optimizer_state.py.
 """
 
+import gc
 import math
 import warnings
 import weakref
@@ -195,10 +196,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
     def _gflow_hook(self, params) -> None:
         """A gradient hook on each parameter that requires grad and has none yet (torch refuses one
-        on a frozen parameter: it gets its hook at the first step where it is reduced)."""
-        for p in params:
-            if id(p) not in self._grad_hooks and p.requires_grad:
-                self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(_make_hook(self))
+        on a frozen parameter: it gets its hook at the first step where it is reduced). Where another
+        optimizer hooks one of them, the garbage is collected first: one this replaces, dropped by
+        the program but held in a reference cycle (a failed step's traceback), went on reducing its
+        parameters until Python's collector ran (helper-70: the next steps failed)."""
+        new = [p for p in params if id(p) not in self._grad_hooks and p.requires_grad]
+        if any(o is not self and any(id(p) in o._grad_hooks for p in new) for o in list(_LIVE)):
+            gc.collect()
+        for p in new:
+            self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(_make_hook(self))
 
     def _gflow_reset_step(self) -> None:
         n = len(self._gflow_params)
