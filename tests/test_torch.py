@@ -979,6 +979,33 @@ def test_a_second_operation_under_a_name_in_flight_raises_as_in_horovod():
         hvd.synchronize(second)
     assert torch.equal(hvd.synchronize(first), t)
     assert torch.equal(hvd.allreduce(t, op=hvd.Sum), t * WORLD.size)
+    # Horovod keys a name by its operation ("allreduce.n", "allgather.n"): one of each may be in flight
+    # at once (helper-71: the allgather was refused)
+    handles = [hvd.allreduce_async(t, name="n", op=hvd.Sum), hvd.allgather_async(t, name="n")]
+    handles.append(hvd.broadcast_async(t, 0, name="n"))
+    reduced, gathered, broadcast = (hvd.synchronize(h) for h in handles)
+    assert torch.equal(reduced, t * WORLD.size) and torch.equal(gathered, t.repeat(WORLD.size, 1))
+    assert torch.equal(broadcast, t)
+
+
+@pytest.mark.parallel([3, 4])
+def test_one_name_in_flight_on_two_process_sets():
+    """Each process set has its own queue in Horovod, so its own names (helper-71: a rank in two sets
+    was refused the second, and its peer there waited until the job ended)."""
+    hvd.shutdown()
+    hvd.init()
+    first, second = hvd.add_process_set([0, 1]), hvd.add_process_set([1, 2])
+    try:
+        x = torch.full((3,), float(WORLD.rank + 1))
+        handles = [hvd.allreduce_async(x, name="s", op=hvd.Sum, process_set=ps) for ps in (first, second)
+                   if WORLD.rank in ps.ranks]  # fmt: skip
+        got = [hvd.synchronize(h) for h in handles]
+        want = [torch.full((3,), float(sum(r + 1 for r in ps.ranks))) for ps in (first, second)
+                if WORLD.rank in ps.ranks]  # fmt: skip
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (got, want)
+    finally:
+        hvd.remove_process_set(first)
+        hvd.remove_process_set(second)
 
 
 @pytest.mark.parallel([2, 3])

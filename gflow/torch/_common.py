@@ -110,20 +110,27 @@ def names_in_flight(fn):
     synchronized yet raises ValueError at the call, as in Horovod, and starts nothing (no collective:
     ranks that all make the same mistake all raise and go on in step; a peer that started something
     there instead meets this rank's next collective, whose signature and name differ: MismatchError
-    on both). Otherwise the handle is named, until synchronize()."""
-    position = list(inspect.signature(fn).parameters).index("name")
+    on both). Otherwise the handle is named, until synchronize(). As Horovod keys a name (its
+    operation's, "allreduce.w", in each process set's own queue), one name may be in flight once per
+    operation and set (helper-71: an allgather_async under an allreduce_async's name was refused)."""
+    parameters = list(inspect.signature(fn).parameters)
+    position, set_position = parameters.index("name"), parameters.index("process_set")
+    operation = fn.__name__.rstrip("_").removesuffix("_async")
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         name = kwargs["name"] if "name" in kwargs else args[position] if len(args) > position else None
-        if name is not None and in_flight(name) is not None:
+        if name is None:
+            return fn(*args, **kwargs)
+        on = kwargs.get("process_set", args[set_position] if len(args) > set_position else None)
+        key = (operation, getattr(on, "process_set_id", 0) or 0, name)
+        if in_flight(key) is not None:
             raise ValueError(
                 f"{fn.__name__}: an operation named {name!r} is in flight on this rank (handle "
-                f"{in_flight(name)}, not synchronized yet); synchronize it first, or use another name"
+                f"{in_flight(key)}, not synchronized yet); synchronize it first, or use another name"
             )
         handle = fn(*args, **kwargs)
-        if name is not None:
-            name_handle(name, handle)
+        name_handle(key, handle)
         return handle
 
     return call

@@ -22,8 +22,8 @@ class Pending:
 
 _handle_map: dict = {}
 _counter = itertools.count()
-# name= of an async operation whose handle is not synchronized yet -> that handle, and back: Horovod
-# refuses a second operation under a name in flight (collectives/../_common.py's names_in_flight).
+# (operation, process set id, name=) of an async operation whose handle is not synchronized yet ->
+# that handle, and back: Horovod refuses a second one under a name in flight (_common.names_in_flight).
 _handle_of_name: dict = {}
 _name_of_handle: dict = {}
 
@@ -34,14 +34,14 @@ def register(pending: Pending) -> int:
     return handle
 
 
-def in_flight(name):
-    """The handle of the operation named `name` that is not synchronized yet, or None."""
-    return _handle_of_name.get(name)
+def in_flight(key):
+    """The handle of the operation under `key` (see _handle_of_name) not synchronized yet, or None."""
+    return _handle_of_name.get(key)
 
 
-def name_handle(name, handle) -> None:
-    _handle_of_name[name] = handle
-    _name_of_handle[handle] = name
+def name_handle(key, handle) -> None:
+    _handle_of_name[key] = handle
+    _name_of_handle[handle] = key
 
 
 def shutdown() -> None:
