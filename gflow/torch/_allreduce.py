@@ -139,7 +139,18 @@ class _AllreducePlan:
     def run_product(self):
         """Product: every rank multiplies all ranks' values in rank order (bitwise identical)."""
         rows = self.src.reshape(1, -1)
-        everyone = allgather_on(context(self.comm), rows, fingerprint=self.tag[1], about=self.about)
+        try:
+            everyone = allgather_on(context(self.comm), rows, fingerprint=self.tag[1], about=self.about)
+        except gflow.GflowError as exc:  # (helper-71: the refusal named the allgather, not the call)
+            refused = "allgather is not supported while ranks are in join()"
+            if not str(exc).startswith(refused):
+                raise
+            raise type(exc)(
+                str(exc).replace(
+                    refused, "allreduce(op=Product) is not supported while ranks are in join()", 1
+                )
+                + "; gflow computes a Product from an allgather: use op=Sum, Min or Max beside join()"
+            ) from exc
         product = torch.prod(everyone, dim=0).to(self.src.dtype)  # (torch.prod promotes integers)
         product = product.reshape(self.src.shape)
         if self.out is None:
