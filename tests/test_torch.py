@@ -630,6 +630,11 @@ def test_the_first_line_names_the_argument_that_differs():
          "the op: rank 0 op=mean, rank {last} op=sum"),
         (lambda: hvd.allreduce(x, postscale_factor=2.0 if bad else 1.0),
          "postscale_factor=: rank 0 passed postscale_factor=1.0, rank {last} passed postscale_factor=2.0"),
+        (lambda: hvd.allreduce(x, compression=hvd.Compression.fp16 if bad else hvd.Compression.none),
+         "the dtype on the wire (the array's own, or the one compression= sends): rank 0 passed float32 (a "
+         "tensor of shape (4,) and dtype float32, op=Average, prescale_factor=1.0, postscale_factor=1.0), "
+         "rank {last} passed float16 (a tensor of shape (4,) and dtype float32, op=Average, "
+         "prescale_factor=1.0, postscale_factor=1.0, compression=fp16)"),  # (helper-70: "the dtype")
     ]  # fmt: skip
 
     def check(call, expected):

@@ -119,6 +119,7 @@ class _AllreducePlan:
         self.about = (
             f"{named(name)}{tensors_text(members)}, op={_basics.OP_NAMES[op]}, "
             f"prescale_factor={prescale}, postscale_factor={postscale}"
+            + (f", compression={self.compression}" if self.compression else "")  # (helper-70: unsaid)
         )
 
     def finish(self, result):
