@@ -130,6 +130,9 @@ def test_sets_that_differ_between_ranks_fail_on_every_rank_and_duplicates_are_re
             assert pair.ranks == [0, 1]  # sorted, as Horovod's
             with pytest.raises(ValueError, match="registered already"):
                 hvd.add_process_set([0, 1])
+            if WORLD.rank in pair.ranks:  # (helper-71: it named "broadcast_", what it is made of)
+                with pytest.raises(ValueError, match=r"^broadcast_object: root_rank 2 is not a rank of"):
+                    hvd.broadcast_object("x", root_rank=2, process_set=pair)
             hvd.remove_process_set(pair)
             with pytest.raises(ValueError, match="not registered"):
                 hvd.allreduce(torch.ones(1), process_set=pair)  # (every rank: removed everywhere)

@@ -220,10 +220,15 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrite `tensor` with root_rank's values on every rank; return it."""
-    on, exc = set_comm(process_set, "broadcast_")
+    return broadcast_into(tensor, root_rank, name, process_set, "broadcast_")
+
+
+def broadcast_into(tensor, root_rank, name, process_set, where: str):
+    """broadcast_, its errors naming the call `where` (broadcast_object's, which is made of it)."""
+    on, exc = set_comm(process_set, where)
     if exc is not None:
         reject_blocking("broadcast", exc, on)
-    return _broadcast_now(tensor, root_rank, True, "broadcast_", name, process_set, on)
+    return _broadcast_now(tensor, root_rank, True, where, name, process_set, on)
 
 
 class _BroadcastFunction(torch.autograd.Function):

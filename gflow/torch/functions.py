@@ -17,7 +17,7 @@ import gflow
 
 from . import _basics
 from ._common import reject_blocking, set_comm
-from ._gather import allgather, broadcast_
+from ._gather import allgather, broadcast_, broadcast_into
 
 try:
     import cloudpickle as _pickler
@@ -56,10 +56,10 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
         length = torch.tensor([words.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    broadcast_(length, root_rank, process_set=process_set)
+    broadcast_into(length, root_rank, None, process_set, "broadcast_object")
     if _basics.rank() != root_rank:
         words = torch.empty(int(length[0]), dtype=torch.int32)
-    broadcast_(words, root_rank, process_set=process_set)
+    broadcast_into(words, root_rank, None, process_set, "broadcast_object")
     if _basics.rank() == root_rank:
         return obj
     return pickle.loads(words.view(torch.uint8).numpy().tobytes())

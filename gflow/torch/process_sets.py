@@ -172,9 +172,10 @@ def _register_comms(given: list) -> None:
         if ps.mpi_comm == MPI.COMM_NULL:
             row[1] = 1
             continue
-        members = MPI.Group.Translate_ranks(
-            ps.mpi_comm.Get_group(), list(range(ps.mpi_comm.Get_size())), comm.Get_group()
-        )
+        groups = ps.mpi_comm.Get_group(), comm.Get_group()
+        members = MPI.Group.Translate_ranks(groups[0], list(range(ps.mpi_comm.Get_size())), groups[1])
+        for group in groups:
+            group.Free()
         if MPI.UNDEFINED in members:
             row[1] = 2
         else:
