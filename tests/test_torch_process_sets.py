@@ -16,10 +16,15 @@ torch.set_num_threads(1)
 SIZES = [1, 2, 3, 4]
 
 
+def init_afresh():
+    """init() with no process set registered (init() again alone keeps them)."""
+    hvd.shutdown()
+    hvd.init()
+
+
 @pytest.fixture(autouse=True)
 def _init():
-    hvd.shutdown()  # (init() alone keeps the sets registered: each test starts without any)
-    hvd.init()
+    init_afresh()  # (each test starts without any set)
 
 
 def sets_by_parity():
@@ -161,8 +166,7 @@ def test_init_registers_process_sets_of_ranks_and_of_communicators():
             if WORLD.rank < 2:
                 assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=first_two).item() == 2
         finally:
-            hvd.shutdown()
-            hvd.init()  # (after shutdown: forgets the sets)
+            init_afresh()  # (forgets the sets)
             split.Free()
         assert first_two.process_set_id is None
 
@@ -195,8 +199,7 @@ def test_sets_of_split_communicators_are_known_to_every_rank():
             assert both.process_set_id == 3
             hvd.remove_process_set(both)
         finally:
-            hvd.shutdown()
-            hvd.init()
+            init_afresh()
             split.Free()
 
     on_all_ranks(check)
@@ -212,8 +215,7 @@ def test_sets_of_communicators_not_passed_by_every_member_fail_on_every_rank():
                 hvd.init(process_sets=given)
             hvd.allreduce(torch.ones(1))  # (every rank went on in step)
         finally:
-            hvd.shutdown()
-            hvd.init()
+            init_afresh()
             split.Free()
 
     on_all_ranks(check)
@@ -243,8 +245,7 @@ def test_init_again_keeps_the_sets_and_init_on_another_communicator_says_it_drop
                 ):
                     hvd.allreduce(torch.ones(1), process_set=first_two)
         finally:
-            hvd.shutdown()
-            hvd.init()
+            init_afresh()
             reversed_world.Free()
 
     on_all_ranks(check)

@@ -484,6 +484,7 @@ def _inspect(m: _Mark) -> None:
     if m.warned_since is not since:  # a new wait: its warnings start afresh
         m.warned_since, m.warned_at, m.crossed_at = since, None, None
     waited = time.monotonic() - since
+    number = _collective_of(ctx, m)  # (what peers are told: _answer compares it with _where)
     if (
         not ctx.is_background
         and config.validate
@@ -491,13 +492,12 @@ def _inspect(m: _Mark) -> None:
     ):
         m.crossed_at = waited
         with _lock:
-            _check_crossed(ctx, _collective_of(ctx, m))
+            _check_crossed(ctx, number)
     due_abort = abort > 0 and waited >= abort
     due_warning = warn > 0 and waited >= warn and (m.warned_at is None or waited - m.warned_at >= warn)
     if not (due_abort or due_warning):
         return
     m.warned_at = float("inf")  # once per wait (the abort, if set, still comes)
-    number = _collective_of(ctx, m)  # (what peers are told: _answer compares it with _where)
     ctx.stall_report = (number, _ABOUT_TO_REPORT)  # (peers that ask meanwhile leave it to this rank)
     with _lock:
         text, reporter = _report(ctx, m, waited)
