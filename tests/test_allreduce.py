@@ -286,6 +286,56 @@ def test_join_as_a_ranks_first_call_on_a_communicator(first):
     comm.Free()
 
 
+@pytest.mark.parallel([2, 3, 4])
+def test_a_joined_rank_serves_the_sub_communicators_it_is_given():
+    """join(comm, subsets=...) (gflow.torch's process sets): rank 0, out of data at once, takes part
+    with zeros in the allreduces of the two sub-communicators it is in (all of comm's ranks but the
+    last, and the even ones; at p = 2, [0] and [0, 1]), blocking and async, on the latency path and
+    the ring, while the others call on comm as well. gflow's duplicates of the sub-communicators
+    are made first, as gflow.torch makes a process set's (Open MPI hangs otherwise). Against MPI's
+    Allreduce over the ranks with data."""
+    from gflow.collectives.join import join
+
+    comm = WORLD.Dup()
+    p, r = comm.size, comm.rank
+    member_lists = [list(range(max(p - 1, 1))), list(range(0, p, 2)) if p > 2 else [0, 1]]
+    subsets, with_data = [], []
+    for ranks in member_lists:  # (each sub-communicator, and its ranks but rank 0: the reference's)
+        subsets.append(comm.Split(0 if r in ranks else MPI.UNDEFINED, r))
+        with_data.append(comm.Split(0 if r in ranks and r > 0 else MPI.UNDEFINED, r))
+    mine = [sub for sub in subsets if sub != MPI.COMM_NULL]
+    rest = comm.Split(0 if r > 0 else MPI.UNDEFINED, r)  # (comm's ranks with data)
+    for sub in mine:
+        context(sub).comm  # noqa: B018 (the property makes them)
+
+    def check():
+        if r > 0:
+            for step in range(2):
+                x = random_array(rank_rng(910 + step), 9, np.float64)
+                np.testing.assert_allclose(
+                    gflow.allreduce(x, comm=comm), mpi_allreduce(x, comm=rest), rtol=1e-12
+                )
+                for sub, data in zip(subsets, with_data, strict=True):
+                    if sub == MPI.COMM_NULL:
+                        continue
+                    large = random_array(rank_rng(920 + step), 100_003, np.float32)
+                    handle = gflow.allreduce_async(large, "mean", comm=sub)
+                    got = gflow.allreduce(x, "max", comm=sub)
+                    np.testing.assert_array_equal(got, mpi_allreduce(x, MPI.MAX, comm=data))
+                    mean = mpi_allreduce(large.astype(np.float64), comm=data) / sub.size  # (the sub's size)
+                    np.testing.assert_allclose(handle.wait(timeout=30), mean, rtol=1e-5, atol=1e-5)
+        last = join(comm, subsets=mine)
+        assert comm.allgather(last) == [last] * p
+        for sub in mine:  # everyone joined: the sub-communicators work as before
+            assert gflow.allreduce(np.ones(2), comm=sub).tolist() == [float(sub.size)] * 2
+
+    on_all_ranks(check)
+    for sub in subsets + with_data + [rest]:
+        if sub != MPI.COMM_NULL:
+            sub.Free()
+    comm.Free()
+
+
 @pytest.mark.parallel([2, 3])
 def test_a_blocking_call_waits_for_the_duplicates_an_async_call_is_making(monkeypatch):
     """An async call starts a fresh communicator's first collective (the engine thread makes gflow's

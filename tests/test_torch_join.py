@@ -94,6 +94,54 @@ def test_joined_ranks_serve_device_allreduces_through_the_node_phase(monkeypatch
     on_all_ranks(check)
 
 
+@pytest.mark.parallel([2, 3, 4])
+def test_joined_ranks_serve_the_process_sets_they_are_in():
+    """A rank in join() takes part with zeros in the allreduces of each process set it is in too
+    (the set's callers waited for it until the stall warning): blocking and async, on the latency
+    path and the ring, means over the set's size, min/max over the set's ranks with data; sets of
+    one rank, overlapping sets, and ranks in no set but the global one. Against float64 sums of
+    every rank's inputs (MPI's own allgather)."""
+    p, r = WORLD.size, WORLD.rank
+    steps = [2, 1, 4, 3][:p]  # (distinct: the last to join is the one with most)
+    rng = np.random.default_rng([64, r])
+    small = [rng.standard_normal(7) for _ in range(steps[r])]
+    large = [rng.standard_normal(70_001).astype(np.float32) for _ in range(steps[r])]
+    everyone = WORLD.allgather((small, large))
+    members = [[0, 1], list(range(1, p)), [0, 2]] if p > 2 else [list(range(1, p))]
+    sets = [hvd.add_process_set(ranks) for ranks in members]
+
+    def over(ranks, which, step):
+        return [everyone[q][which][step].astype(np.float64) for q in ranks if step < steps[q]]
+
+    def check():
+        for step in range(steps[r]):
+            got = hvd.allreduce(torch.from_numpy(small[step]), op=hvd.Sum).numpy()
+            np.testing.assert_allclose(got, sum(over(range(p), 0, step)), rtol=1e-12)
+            for ps in sets:
+                if r not in ps.ranks:
+                    continue
+                x = torch.from_numpy(small[step])
+                handle = hvd.allreduce_async(torch.from_numpy(large[step]), name=f"large{ps.process_set_id}",
+                                             process_set=ps)  # fmt: skip
+                got = hvd.allreduce(x, op=hvd.Sum, process_set=ps).numpy()
+                np.testing.assert_allclose(got, sum(over(ps.ranks, 0, step)), rtol=1e-12)
+                got = hvd.allreduce(x, op=hvd.Max, process_set=ps).numpy()
+                np.testing.assert_array_equal(got, np.max(over(ps.ranks, 0, step), axis=0))
+                mean = sum(over(ps.ranks, 1, step)) / len(ps.ranks)  # (over the set's size)
+                np.testing.assert_allclose(hvd.synchronize(handle).numpy(), mean, rtol=1e-5, atol=1e-5)
+        assert hvd.join() == int(np.argmax(steps))
+        for ps in sets:  # everyone joined: the sets work as before
+            if r in ps.ranks:
+                got = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=ps)
+                assert got.tolist() == [float(len(ps.ranks))] * 2
+
+    try:
+        on_all_ranks(check)
+    finally:
+        for ps in sets:
+            hvd.remove_process_set(ps)
+
+
 @pytest.mark.parallel(SIZES)
 def test_distributed_optimizer_with_uneven_batches_equals_a_float64_replay():
     """Each step averages the gradients of the ranks still training over all p ranks (zeros from those

@@ -13,10 +13,12 @@ latency-path allreduce is already complete. Then it waits for the next agreement
 which every rank is joined ends join(). Other collectives fail on the ranks that called them
 (recursive_doubling._check_joined: Horovod's rule), and the joined ranks wait on.
 
-A rank in join() serves one channel per call of serve(): gflow.torch's join runs it on the caller's
-channel and on the background one at once (the others may use either).
+A rank in join() serves one channel per call of serve(): join() runs it on the caller's channel and
+on the background one at once (the others may use either), and on both channels of each
+sub-communicator it is given (gflow.torch's process sets), each on a thread of its own.
 """
 
+import threading
 import time
 from functools import partial
 
@@ -53,29 +55,64 @@ from .recursive_doubling import (
 )
 
 
-def join(comm=None) -> int:
+def join(comm=None, subsets=()) -> int:
     """This rank has no more data: until every rank of comm has called join(), take part with zeros
     in the others' allreduces, on the caller's channel and gflow's background one at once (the others
     may use either: blocking calls, async ones, LazyAllreduce's segments); return the rank that
     called join() last, by each rank's wall clock at the call (exact on one node; ties: the lowest).
-    A rank that joins first waits for the async work it started (it runs before)."""
+    A rank that joins first waits for the async work it started (it runs before).
+
+    subsets: sub-communicators of comm's ranks that this rank is in (gflow.torch's process sets),
+    whose allreduces it serves the same way meanwhile; every member of each passes it (an agreement
+    there ends once all of them are in join()), or the others' calls there wait for ever. Under Open
+    MPI, gflow's duplicates of each subset must be made on all its members before (made in the serving
+    threads, or here while the others wait in a call on comm, it hangs): gflow.torch makes a set's
+    when it registers it (process_sets._adopt)."""
     arrival = time.time()
     parent = context(comm)
     parent.check_usable()  # (before its background channel is made or used)
+    others = [context(sub) for sub in subsets]
+    for ctx in others:
+        ctx.check_usable()
     background = parent.background()
     handle = engine.submit(
         "join", partial(serve, background), ctx=background, on_failure=parent.reset_background
     )
+    helpers = [_Serving(channel) for ctx in others for channel in (ctx, ctx.background())]
     try:
         serve(parent)
         handle.wait()
+        for helper in helpers:
+            helper.wait()
     except BaseException as interrupted:
-        if not isinstance(interrupted, GflowError):  # (Ctrl-C: the other channel's serve would hold
-            stall.give_up(background)  # gflow's thread, and every async call, for ever)
+        if not isinstance(interrupted, GflowError):  # (Ctrl-C: the other channels' serve would hold
+            for channel in [background] + [helper.ctx for helper in helpers]:  # gflow's threads, and
+                stall.give_up(channel)  # every async call, for ever)
         raise
     times = np.full(parent.size, -np.inf)
     times[parent.rank] = arrival
     return int(np.argmax(allreduce_on(parent, times, "max")))
+
+
+class _Serving:
+    """serve(ctx) on a thread of its own: a sub-communicator's channel, served beside comm's."""
+
+    def __init__(self, ctx: CommContext):
+        self.ctx, self.error = ctx, None
+        self._thread = threading.Thread(target=self._run, name=f"gflow-join ({ctx.size} ranks)", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            serve(self.ctx)
+        except BaseException as error:  # noqa: BLE001 - raised in join() on the caller's thread
+            self.error = error
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 def serve(ctx: CommContext) -> None:

@@ -13,6 +13,7 @@ from ..collectives.join import join as join_on
 from ..collectives.operations import allreduce_on, background_on
 from ..runtime.context import context
 from . import _basics
+from . import process_sets as process_sets_module
 from ._allreduce import allreduce
 from ._basics import Average, Sum
 from ._common import (
@@ -287,10 +288,12 @@ def join(device=-1) -> int:
     join() raise on the ranks that called them, as in Horovod; the joined ranks wait on. A rank that
     joins first waits for the async operations it started (they run before). `device` is accepted
     and ignored (zeros are on the host; CUDA tensors of the others are staged or direct as usual).
-    The last rank is found by each rank's wall clock at the call (exact on one node).
+    The last rank is found by each rank's wall clock at the call (exact on one node). A joined rank
+    serves the process sets it is in as well, with zeros, and a mean divides by the set's size
+    (Horovod's join() serves the global set only: a call on another set beside a joined rank stalls).
     """
     try:
-        return join_on(comm())
+        return join_on(comm(), subsets=process_sets_module.communicators_of_this_rank())
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
 

@@ -15,6 +15,7 @@ from mpi4py import MPI
 import gflow
 
 from ..runtime import engine
+from ..runtime.context import context
 from ..runtime.stall import ranks_text
 from . import _basics
 
@@ -208,7 +209,17 @@ def _register_comms(given: list) -> None:
             _adopt(process_set, process_set.mpi_comm)
 
 
+def communicators_of_this_rank() -> list:
+    """The communicators of the registered sets (the global one aside) that this rank is in."""
+    return [ps._comm for set_id, ps in sorted(_registered.items()) if set_id and ps._comm != MPI.COMM_NULL]
+
+
 def _adopt(process_set, comm) -> None:
+    if comm != MPI.COMM_NULL:
+        # gflow's duplicates of the set's communicator, made now, on every member in the same order:
+        # a rank in join() serves the set on them even where it never called on it, and under Open
+        # MPI a duplicate pending on one rank stops its others from being made.
+        context(comm).comm  # noqa: B018 (the property makes them)
     process_set._comm = comm
     process_set.process_set_id = _next_id[0]
     _registered[_next_id[0]] = process_set
