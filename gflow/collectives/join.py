@@ -75,10 +75,15 @@ def join(comm=None, subsets=()) -> int:
     for ctx in others:
         ctx.check_usable()
     background = parent.background()
+    backgrounds = [ctx.background() for ctx in others]
+    # (the background channels once the async work queued before has run: on the engine thread)
     handle = engine.submit(
-        "join", partial(serve, background), ctx=background, on_failure=parent.reset_background
+        "join",
+        partial(_serve_all, background, backgrounds),
+        ctx=background,
+        on_failure=parent.reset_background,
     )
-    helpers = [_Serving(channel) for ctx in others for channel in (ctx, ctx.background())]
+    helpers = [_Serving(ctx) for ctx in others]
     try:
         serve(parent)
         handle.wait()
@@ -86,12 +91,20 @@ def join(comm=None, subsets=()) -> int:
             helper.wait()
     except BaseException as interrupted:
         if not isinstance(interrupted, GflowError):  # (Ctrl-C: the other channels' serve would hold
-            for channel in [background] + [helper.ctx for helper in helpers]:  # gflow's threads, and
-                stall.give_up(channel)  # every async call, for ever)
+            for channel in [background] + backgrounds + others:  # gflow's threads, and every async
+                stall.give_up(channel)  # call, for ever)
         raise
     times = np.full(parent.size, -np.inf)
     times[parent.rank] = arrival
     return int(np.argmax(allreduce_on(parent, times, "max")))
+
+
+def _serve_all(ctx: CommContext, more: list) -> None:
+    """serve(ctx) here, and each of `more` on a thread of its own."""
+    helpers = [_Serving(other) for other in more]
+    serve(ctx)
+    for helper in helpers:
+        helper.wait()
 
 
 class _Serving:
