@@ -635,6 +635,12 @@ def test_the_first_line_names_the_argument_that_differs():
          "tensor of shape (4,) and dtype float32, op=Average, prescale_factor=1.0, postscale_factor=1.0), "
          "rank {last} passed float16 (a tensor of shape (4,) and dtype float32, op=Average, "
          "prescale_factor=1.0, postscale_factor=1.0, compression=fp16)"),  # (helper-70: "the dtype")
+        (lambda: hvd.allreduce(x) if bad else hvd.barrier(),  # (helper-71: "the dtype")
+         "the collective: rank 0 called barrier(), rank {last} called allreduce"),
+        (lambda: hvd.grouped_allgather([x] * (2 if bad else 1), name="g"),  # (helper-71: "name=")
+         "tensors=: rank 0 passed tensors=a list of 1, rank {last} passed tensors=a list of 2"),
+        (lambda: hvd.synchronize(hvd.grouped_allgather_async([x] * (3 if bad else 1))),
+         "tensors=: rank 0 passed tensors=a list of 1, rank {last} passed tensors=a list of 3"),
     ]  # fmt: skip
 
     def check(call, expected):

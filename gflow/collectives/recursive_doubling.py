@@ -903,6 +903,8 @@ def _differing(words_a: str, words_b: str) -> tuple:
     return [x for x, _ in pairs], [y for _, y in pairs]
 
 
+# Words that are a call of their own (gflow.torch's barrier(): a tiny allreduce under its own fingerprint)
+_CALL_ALONE = re.compile(r"[a-z_]+\(\)")
 _OF_SHAPE = re.compile(r"(?:an array|a tensor) of shape (\(.*?\))(.*)")
 
 
@@ -948,7 +950,13 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
             for refused, words, said in zip(rejected, (words_a, words_b), (said_a, said_b), strict=True)
         )
     elif words_a and words_b and words_a != words_b:
-        if int(sig_a[0]) == int(sig_b[0]) == COLLECTIVE_CODE["sparse"]:  # (CSC: sizes, a checksum)
+        if any(_CALL_ALONE.fullmatch(words) for words in (words_a, words_b)):  # (a barrier() against a call)
+            what = "the collective"
+            said_a, said_b = (
+                f"called {words if _CALL_ALONE.fullmatch(words) else CODE_COLLECTIVE.get(int(sig[0]), '?')}"
+                for words, sig in ((words_a, sig_a), (words_b, sig_b))
+            )
+        elif int(sig_a[0]) == int(sig_b[0]) == COLLECTIVE_CODE["sparse"]:  # (CSC: sizes, a checksum)
             what = "the gradient or the CSC settings"
             said_a, said_b = (f"passed {', '.join(fields)}" for fields in _differing(words_a, words_b))
         elif settings_differ(sig_a, sig_b):

@@ -54,28 +54,30 @@ def _from_words(words, nbytes, dtype, tail_shape):
     return raw.view(dtype).reshape(shape)
 
 
-def _agreed(x, shape, name=None):
+def _agreed(x, shape, name=None, member=None):
     """What the ranks of an allgather or broadcast agree on besides gflow's own signature: the
     tensor's `shape` (allgather: its axes after the first) and torch dtype, which dtypes moved as int32
-    words would otherwise not show, and the user's name=; and how this rank's call reads in a
-    MismatchError."""
-    about = f"{named(name)}a tensor of shape {tuple(x.shape)} and dtype {dtype_name(x.dtype)}"
+    words would otherwise not show, the user's name=, and for the i-th of a grouped call's n tensors
+    (member=(i, n)) both: ranks passing different numbers disagree at the first one, saying so, and
+    never pair another call's data; and how this rank's call reads in a MismatchError."""
+    about = named(name) + ("" if member is None else f"tensors=a list of {member[1]}, [{member[0]}] of it, ")
+    about += f"a tensor of shape {tuple(x.shape)} and dtype {dtype_name(x.dtype)}"
     if x.dtype not in MOVABLE_DIRECT:
         about += " (moved as int32 words)"
-    return fingerprint(dtype_name(x.dtype), tuple(shape), name), about
+    return fingerprint(dtype_name(x.dtype), tuple(shape), name, member), about
 
 
 class _AllgatherPlan:
     """One allgather, checked (raises on bad arguments): the rows to send and how to read the result."""
 
-    def __init__(self, tensor, where, name=None):
+    def __init__(self, tensor, where, name=None, member=None):
         check_tensor(tensor, where)
         self.x = x = tensor.detach()
         if x.dtype in MOVABLE_DIRECT:
             self.words, self.nbytes = x.contiguous(), None
         else:
             self.words, self.nbytes = _to_words(x)
-        self.fingerprint, self.about = _agreed(x, x.shape[1:], name)
+        self.fingerprint, self.about = _agreed(x, x.shape[1:], name, member)
 
     def run(self, ctx):
         return allgather_on(ctx, self.words, fingerprint=self.fingerprint, about=self.about)
@@ -87,9 +89,9 @@ class _AllgatherPlan:
         return _from_words(gathered, self.nbytes, x.dtype, x.shape[1:] if x.dim() else ())
 
 
-def _allgather_now(tensor, where, name=None, on=None):
+def _allgather_now(tensor, where, name=None, on=None, member=None):
     try:
-        plan = _AllgatherPlan(tensor, where, name)
+        plan = _AllgatherPlan(tensor, where, name, member)
     except Exception as exc:  # noqa: BLE001 - every local failure reaches the peers
         reject_blocking("allgather", exc, on)
     try:
@@ -117,11 +119,11 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
 
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, process_set, on):
+    def forward(ctx, tensor, name, process_set, on, member):
         ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
         ctx.scalar = tensor.dim() == 0
         ctx.process_set, ctx.on = process_set, on
-        return _allgather_now(tensor, "allgather", name, on)
+        return _allgather_now(tensor, "allgather", name, on, member)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -129,18 +131,19 @@ class _AllgatherFunction(torch.autograd.Function):
         sizes = gflow.allgather(torch.tensor([ctx.dim0], dtype=torch.int64), comm=ctx.on)
         offset = int(sizes[: ctx.on.Get_rank()].sum())
         grad = reduced.narrow(0, offset, ctx.dim0)
-        return grad.reshape(()) if ctx.scalar else grad, None, None, None
+        return grad.reshape(()) if ctx.scalar else grad, None, None, None, None
 
 
-def allgather(tensor, name=None, process_set=None):
+def allgather(tensor, name=None, process_set=None, member=None):
     """Concatenate every rank's tensor along the first dimension, in rank order; differentiable
-    (the gradient is this rank's slice of the ranks' average incoming gradient, as Horovod's)."""
+    (the gradient is this rank's slice of the ranks' average incoming gradient, as Horovod's).
+    member: (i, n) for the i-th of grouped_allgather's n tensors."""
     on, exc = set_comm(process_set, "allgather")
     if exc is None and not isinstance(tensor, torch.Tensor):
         exc = TypeError(f"allgather: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if exc is not None:
         reject_blocking("allgather", exc, on)
-    return _AllgatherFunction.apply(tensor, name, process_set, on)
+    return _AllgatherFunction.apply(tensor, name, process_set, on, member)
 
 
 # --- broadcast ---------------------------------------------------------------------------------------

@@ -319,12 +319,6 @@ def grouped_reducescatter(
 # --- grouped allgather -------------------------------------------------------------------------------
 
 
-def _member(name, i: int, n: int) -> str:
-    """The checked name of a grouped allgather's i-th of n tensors: ranks passing different numbers of
-    tensors disagree at the first one (MismatchError everywhere), never pair another call's data."""
-    return f"{'' if name is None else name}[{i} of {n}]"
-
-
 @names_in_flight
 def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
     """Start an allgather of each tensor of a list, on gflow's background thread; synchronize()
@@ -335,7 +329,7 @@ def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
         try:
             if not isinstance(tensors, (list, tuple)) or not tensors:
                 raise TypeError(f"{where}: tensors must be a non-empty list of tensors, got {tensors!r}")
-            plans = [_AllgatherPlan(t, where, _member(name, i, len(tensors))) for i, t in enumerate(tensors)]
+            plans = [_AllgatherPlan(t, where, name, (i, len(tensors))) for i, t in enumerate(tensors)]
         except Exception as error:  # noqa: BLE001
             exc = error
     if exc is not None:
@@ -357,6 +351,6 @@ def grouped_allgather(tensors, name=None, process_set=None) -> list:
             "allgather", exc or TypeError(f"grouped_allgather: tensors must be a list, got {what}"), on
         )
     return [
-        allgather(t, name=_member(name, i, len(tensors)), process_set=process_set)
+        allgather(t, name=name, process_set=process_set, member=(i, len(tensors)))
         for i, t in enumerate(tensors)
     ]
