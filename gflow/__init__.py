@@ -8,7 +8,7 @@ import os as _os
 
 from .collectives.exchange import allgather, alltoall, broadcast, reduce_scatter
 from .collectives.operations import allreduce, allreduce_async
-from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError
+from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError, NotServedInJoinError
 from .fusion.lazy import LazyAllreduce
 from .fusion.sparse import SparseAllreduce
 from .runtime import lifecycle as _lifecycle  # noqa: F401 - registers the exit order
@@ -40,6 +40,7 @@ __all__ = [
     "LossScaler",
     "MismatchError",
     "NonFiniteError",
+    "NotServedInJoinError",
     "SparseAllreduce",
     "allgather",
     "allreduce",

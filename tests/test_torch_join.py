@@ -209,10 +209,12 @@ def test_other_collectives_raise_while_a_rank_is_joined_and_the_job_goes_on():
                 lambda: hvd.alltoall(torch.ones(p)),
                 lambda: hvd.reducescatter(torch.ones(p)),
             ):
-                with pytest.raises(gflow.GflowError, match="join"):
+                with pytest.raises(gflow.NotServedInJoinError, match="join"):
                     call()
             # (an allgather inside: the message names the call, helper-71)
-            with pytest.raises(gflow.GflowError, match=r"allreduce\(op=Product\) is not supported while"):
+            with pytest.raises(
+                gflow.NotServedInJoinError, match=r"allreduce\(op=Product\) is not supported while"
+            ):
                 hvd.allreduce(t, op=hvd.Product)
             # Ranks that disagree while one is joined: they raise, saying what each passed, and the
             # joined rank serves on (ranks 1.. are at least two from p = 3).

@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..arrays import host_ops as host
-from ..errors import GflowError, MismatchError
+from ..errors import GflowError, MismatchError, NotServedInJoinError
 from ..runtime import stall, timeline
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import TAG_AGREE, CommContext
@@ -810,10 +810,10 @@ def joined_refusal(header) -> str | None:
 
 
 def _check_joined(header) -> None:
-    """The call completed with ranks in join() taking part: raise GflowError where it cannot."""
+    """The call completed with ranks in join() taking part: raise NotServedInJoinError where it cannot."""
     refusal = joined_refusal(header)
     if refusal is not None:
-        raise GflowError(refusal)
+        raise NotServedInJoinError(refusal)
 
 
 def _record(header) -> tuple:

@@ -142,15 +142,11 @@ class _AllreducePlan:
         rows = self.src.reshape(1, -1)
         try:
             everyone = allgather_on(context(self.comm), rows, fingerprint=self.tag[1], about=self.about)
-        except gflow.GflowError as exc:  # (helper-71: the refusal named the allgather, not the call)
-            refused = "allgather is not supported while ranks are in join()"
-            if not str(exc).startswith(refused):
-                raise
-            raise type(exc)(
-                str(exc).replace(
-                    refused, "allreduce(op=Product) is not supported while ranks are in join()", 1
-                )
-                + "; gflow computes a Product from an allgather: use op=Sum, Min or Max beside join()"
+        except gflow.NotServedInJoinError as exc:  # (helper-71: it named the allgather, not the call)
+            raise gflow.NotServedInJoinError(
+                "allreduce(op=Product) is not supported while ranks are in join(): gflow computes a "
+                "Product from an allgather, which ranks in join() do not take part in (as in Horovod); "
+                "use op=Sum, Min or Max beside join()"
             ) from exc
         product = torch.prod(everyone, dim=0).to(self.src.dtype)  # (torch.prod promotes integers)
         product = product.reshape(self.src.shape)
