@@ -999,6 +999,44 @@ def test_a_second_operation_under_a_name_in_flight_raises_as_in_horovod():
     assert torch.equal(broadcast, t)
 
 
+@pytest.mark.parallel([2, 3])
+def test_a_blocking_call_under_the_name_of_an_operation_in_flight_raises_everywhere():
+    """As Horovod's (its blocking call is an async one and its synchronize): a blocking call named as
+    an async operation of its kind in flight raises ValueError, and where only one rank has it in
+    flight, its peers' call fails with it instead of waiting (each kind, on a process set too); the
+    operation in flight completes, and the name is free once it is synchronized."""
+    t = torch.ones(4, 2)
+    p, one = WORLD.size, WORLD.rank == LAST
+    pairs = (  # (an async call named n, the blocking call of its kind named n)
+        (lambda n: hvd.allreduce_async(t, name=n, op=hvd.Sum), lambda n: hvd.allreduce(t, name=n)),
+        (lambda n: hvd.allreduce_async(t, name=n), lambda n: hvd.allreduce_(t.clone(), name=n)),
+        (lambda n: hvd.grouped_allreduce_async([t], name=n), lambda n: hvd.grouped_allreduce([t], name=n)),
+        (lambda n: hvd.allgather_async(t, name=n), lambda n: hvd.allgather(t, name=n)),
+        (lambda n: hvd.grouped_allgather_async([t], name=n), lambda n: hvd.grouped_allgather([t], name=n)),
+        (lambda n: hvd.broadcast_async(t, 0, name=n), lambda n: hvd.broadcast(t, 0, name=n)),
+        (lambda n: hvd.alltoall_async(t[:p], name=n), lambda n: hvd.alltoall(t[:p], name=n)),
+        (lambda n: hvd.reducescatter_async(t[:p], name=n), lambda n: hvd.reducescatter(t[:p], name=n)),
+    )  # fmt: skip
+    for start, blocking in pairs:
+
+        def check(start=start, blocking=blocking):
+            first = start("n")
+            with pytest.raises(ValueError, match="'n' is in flight on this rank"):
+                blocking("n")  # every rank has it in flight: all raise, and all go on
+            hvd.synchronize(first)
+            first = start("n")
+            if not one:
+                hvd.synchronize(first)  # (in flight on one rank only: its peers synchronized theirs)
+            with pytest.raises(ValueError if one else gflow.GflowError, match="'n' is in flight on"):
+                blocking("n")
+            if one:
+                hvd.synchronize(first)
+            blocking("n")  # free again
+            assert torch.equal(hvd.allreduce(t, op=hvd.Sum), t * p)
+
+        on_all_ranks(check, str(blocking))
+
+
 @pytest.mark.parallel([3, 4])
 def test_one_name_in_flight_on_two_process_sets():
     """Each process set has its own queue in Horovod, so its own names (helper-71: a rank in two sets

@@ -240,6 +240,7 @@ def allreduce_async_(
     )
 
 
+@names_in_flight
 def allreduce_(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ):
@@ -279,6 +280,7 @@ class _AllreduceFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
+@names_in_flight
 def allreduce(
     tensor,
     average=None,

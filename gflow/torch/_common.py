@@ -14,7 +14,7 @@ from ..collectives.operations import reject, rejected_in_background
 from ..runtime.context import context
 from . import _basics
 from ._basics import Adasum, Average, Max, Min, Sum
-from ._handles import Pending, in_flight, name_handle, register
+from ._handles import Pending, in_flight, name_handle, register, synchronize
 from .process_sets import NotInSet, RemovedSet, comm_of
 
 REDUCIBLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16)
@@ -105,16 +105,30 @@ def set_comm(process_set, where: str):
         return None, exc
 
 
+# The collective each named blocking call of gflow.torch starts first (the one a rejection takes the
+# place of)
+_COLLECTIVE_OF = {
+    **dict.fromkeys(("allreduce", "grouped_allreduce"), "allreduce"),
+    **dict.fromkeys(("allgather", "grouped_allgather"), "allgather"),
+    **dict.fromkeys(("reducescatter", "grouped_reducescatter"), "reduce_scatter"),
+    "broadcast": "broadcast",
+    "alltoall": "alltoall",
+}
+
+
 def names_in_flight(fn):
-    """Decorate an *_async call taking name=: a second operation under a name whose handle is not
-    synchronized yet raises ValueError at the call, as in Horovod, and starts nothing (no collective:
-    ranks that all make the same mistake all raise and go on in step; a peer that started something
-    there instead meets this rank's next collective, whose signature and name differ: MismatchError
-    on both). Otherwise the handle is named, until synchronize(). As Horovod keys a name (its
-    operation's, "allreduce.w", in each process set's own queue), one name may be in flight once per
-    operation and set (helper-71: an allgather_async under an allreduce_async's name was refused)."""
+    """Decorate a call taking name=: a second operation under a name whose handle is not synchronized
+    yet raises ValueError at the call, as in Horovod, and starts nothing (no collective: ranks that
+    all make the same mistake all raise and go on in step; a peer that started something there
+    instead meets this rank's next collective, whose signature and name differ: MismatchError on
+    both). A blocking call is refused too (Horovod's is an async call and its synchronize), and its
+    peers' call fails with it (reject_blocking); an *_async call's handle is named, until
+    synchronize(). As Horovod keys a name (its operation's, "allreduce.w", in each process set's own
+    queue), one name may be in flight once per operation and set (helper-71: an allgather_async under
+    an allreduce_async's name was refused)."""
     parameters = list(inspect.signature(fn).parameters)
     position, set_position = parameters.index("name"), parameters.index("process_set")
+    is_async = fn.__name__.rstrip("_").endswith("_async")
     operation = fn.__name__.rstrip("_").removesuffix("_async")
 
     @functools.wraps(fn)
@@ -125,10 +139,20 @@ def names_in_flight(fn):
         on = kwargs.get("process_set", args[set_position] if len(args) > set_position else None)
         key = (operation, getattr(on, "process_set_id", 0) or 0, name)
         if in_flight(key) is not None:
-            raise ValueError(
+            error = ValueError(
                 f"{fn.__name__}: an operation named {name!r} is in flight on this rank (handle "
                 f"{in_flight(key)}, not synchronized yet); synchronize it first, or use another name"
             )
+            if is_async:
+                raise error
+            comm_or_where, bad_set = set_comm(on, fn.__name__)
+            if bad_set is not None:
+                return fn(*args, **kwargs)  # (which raises that, as it does)
+            if operation == "grouped_allreduce":  # (blocking, but on the background channel)
+                return synchronize(reject_async("allreduce", error, comm_or_where))
+            reject_blocking(_COLLECTIVE_OF[operation], error, comm_or_where)
+        if not is_async:
+            return fn(*args, **kwargs)
         handle = fn(*args, **kwargs)
         name_handle(key, handle)
         return handle

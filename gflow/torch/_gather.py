@@ -134,10 +134,15 @@ class _AllgatherFunction(torch.autograd.Function):
         return grad.reshape(()) if ctx.scalar else grad, None, None, None, None
 
 
-def allgather(tensor, name=None, process_set=None, member=None):
+@names_in_flight
+def allgather(tensor, name=None, process_set=None):
     """Concatenate every rank's tensor along the first dimension, in rank order; differentiable
-    (the gradient is this rank's slice of the ranks' average incoming gradient, as Horovod's).
-    member: (i, n) for the i-th of grouped_allgather's n tensors."""
+    (the gradient is this rank's slice of the ranks' average incoming gradient, as Horovod's)."""
+    return allgather_member(tensor, name, process_set, None)
+
+
+def allgather_member(tensor, name, process_set, member):
+    """allgather; member: (i, n) for the i-th of grouped_allgather's n tensors."""
     on, exc = set_comm(process_set, "allgather")
     if exc is None and not isinstance(tensor, torch.Tensor):
         exc = TypeError(f"allgather: tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -222,6 +227,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
     return _broadcast_async(tensor, root_rank, process_set, True, "broadcast_async_", name)
 
 
+@names_in_flight
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrite `tensor` with root_rank's values on every rank; return it."""
     return broadcast_into(tensor, root_rank, name, process_set, "broadcast_")
@@ -249,6 +255,7 @@ class _BroadcastFunction(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+@names_in_flight
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """root_rank's tensor on every rank, as a new tensor; differentiable (root's gradient is the ranks'
     average incoming gradient, the others' zero, as Horovod's)."""

@@ -126,6 +126,7 @@ def grouped_allreduce_async_(
     )
 
 
+@names_in_flight
 def grouped_allreduce_(
     tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None
 ):
@@ -162,6 +163,7 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
         return (None, None, None, None, None, None, None, *reduced)
 
 
+@names_in_flight
 def grouped_allreduce(
     tensors,
     average=None,

@@ -39,7 +39,7 @@ from ._common import (
     set_comm,
     tensors_text,
 )
-from ._gather import _AllgatherPlan, allgather
+from ._gather import _AllgatherPlan, allgather, allgather_member
 from ._handles import Pending, raise_as_horovod, register
 from .compression import Compression, wire_compression
 
@@ -124,6 +124,7 @@ class _AlltoallFunction(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+@names_in_flight
 def alltoall(tensor, splits=None, name=None, process_set=None):
     """Send slices of the first axis to every rank (splits: rows per rank, in rank order; equal
     parts by default) and return what every rank sent this one, concatenated in rank order; with
@@ -286,6 +287,7 @@ def _reducescatter(tensors, compression, op, process_set, prescale, postscale, n
     return [compressor.decompress(o, cctx) for o, (_, cctx) in zip(outputs, pairs, strict=True)]
 
 
+@names_in_flight
 def reducescatter(
     tensor,
     name=None,
@@ -301,6 +303,7 @@ def reducescatter(
     return _reducescatter([tensor], compression, op, process_set, pre, post, name, "reducescatter")[0]
 
 
+@names_in_flight
 def grouped_reducescatter(
     tensors,
     name=None,
@@ -342,6 +345,7 @@ def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
     )
 
 
+@names_in_flight
 def grouped_allgather(tensors, name=None, process_set=None) -> list:
     """allgather of each tensor of a list; returns the list of gathered tensors; differentiable."""
     if not isinstance(tensors, (list, tuple)):
@@ -350,7 +354,4 @@ def grouped_allgather(tensors, name=None, process_set=None) -> list:
         reject_blocking(
             "allgather", exc or TypeError(f"grouped_allgather: tensors must be a list, got {what}"), on
         )
-    return [
-        allgather(t, name=name, process_set=process_set, member=(i, len(tensors)))
-        for i, t in enumerate(tensors)
-    ]
+    return [allgather_member(t, name, process_set, (i, len(tensors))) for i, t in enumerate(tensors)]
