@@ -149,6 +149,45 @@ def test_joined_ranks_serve_the_process_sets_they_are_in():
             hvd.remove_process_set(ps)
 
 
+@pytest.mark.parallel([3, 4])
+@pytest.mark.parametrize("on_a_set", [False, True])
+def test_a_rank_joins_with_an_async_call_queued_that_fails(on_a_set):
+    """Every rank queues an async allreduce that fails (the sizes differ) and rank 0 joins at once:
+    it serves the fresh background channel the others make at their next async call, not the failed
+    one (it did, and their next async call waited for ever: helper-72), globally and on a set."""
+    p, r = WORLD.size, WORLD.rank
+    ps = hvd.add_process_set([p - 2, p - 1]) if on_a_set else None
+    ranks = ps.ranks if on_a_set else list(range(p))
+    try:
+
+        def check():
+            failing = None
+            if r not in ranks:
+                hvd.join()
+            else:
+                failing = hvd.allreduce_async(torch.ones(100 + r), op=hvd.Sum, process_set=ps)
+            if r == ranks[0]:
+                hvd.join()
+            elif failing is not None:
+                with pytest.raises(gflow.MismatchError, match="number of elements"):
+                    hvd.synchronize(failing)
+                for _ in range(2):  # (a joined rank gives zeros: the sum of the others' ones)
+                    got = hvd.synchronize(hvd.allreduce_async(torch.ones(5), op=hvd.Sum, process_set=ps))
+                    assert got.tolist() == [len(ranks) - 1.0] * 5
+                    got = hvd.allreduce(torch.ones(5), op=hvd.Sum, process_set=ps)
+                    assert got.tolist() == [len(ranks) - 1.0] * 5
+                hvd.join()
+            if r == ranks[0]:
+                with pytest.raises(gflow.MismatchError, match="number of elements"):
+                    hvd.synchronize(failing)
+            assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(p)] * 2
+
+        on_all_ranks(check)
+    finally:
+        if on_a_set:
+            hvd.remove_process_set(ps)
+
+
 @pytest.mark.parallel(SIZES)
 def test_distributed_optimizer_with_uneven_batches_equals_a_float64_replay():
     """Each step averages the gradients of the ranks still training over all p ranks (zeros from those

@@ -31,6 +31,7 @@ from ..runtime import engine, stall
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
 from ..runtime.context import TAG_AGREE, CommContext, context
 from ..runtime.signature import CODE_ALGORITHM, CODE_DTYPE, CODE_OP, SIG_REJECTED
+from ..runtime.waiting import polite_wait_until, polite_waitall, watched
 from . import hierarchical, ring
 from .dispatch import settle_auto
 from .operations import allreduce_on
@@ -75,11 +76,10 @@ def join(comm=None, subsets=()) -> int:
     for ctx in others:
         ctx.check_usable()
     background = parent.background()
-    backgrounds = [ctx.background() for ctx in others]
     # (the background channels once the async work queued before has run: on the engine thread)
     handle = engine.submit(
         "join",
-        partial(_serve_all, background, backgrounds),
+        partial(_serve_backgrounds, [parent] + others),
         ctx=background,
         on_failure=parent.reset_background,
     )
@@ -91,24 +91,39 @@ def join(comm=None, subsets=()) -> int:
             helper.wait()
     except BaseException as interrupted:
         if not isinstance(interrupted, GflowError):  # (Ctrl-C: the other channels' serve would hold
-            for channel in [background] + backgrounds + others:  # gflow's threads, and every async
-                stall.give_up(channel)  # call, for ever)
+            for ctx in [parent] + others:  # gflow's threads, and every async call, for ever)
+                stall.give_up(ctx.background())
+            for ctx in others:
+                stall.give_up(ctx)
         raise
     times = np.full(parent.size, -np.inf)
     times[parent.rank] = arrival
     return int(np.argmax(allreduce_on(parent, times, "max")))
 
 
-def _serve_all(ctx: CommContext, more: list) -> None:
-    """serve(ctx) here, and each of `more` on a thread of its own."""
-    helpers = [_Serving(other) for other in more]
-    serve(ctx)
+def _serve_backgrounds(parents: list) -> None:
+    """Serve the background channels of `parents` (the first here, the others on threads of their
+    own) as they are once the async work queued before join() has run. Where that work failed, the
+    channel is left for a fresh one, as the others leave it at their next async call (served as it
+    was, it met none of their calls again: a hang, helper-72)."""
+    channels = []
+    for parent in parents:
+        background = parent.background()
+        if background.failed is not None:
+            parent.reset_background(background)
+            background = parent.background()
+        channels.append(background)
+    helpers = [_Serving(channel) for channel in channels[1:]]
+    serve(channels[0])
     for helper in helpers:
         helper.wait()
 
 
 class _Serving:
-    """serve(ctx) on a thread of its own: a sub-communicator's channel, served beside comm's."""
+    """serve(ctx) on a thread of its own: a sub-communicator's channel, served beside comm's. Its
+    waits there sleep between polls, as the background channel's do: a joined rank's sets are idle
+    most of the time, and a thread spinning on each took the cores of the ranks still training
+    (helper-72: at p = 3 on 2 cores, their work ran at half speed and less)."""
 
     def __init__(self, ctx: CommContext):
         self.ctx, self.error = ctx, None
@@ -116,10 +131,16 @@ class _Serving:
         self._thread.start()
 
     def _run(self) -> None:
+        ctx = self.ctx
+        spinning = ctx.waitall, ctx.wait_until
+        if not ctx.is_background:
+            ctx.waitall, ctx.wait_until = watched(polite_waitall), watched(polite_wait_until)
         try:
-            serve(self.ctx)
+            serve(ctx)
         except BaseException as error:  # noqa: BLE001 - raised in join() on the caller's thread
             self.error = error
+        finally:
+            ctx.waitall, ctx.wait_until = spinning
 
     def wait(self) -> None:
         self._thread.join()
