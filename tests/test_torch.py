@@ -638,9 +638,14 @@ def test_the_first_line_names_the_argument_that_differs():
         (lambda: hvd.allreduce(x) if bad else hvd.barrier(),  # (helper-71: "the dtype")
          "the collective: rank 0 called barrier(), rank {last} called allreduce"),
         (lambda: hvd.grouped_allgather([x] * (2 if bad else 1), name="g"),  # (helper-71: "name=")
-         "tensors=: rank 0 passed tensors=a list of 1, rank {last} passed tensors=a list of 2"),
+         "tensors=: rank 0 passed tensors=a list of 1 ([0] of it), rank {last} passed tensors=a list of 2 "
+         "([0] of it)"),
         (lambda: hvd.synchronize(hvd.grouped_allgather_async([x] * (3 if bad else 1))),
-         "tensors=: rank 0 passed tensors=a list of 1, rank {last} passed tensors=a list of 3"),
+         "tensors=: rank 0 passed tensors=a list of 1 ([0] of it), rank {last} passed tensors=a list of 3 "
+         "([0] of it)"),
+        (lambda: hvd.grouped_allgather([x]) if bad else hvd.allgather(x),  # (helper-72: "trailing axes")
+         "tensors= (given on one rank only): rank 0 passed no tensors=, rank {last} passed tensors=a list "
+         "of 1 ([0] of it)"),
     ]  # fmt: skip
 
     def check(call, expected):

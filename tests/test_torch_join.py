@@ -250,11 +250,18 @@ def test_other_collectives_raise_while_a_rank_is_joined_and_the_job_goes_on():
             ):
                 with pytest.raises(gflow.NotServedInJoinError, match="join"):
                     call()
-            # (an allgather inside: the message names the call, helper-71)
-            with pytest.raises(
-                gflow.NotServedInJoinError, match=r"allreduce\(op=Product\) is not supported while"
+            # Calls made of other collectives are named as called (helper-71, helper-72: "allgather
+            # is not supported", from allreduce(op=Product), allgather_object, add_process_set)
+            for call, called in (
+                (lambda: hvd.allreduce(t, op=hvd.Product), "allreduce(op=Product)"),
+                (lambda: hvd.broadcast_object({"a": r}, root_rank=1), "broadcast_object"),
+                (lambda: hvd.allgather_object(r), "allgather_object"),
+                (lambda: hvd.add_process_set(list(range(1, p))), "add_process_set"),
             ):
-                hvd.allreduce(t, op=hvd.Product)
+                with pytest.raises(gflow.NotServedInJoinError) as info:
+                    call()
+                assert str(info.value).startswith(f"{called} is not supported while ranks are in join()")
+                assert isinstance(info.value, hvd.HorovodInternalError)
             # Ranks that disagree while one is joined: they raise, saying what each passed, and the
             # joined rank serves on (ranks 1.. are at least two from p = 3).
             if p > 2:

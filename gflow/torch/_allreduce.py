@@ -37,7 +37,7 @@ from ..collectives.exchange import allgather_on
 from ..collectives.operations import adasum_on, allreduce_async_on, allreduce_on, background_on
 from ..runtime.context import context
 from . import _basics
-from ._basics import Adasum, Average, Product, Sum
+from ._basics import Adasum, Average, Product, Sum, refused_in_join_as
 from ._common import (
     GFLOW_OP,
     ITS_OWN_WIRE,
@@ -140,14 +140,8 @@ class _AllreducePlan:
     def run_product(self):
         """Product: every rank multiplies all ranks' values in rank order (bitwise identical)."""
         rows = self.src.reshape(1, -1)
-        try:
+        with refused_in_join_as("allreduce(op=Product)", "an allgather", "; use op=Sum, Min or Max there"):
             everyone = allgather_on(context(self.comm), rows, fingerprint=self.tag[1], about=self.about)
-        except gflow.NotServedInJoinError as exc:  # (helper-71: it named the allgather, not the call)
-            raise gflow.NotServedInJoinError(
-                "allreduce(op=Product) is not supported while ranks are in join(): gflow computes a "
-                "Product from an allgather, which ranks in join() do not take part in (as in Horovod); "
-                "use op=Sum, Min or Max beside join()"
-            ) from exc
         product = torch.prod(everyone, dim=0).to(self.src.dtype)  # (torch.prod promotes integers)
         product = product.reshape(self.src.shape)
         if self.out is None:

@@ -14,6 +14,7 @@ import operator
 import weakref
 import zlib
 from collections import Counter
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from mpi4py import MPI
 
 import gflow
 
-from ..errors import GflowError
+from ..errors import GflowError, NotServedInJoinError
 from ..runtime.stall import ranks_text
 
 # Horovod's reduction ops are plain ints (its C library's enum values); so are these.
@@ -121,6 +122,21 @@ def as_horovod_error(exc: BaseException) -> BaseException:
     new = derived_class((cls, HorovodInternalError), cls)(*exc.args)
     new.__traceback__ = exc.__traceback__
     return new
+
+
+@contextmanager
+def refused_in_join_as(where: str, made_of: str, hint: str = ""):
+    """Word the refusal of a collective beside ranks in join() as the refusal of `where`, the call of
+    gflow.torch made of `made_of` (the core's names its own collective: "allgather is not supported"
+    from allgather_object or add_process_set, helper-72)."""
+    try:
+        yield
+    except NotServedInJoinError as exc:
+        error = NotServedInJoinError(
+            f"{where} is not supported while ranks are in join(): it is made of {made_of}, and ranks in "
+            f"join() take part only in allreduces, as in Horovod{hint}"
+        )
+        raise as_horovod_error(error) from exc
 
 
 class _State:

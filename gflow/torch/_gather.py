@@ -60,7 +60,7 @@ def _agreed(x, shape, name=None, member=None):
     words would otherwise not show, the user's name=, and for the i-th of a grouped call's n tensors
     (member=(i, n)) both: ranks passing different numbers disagree at the first one, saying so, and
     never pair another call's data; and how this rank's call reads in a MismatchError."""
-    about = named(name) + ("" if member is None else f"tensors=a list of {member[1]}, [{member[0]}] of it, ")
+    about = named(name) + ("" if member is None else f"tensors=a list of {member[1]} ([{member[0]}] of it), ")
     about += f"a tensor of shape {tuple(x.shape)} and dtype {dtype_name(x.dtype)}"
     if x.dtype not in MOVABLE_DIRECT:
         about += " (moved as int32 words)"

@@ -16,6 +16,7 @@ import torch
 import gflow
 
 from . import _basics
+from ._basics import refused_in_join_as
 from ._common import reject_blocking, set_comm
 from ._gather import allgather, broadcast_, broadcast_into
 
@@ -56,10 +57,11 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
         length = torch.tensor([words.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    broadcast_into(length, root_rank, None, process_set, "broadcast_object")
-    if _basics.rank() != root_rank:
-        words = torch.empty(int(length[0]), dtype=torch.int32)
-    broadcast_into(words, root_rank, None, process_set, "broadcast_object")
+    with refused_in_join_as("broadcast_object", "broadcasts"):
+        broadcast_into(length, root_rank, None, process_set, "broadcast_object")
+        if _basics.rank() != root_rank:
+            words = torch.empty(int(length[0]), dtype=torch.int32)
+        broadcast_into(words, root_rank, None, process_set, "broadcast_object")
     if _basics.rank() == root_rank:
         return obj
     return pickle.loads(words.view(torch.uint8).numpy().tobytes())
@@ -68,8 +70,9 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
 def allgather_object(obj, name=None, process_set=None) -> list:
     """Return the list of every rank's obj (of process_set), in rank order."""
     raw = _payload(obj, "allgather", process_set)
-    sizes = allgather(torch.tensor([raw.numel()], dtype=torch.int64), process_set=process_set)
-    gathered = allgather(_words(raw), process_set=process_set).view(torch.uint8)
+    with refused_in_join_as("allgather_object", "allgathers"):
+        sizes = allgather(torch.tensor([raw.numel()], dtype=torch.int64), process_set=process_set)
+        gathered = allgather(_words(raw), process_set=process_set).view(torch.uint8)
     objects, offset = [], 0
     for n in sizes.tolist():
         objects.append(pickle.loads(gathered[offset : offset + n].numpy().tobytes()))

@@ -135,7 +135,8 @@ def add_process_set(process_set):
     # The ranks are checked everywhere before a ProcessSet is made of them: a list one rank alone
     # refuses must fail on every rank, not leave the others waiting in the check.
     try:
-        ranks = _basics.same_ranks_everywhere(given, comm, "add_process_set")
+        with _basics.refused_in_join_as("add_process_set", "an allgather"):
+            ranks = _basics.same_ranks_everywhere(given, comm, "add_process_set")
     except ValueError as exc:
         if of_comm:
             raise NotImplementedError(
@@ -243,7 +244,8 @@ def remove_process_set(process_set) -> bool:
     if not _basics.is_initialized():
         return False
     mine = np.array([[process_set.process_set_id if registered else -1]], np.int64)
-    passed = [int(v) for v in gflow.allgather(mine, comm=_basics.comm())[:, 0]]
+    with _basics.refused_in_join_as("remove_process_set", "an allgather"):
+        passed = [int(v) for v in gflow.allgather(mine, comm=_basics.comm())[:, 0]]
     if len(set(passed)) > 1:
         groups: dict = {}
         for rank, set_id in enumerate(passed):
