@@ -83,12 +83,9 @@ def join(comm=None, subsets=()) -> int:
         ctx=background,
         on_failure=parent.reset_background,
     )
-    helpers = [_Serving(ctx) for ctx in others]
     try:
-        serve(parent)
+        _serve_together([parent] + others)
         handle.wait()
-        for helper in helpers:
-            helper.wait()
     except BaseException as interrupted:
         if not isinstance(interrupted, GflowError):  # (Ctrl-C: the other channels' serve would hold
             for ctx in [parent] + others:  # gflow's threads, and every async call, for ever)
@@ -102,10 +99,10 @@ def join(comm=None, subsets=()) -> int:
 
 
 def _serve_backgrounds(parents: list) -> None:
-    """Serve the background channels of `parents` (the first here, the others on threads of their
-    own) as they are once the async work queued before join() has run. Where that work failed, the
-    channel is left for a fresh one, as the others leave it at their next async call (served as it
-    was, it met none of their calls again: a hang, helper-72)."""
+    """Serve the background channels of `parents` together, as they are once the async work queued
+    before join() has run. Where that work failed, the channel is left for a fresh one, as the others
+    leave it at their next async call (served as it was, it met none of their calls again: a hang,
+    helper-72)."""
     channels = []
     for parent in parents:
         background = parent.background()
@@ -113,6 +110,12 @@ def _serve_backgrounds(parents: list) -> None:
             parent.reset_background(background)
             background = parent.background()
         channels.append(background)
+    _serve_together(channels)
+
+
+def _serve_together(channels: list) -> None:
+    """serve() the first channel on this thread and each other one on a thread of its own, until
+    all of them end (in join(): the others are a sub-communicator's)."""
     helpers = [_Serving(channel) for channel in channels[1:]]
     serve(channels[0])
     for helper in helpers:

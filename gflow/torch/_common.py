@@ -106,13 +106,15 @@ def set_comm(process_set, where: str):
 
 
 # The collective each named blocking call of gflow.torch starts first (the one a rejection takes the
-# place of)
-_COLLECTIVE_OF = {
-    **dict.fromkeys(("allreduce", "grouped_allreduce"), "allreduce"),
-    **dict.fromkeys(("allgather", "grouped_allgather"), "allgather"),
-    **dict.fromkeys(("reducescatter", "grouped_reducescatter"), "reduce_scatter"),
-    "broadcast": "broadcast",
-    "alltoall": "alltoall",
+# place of), and whether it runs on the background channel (grouped_allreduce: an async call and its
+# synchronize)
+_STARTS = {
+    "allreduce": ("allreduce", False),
+    "grouped_allreduce": ("allreduce", True),
+    **dict.fromkeys(("allgather", "grouped_allgather"), ("allgather", False)),
+    **dict.fromkeys(("reducescatter", "grouped_reducescatter"), ("reduce_scatter", False)),
+    "broadcast": ("broadcast", False),
+    "alltoall": ("alltoall", False),
 }
 
 
@@ -148,9 +150,10 @@ def names_in_flight(fn):
             comm_or_where, bad_set = set_comm(on, fn.__name__)
             if bad_set is not None:
                 return fn(*args, **kwargs)  # (which raises that, as it does)
-            if operation == "grouped_allreduce":  # (blocking, but on the background channel)
-                return synchronize(reject_async("allreduce", error, comm_or_where))
-            reject_blocking(_COLLECTIVE_OF[operation], error, comm_or_where)
+            collective, in_background = _STARTS[operation]
+            if in_background:
+                return synchronize(reject_async(collective, error, comm_or_where))
+            reject_blocking(collective, error, comm_or_where)
         if not is_async:
             return fn(*args, **kwargs)
         handle = fn(*args, **kwargs)
