@@ -3,6 +3,8 @@ with zeros (blocking, async, grouped, small and large, DistributedOptimizer's) u
 joined; the result against float64 references built from every rank's inputs (MPI's own allgather);
 other collectives raise on the ranks that call them while some rank is joined, and nothing hangs."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -146,6 +148,44 @@ def test_joined_ranks_serve_the_process_sets_they_are_in():
         on_all_ranks(check)
     finally:
         for ps in sets:
+            hvd.remove_process_set(ps)
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_joined_rank_sleeps_while_the_others_compute():
+    """A rank in join() waits for the others' next call without taking a core: its threads (the
+    caller's channel, the background one, a set's) sleep between polls. The caller's channel polled
+    without sleeping, about 0.8 of a core at p = 3 on 2 cores, taken from the ranks still training.
+    Their allreduces after the computation still get the joined rank's zeros."""
+    p, r = WORLD.size, WORLD.rank
+    ps = hvd.add_process_set([0, p - 1]) if p > 2 else None
+    rng = np.random.default_rng([65, r])
+    x = rng.standard_normal(1000)
+    everyone = WORLD.allgather(x)
+    hvd.allreduce(torch.ones(1))  # (every channel's duplicates made: the wait below is only a wait)
+    try:
+
+        def check():
+            if r == 0:
+                wall, cpu = time.monotonic(), time.process_time()
+                assert hvd.join() == p - 1
+                wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+                assert wall > 1.0, f"join() returned after {wall:.2f} s, before the others' computation ended"
+                assert cpu < 0.35 * wall, f"the joined rank used {cpu:.2f} s of CPU in {wall:.2f} s of join()"
+                return
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:  # (the others compute: a joined rank must leave them the cores)
+                sum(range(10_000))
+            got = hvd.allreduce(torch.from_numpy(x), op=hvd.Sum).numpy()
+            np.testing.assert_allclose(got, sum(everyone[1:]), rtol=1e-12)
+            if ps is not None and r == p - 1:
+                got = hvd.allreduce(torch.from_numpy(x), op=hvd.Sum, process_set=ps).numpy()
+                np.testing.assert_allclose(got, everyone[p - 1], rtol=1e-12)
+            hvd.join()
+
+        on_all_ranks(check)
+    finally:
+        if ps is not None:
             hvd.remove_process_set(ps)
 
 

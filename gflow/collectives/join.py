@@ -20,6 +20,7 @@ sub-communicator it is given (gflow.torch's process sets), each on a thread of i
 
 import threading
 import time
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -117,16 +118,35 @@ def _serve_together(channels: list) -> None:
     """serve() the first channel on this thread and each other one on a thread of its own, until
     all of them end (in join(): the others are a sub-communicator's)."""
     helpers = [_Serving(channel) for channel in channels[1:]]
-    serve(channels[0])
+    with _politely(channels[0]):
+        serve(channels[0])
     for helper in helpers:
         helper.wait()
 
 
+@contextmanager
+def _politely(ctx: CommContext):
+    """ctx's waits sleep between polls meanwhile, as the background channel's do. A joined rank waits
+    most of the time (the others compute between their calls), and a thread polling without sleep
+    took the cores of the ranks still training: at p = 3 on 2 cores, 0.8 of a core for the caller's
+    channel (stop 58), and their work ran at half speed and less with a set's channel too (helper-72).
+    The others' call after a long computation finds this rank asleep for at most the longest pause
+    (1.3 ms by default); their allreduces' median latency next to a joined rank was no worse for it
+    (bench/RESULTS.md, "A joined rank's waits")."""
+    if ctx.is_background:
+        yield
+        return
+    spinning = ctx.waitall, ctx.wait_until
+    ctx.waitall, ctx.wait_until = watched(polite_waitall), watched(polite_wait_until)
+    try:
+        yield
+    finally:
+        ctx.waitall, ctx.wait_until = spinning
+
+
 class _Serving:
-    """serve(ctx) on a thread of its own: a sub-communicator's channel, served beside comm's. Its
-    waits there sleep between polls, as the background channel's do: a joined rank's sets are idle
-    most of the time, and a thread spinning on each took the cores of the ranks still training
-    (helper-72: at p = 3 on 2 cores, their work ran at half speed and less)."""
+    """serve(ctx) on a thread of its own (politely): a sub-communicator's channel, served beside
+    comm's."""
 
     def __init__(self, ctx: CommContext):
         self.ctx, self.error = ctx, None
@@ -134,16 +154,11 @@ class _Serving:
         self._thread.start()
 
     def _run(self) -> None:
-        ctx = self.ctx
-        spinning = ctx.waitall, ctx.wait_until
-        if not ctx.is_background:
-            ctx.waitall, ctx.wait_until = watched(polite_waitall), watched(polite_wait_until)
         try:
-            serve(ctx)
+            with _politely(self.ctx):
+                serve(self.ctx)
         except BaseException as error:  # noqa: BLE001 - raised in join() on the caller's thread
             self.error = error
-        finally:
-            ctx.waitall, ctx.wait_until = spinning
 
     def wait(self) -> None:
         self._thread.join()
