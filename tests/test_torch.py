@@ -646,6 +646,10 @@ def test_the_first_line_names_the_argument_that_differs():
         (lambda: hvd.grouped_allgather([x]) if bad else hvd.allgather(x),  # (helper-72: "trailing axes")
          "tensors= (given on one rank only): rank 0 passed no tensors=, rank {last} passed tensors=a list "
          "of 1 ([0] of it)"),
+        (lambda: hvd.grouped_allgather([x, x.view(2, 2) if bad else x.view(4, 1)]),  # (helper-72: which one)
+         "the number of elements per row of tensors[1]: rank 0 passed 1, rank {last} passed 2"),
+        (lambda: hvd.grouped_allgather([x, x.double() if bad else x]),
+         "the dtype of tensors[1]: rank 0 passed float32, rank {last} passed float64"),
     ]  # fmt: skip
 
     def check(call, expected):

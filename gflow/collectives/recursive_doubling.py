@@ -906,6 +906,8 @@ def _differing(words_a: str, words_b: str) -> tuple:
 # Words that are a call of their own (gflow.torch's barrier(): a tiny allreduce under its own fingerprint)
 _CALL_ALONE = re.compile(r"[a-z_]+\(\)")
 _OF_SHAPE = re.compile(r"(?:an array|a tensor) of shape (\(.*?\))(.*)")
+# The i-th tensor of a grouped call (gflow.torch's grouped_allgather: gather._agreed's words)
+_MEMBER = re.compile(r"tensors=a list of \d+ \(\[(\d+)\] of it\)")
 
 
 def _field_names(fields_a, fields_b) -> str:
@@ -978,6 +980,9 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
         elif what == "the dtype" and "compression=" in words_a + words_b:  # (the wire's dtype differs)
             what = "the dtype on the wire (the array's own, or the one compression= sends)"
             said_a, said_b = f"{said_a} ({words_a})", f"{said_b} ({words_b})"
+    members = [_MEMBER.search(words) for words in (words_a, words_b)]
+    if all(members) and members[0].group(1) == members[1].group(1) and not what.startswith("tensors="):
+        what += f" of tensors[{members[0].group(1)}]"  # (which tensor of the list, in the first line)
     headline = (
         f"ranks disagree on {what}: rank {rank_a}{world([rank_a])} {said_a}, "
         f"rank {rank_b}{world([rank_b])} {said_b}"
