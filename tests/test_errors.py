@@ -155,6 +155,11 @@ FIRST_LINES = {
                      lambda: gflow.SparseAllreduce(density=0.1, chunk_elems=17)(np.ones(1000, np.float32)),
                      "the gradient or the CSC settings: rank {a} passed chunk_elems=16, rank {last} passed "
                      "chunk_elems=17"),
+    "CSC shapes": (lambda: gflow.SparseAllreduce(density=0.1)(np.ones((50, 20), np.float32)),
+                   lambda: gflow.SparseAllreduce(density=0.1)(np.ones(1000, np.float32)),  # (helper-74)
+                   "the gradient or the CSC settings: rank {a} passed a gradient of 1000 float32 "
+                   "elements (shape (50, 20)), rank {last} passed a gradient of 1000 float32 elements "
+                   "(shape (1000,))"),
     "pushed names": (lambda: _lazy_step([4, 4], names=["a", "b"]),
                      lambda: _lazy_step([4, 4], names=["b", "a"]),
                      f"{_PUSHES_DIFFER}: rank {{a}} pushed a (4,) float32 as its push 1, "

@@ -188,23 +188,25 @@ class SparseAllreduce:
                 )
         return kind, dtype, shape, flat
 
-    def _fingerprint(self, n: int, dtype, density: float, extra: int) -> int:
-        """What the ranks must agree on besides the payload sizes: the gradient's size and dtype, the
-        settings, the density of this step, and the caller's `extra`."""
+    def _fingerprint(self, shape: tuple, dtype, density: float, extra: int) -> int:
+        """What the ranks must agree on besides the payload sizes: the gradient's shape and dtype (as
+        allreduce's: a (100, 50) gradient beside a (50, 100) one sums elements of different places),
+        the settings, the density of this step, and the caller's `extra`."""
         flags = (self.op == "mean") + 2 * (self.compression == "fp16") + 4 * (self.compression == "bf16")
-        fields = (self.density, self.momentum, density, self.chunk_elems, self.warmup_steps, flags, n,
-                  DTYPE_CODE[np.dtype(dtype)], extra)  # fmt: skip
+        fields = (self.density, self.momentum, density, self.chunk_elems, self.warmup_steps, flags,
+                  zlib.crc32(repr(tuple(shape)).encode()), DTYPE_CODE[np.dtype(dtype)], extra)  # fmt: skip
         return zlib.crc32(struct.pack("<dddqqqqqq", *fields))
 
-    def _describe(self, n: int, dtype, density: float) -> str:
-        return f"This rank's SparseAllreduce: {self._words(n, dtype, density)}"
+    def _describe(self, shape: tuple, dtype, density: float) -> str:
+        return f"This rank's SparseAllreduce: {self._words(shape, dtype, density)}"
 
-    def _words(self, n: int, dtype, density: float) -> str:
+    def _words(self, shape: tuple, dtype, density: float) -> str:
+        n = math.prod(shape)
         return (
-            f"a gradient of {n} {np.dtype(dtype).name} elements, step {self.step_count} (density "
-            f"{density:g}), density={self.density:g}, chunk_elems={self.chunk_elems}, "
-            f"momentum={self.momentum:g}, warmup_steps={self.warmup_steps}, op={self.op}, "
-            f"compression={self.compression}"
+            f"a gradient of {n} {np.dtype(dtype).name} elements (shape {tuple(shape)}), "
+            f"step {self.step_count} (density {density:g}), density={self.density:g}, "
+            f"chunk_elems={self.chunk_elems}, momentum={self.momentum:g}, "
+            f"warmup_steps={self.warmup_steps}, op={self.op}, compression={self.compression}"
         )
 
     def step_on(self, ctx: CommContext, grad, extra: int = 0, out=None):
@@ -224,7 +226,7 @@ class SparseAllreduce:
             u_new, v_new = self._spare or (ops.empty(n if momentum else 0, dtype), ops.empty(n, dtype))
             nchunks = (n + chunk - 1) // chunk
             density = self.current_density()
-            tag = ("sparse", self._fingerprint(n, dtype, density, extra))
+            tag = ("sparse", self._fingerprint(shape, dtype, density, extra))
             t = time.perf_counter()
             with timeline.span("CSC residual + norms", elements=n):
                 norms = ops.to_numpy(ops.accumulate_norms(u_new, v_new, u, v, g, momentum, chunk))
@@ -234,7 +236,7 @@ class SparseAllreduce:
             reject(ctx, "sparse")
             raise
         # what this rank passed, shared with its peers on a mismatch
-        with recursive_doubling.passing(Words(self._words, n, dtype, density)):
+        with recursive_doubling.passing(Words(self._words, shape, dtype, density)):
             try:
                 norms = allreduce_on(ctx, local_norms, "sum", tag=tag)
                 if not np.isfinite(norms).all():
@@ -283,7 +285,7 @@ class SparseAllreduce:
                         )
                     ops.zero_chunks(v_new, device_ids, chunk)  # all of it was sent
             except MismatchError as exc:
-                raise MismatchError(f"{exc}. {self._describe(n, dtype, density)}") from exc
+                raise MismatchError(f"{exc}. {self._describe(shape, dtype, density)}") from exc
 
         t = time.perf_counter()
         with timeline.span("CSC scatter-add", elements=n):
