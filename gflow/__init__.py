@@ -7,6 +7,7 @@ importing only from those below it).
 import os as _os
 
 from .collectives.exchange import allgather, alltoall, broadcast, reduce_scatter
+from .collectives.join import join
 from .collectives.operations import allreduce, allreduce_async
 from .errors import CompressionOverflowError, GflowError, MismatchError, NonFiniteError, NotServedInJoinError
 from .fusion.lazy import LazyAllreduce
@@ -49,6 +50,7 @@ __all__ = [
     "broadcast",
     "broadcast_parameters",
     "config",
+    "join",
     "reduce_scatter",
     "start_timeline",
     "stop_timeline",

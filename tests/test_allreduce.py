@@ -253,7 +253,6 @@ def test_join_as_a_ranks_first_call_on_a_communicator(first):
     rank's background duplicate stayed pending until the others' first async call, and Open MPI makes
     no other communicator on a rank meanwhile. Every rank now makes its duplicates and its background
     context's together, in its first collective of either kind."""
-    from gflow.collectives.join import join
 
     comm = WORLD.Dup()
     others = comm.Split(int(comm.rank > 0), comm.rank)
@@ -268,7 +267,7 @@ def test_join_as_a_ranks_first_call_on_a_communicator(first):
 
     def check():
         if comm.rank == 0:
-            last = join(comm)
+            last = gflow.join(comm)
         else:
             x = random_array(rank_rng(900), 700, np.float64)
             if first in ("blocking", "both"):
@@ -278,7 +277,7 @@ def test_join_as_a_ranks_first_call_on_a_communicator(first):
             for n, algorithm in ((300_001, "auto"), (9000, "hierarchical"), (5001, "ring")):
                 reduced(random_array(rank_rng(n), n, np.float64), algorithm)
                 reduced(random_array(rank_rng(n + 1), n, np.float64), algorithm, run_async=True)
-            last = join(comm)
+            last = gflow.join(comm)
         assert comm.allgather(last) == [last] * comm.size and last > 0  # (whichever joined last)
 
     on_all_ranks(check)
@@ -294,7 +293,6 @@ def test_a_joined_rank_serves_the_sub_communicators_it_is_given():
     the ring, while the others call on comm as well. gflow's duplicates of the sub-communicators
     are made first, as gflow.torch makes a process set's (Open MPI hangs otherwise). Against MPI's
     Allreduce over the ranks with data."""
-    from gflow.collectives.join import join
 
     comm = WORLD.Dup()
     p, r = comm.size, comm.rank
@@ -324,7 +322,7 @@ def test_a_joined_rank_serves_the_sub_communicators_it_is_given():
                     np.testing.assert_array_equal(got, mpi_allreduce(x, MPI.MAX, comm=data))
                     mean = mpi_allreduce(large.astype(np.float64), comm=data) / sub.size  # (the sub's size)
                     np.testing.assert_allclose(handle.wait(timeout=30), mean, rtol=1e-5, atol=1e-5)
-        last = join(comm, subsets=mine)
+        last = gflow.join(comm, subsets=mine)
         assert comm.allgather(last) == [last] * p
         for sub in mine:  # everyone joined: the sub-communicators work as before
             assert gflow.allreduce(np.ones(2), comm=sub).tolist() == [float(sub.size)] * 2
@@ -432,7 +430,6 @@ def test_a_joined_rank_changes_no_min_or_max_on_any_path():
     values above 0 came out 0); a sum still counts it as zeros. Every path a joined rank serves: the
     latency path's payload inline and apart, the slots' reduce-scatter (p >= 3), the ring, and the
     node phase; float64 and int32, values of both signs."""
-    from gflow.collectives.join import join
 
     comm = WORLD.Dup()
     others = comm.Split(int(comm.rank > 0), comm.rank)  # (the reference: MPI over the ranks with data)
@@ -443,7 +440,7 @@ def test_a_joined_rank_changes_no_min_or_max_on_any_path():
 
     def check():
         if comm.rank == 0:
-            last = join(comm)
+            last = gflow.join(comm)
             assert comm.allgather(last) == [last] * comm.size and last > 0  # (whichever joined last)
             return
         for i, (n, algorithm) in enumerate(calls):
@@ -459,7 +456,7 @@ def test_a_joined_rank_changes_no_min_or_max_on_any_path():
                         assert np.signbit(got[0]) == np.signbit(expected[0]), (n, algorithm)
                     else:
                         np.testing.assert_array_equal(got, expected, err_msg=f"{n} {dtype} {op} {algorithm}")
-        last = join(comm)
+        last = gflow.join(comm)
         assert comm.allgather(last) == [last] * comm.size and last > 0
 
     on_all_ranks(check)
