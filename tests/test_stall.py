@@ -15,6 +15,8 @@ from mpi4py import MPI
 import gflow
 import gflow.runtime.context as context_module
 
+LAST = WORLD.size - 1
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -236,4 +238,50 @@ def test_after_crossed_waits_no_collective_starts_on_that_communicator():
     for call in (gflow.allgather, gflow.broadcast, gflow.allreduce):
         with pytest.raises(gflow.GflowError, match="an earlier collective on this communicator failed"):
             call(x, comm=comm)
+    WORLD.Barrier()
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize(
+    "threshold", [None, 256]
+)  # (the step's segments all at synchronize(), or some before)
+@pytest.mark.parametrize("next_step_by", ["push", "synchronize"])
+def test_a_step_that_crossed_waits_cut_short_is_forgotten_on_every_rank(threshold, next_step_by):
+    # helper-73: the last rank reduces a metric alone between its pushes and synchronize(). The others'
+    # synchronize() fails with the crossed waits, and so does its metric, but its step stayed
+    # pending: its synchronize() (which gflow.torch's zero_grad() message advised) sent it on the
+    # fresh background channel, where it met the others' next step, and every later step paired its
+    # step k with their k + 1. Now that step is cut short on it too: its synchronize() raises, or a
+    # push of its next step forgets it, and every rank's steps 0, 2 and 3 are the float64 sums of
+    # those steps' gradients.
+    comm = WORLD.Dup()
+    shapes = {"w": (40, 3), "b": (40,), "v": (7,)}
+    dp = gflow.DataParallel({k: np.zeros(s) for k, s in shapes.items()}, op="sum", threshold_bytes=threshold,
+                            comm=comm)  # fmt: skip
+    rng = rank_rng(73)
+    grads = [{k: random_array(rng, s, np.float64) for k, s in shapes.items()} for _ in range(4)]
+    everyone = WORLD.allgather(grads)
+    failed, got, last = [], {}, WORLD.rank == LAST
+    for step in range(4):
+        pushed = {k: g.copy() for k, g in grads[step].items()}
+        try:
+            for key in reversed(shapes):
+                dp.push(key, pushed[key])
+            if step == 1 and last:
+                gflow.allreduce(np.ones(1), comm=comm)  # the metric, on this rank only
+            dp.synchronize()
+            got[step] = pushed
+        except gflow.MismatchError as error:
+            assert "crossed waits" in str(error)
+            failed.append(step)
+        if step == 1 and last and next_step_by == "synchronize":
+            assert dp.cut_short() is not None
+            with pytest.raises(gflow.GflowError, match="this step was cut short"):
+                dp.synchronize()
+        assert dp.cut_short() is None or step == 1 and last
+    assert failed == [1]
+    for step, reduced in got.items():
+        for key in shapes:
+            want = sum(everyone[r][step][key] for r in range(WORLD.size))
+            np.testing.assert_allclose(reduced[key], want, rtol=1e-12, err_msg=f"step {step}, {key}")
     WORLD.Barrier()

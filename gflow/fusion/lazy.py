@@ -40,7 +40,7 @@ from ..arrays.kinds import check_array, check_writable
 from ..arrays.numpy_arrays import HOST
 from ..collectives.operations import allreduce_on, annotated, rejected_in_background
 from ..collectives.recursive_doubling import allreduce_with_agreement
-from ..errors import CompressionOverflowError
+from ..errors import CompressionOverflowError, GflowError
 from ..runtime import engine, timeline
 from ..runtime.config import DEFAULT_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import context
@@ -160,6 +160,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._filling_since = None  # with a timeline on: when the pending segment's first push came
         self._step_started = 0.0  # when the step's first push came (for threshold tuning)
         self._step_bytes = 0  # what the step's pushes put on the wire (for threshold tuning)
+        self._cuts_before = None  # the communicator's steps_cut at the step's first push (cut_short)
 
     def fail_step(self, error: Exception) -> None:
         """This rank's step failed its local checks (or a caller's: DataParallel's): it does nothing
@@ -259,6 +260,10 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         if self._tuner is not None:
             where += self._tuner.position()  # ranks elsewhere in the schedule would part ways later
             self._step_started = time.perf_counter()
+        try:
+            self._cuts_before = context(self._comm).steps_cut
+        except Exception:  # noqa: BLE001 - a bad comm: the full path reports it where it always did
+            self._cuts_before = None
         self._checksum = zlib.crc32(struct.pack(f"<{len(where)}q", *(min(int(v), 2**63 - 1) for v in where)))
 
     def _alone(self) -> bool:
@@ -269,7 +274,33 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 return False
         return self._solo
 
+    def cut_short(self) -> str | None:
+        """Why this step was cut short on this rank, or None: crossed waits made this rank leave a
+        blocking call after the step's first push (a metric reduced on this rank alone while the others
+        waited in their step), and the others' step failed with them. Nothing more of it is sent: on
+        the fresh background channel it would pair with their next step. flush() raises, forgetting
+        it (DataParallel and gflow.torch's optimizer do so where the program begins its next step)."""
+        if self._cuts_before is None or not (self._pushes or self._fired):
+            return None
+        ctx = context(self._comm)
+        return ctx.cut_why if ctx.steps_cut != self._cuts_before else None
+
+    def _check_cut(self) -> None:
+        """Fail this step on this rank alone where it was cut short (the peers failed theirs)."""
+        why = None if self._error is not None else self.cut_short()
+        if why is not None:
+            self._error = GflowError(
+                f"this step was cut short: a blocking call of this rank's failed with crossed waits after "
+                f"the step's first push, and the other ranks' step failed then. It is forgotten here too "
+                f"(the pushed arrays keep their local values); the next step pairs with theirs. ({why})"
+            )
+            self._members, self._member_arrays, self._member_scales = [], [], []
+            self._pending_bytes = 0
+
     def _fire(self) -> None:
+        self._check_cut()
+        if self._error is not None:
+            return
         members, self._members, self._pending_bytes = self._members, [], 0
         pushed, self._member_arrays = self._member_arrays, []
         scales, self._member_scales = self._member_scales, []
@@ -430,6 +461,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             csc.discard()
 
     def _flush(self, commit: bool, agree, refuse):
+        self._check_cut()
         ctx = context(self._comm).for_async("lazy allreduce flush")
         if agree is not None and np.size(agree) and not np.can_cast(np.asarray(agree).dtype, np.int64):
             # (a float vector was cut to integers: a max of 0.9 came back 0)

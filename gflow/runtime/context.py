@@ -113,6 +113,9 @@ class CommContext:
         # context, its collective here)}), and the error of one this rank found itself.
         self.crossed = {}
         self.crossed_here = None
+        # Crossed waits that made this rank leave a blocking call here, and the last one's error
+        # (stall._cut_steps): a step this rank had begun is cut short (LazyAllreduce.cut_short)
+        self.steps_cut, self.cut_why = 0, None
         # Background contexts made for this one so far; a background context's own number among them
         # (crossed waits name the one they are about: a peer's fresh one is not the one it was told of)
         self.backgrounds_made = 0

@@ -253,6 +253,7 @@ def check_waiting() -> None:
         # A peer that found crossed waits told this rank (stall._answer), whose thread waits in a
         # blocking collective too (the one that peer left unfinished, or one after it): none can
         # finish. This rank's program leaves it as the finder's does: so does its background context.
+        _cut_steps(ctx, ctx.failed)
         if _engine_idle():
             _drop_background(ctx)
         raise MismatchError(
@@ -287,6 +288,7 @@ def raise_crossed(ctx, number: int) -> None:
         # context at its next async call. So does this rank: its background context is dropped now
         # (made first where there is none yet, so that its duplicate meets the one the peers
         # abandoned), and its next async call, the peers' next one, makes the fresh one with them.
+        _cut_steps(ctx, text)
         _drop_background(ctx)
         raise MismatchError(text)
     if not ctx.is_background:
@@ -301,6 +303,14 @@ def raise_crossed(ctx, number: int) -> None:
                 f"that gflow rank {ctx.rank} has not entered, and cannot start the async collective "
                 f"#{number} this rank waits for before that call returns. {_CROSSED_CAUSE}"
             )
+
+
+def _cut_steps(ctx, why: str) -> None:
+    """Crossed waits make this rank leave a blocking call on ctx, and the peers failed the async work
+    they waited in, their program's step: a step this rank had begun on ctx is cut short too
+    (LazyAllreduce.cut_short). Sent on, on the fresh background context, it would pair with the
+    peers' next step (helper-73)."""
+    ctx.steps_cut, ctx.cut_why = ctx.steps_cut + 1, why
 
 
 def _drop_background(ctx) -> None:

@@ -8,7 +8,7 @@ import gc
 import math
 import warnings
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import numpy as np
 import torch
@@ -825,6 +825,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             group["momentum"] = 0.0
 
     def zero_grad(self, set_to_none: bool = True):
+        if self._touched and self._dp.cut_short() is not None:
+            # Crossed waits cut this step short (a blocking call of this rank's alone, while the others
+            # waited in step(), where it failed): forgotten here as there, by its synchronize()'s raise
+            with suppress(gflow.GflowError):
+                self._gflow_synchronize()
         if self._touched:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "

@@ -31,7 +31,7 @@ from ..arrays.kinds import check_array, check_writable
 from ..collectives.exchange import broadcast
 from ..collectives.join import join
 from ..collectives.operations import reject
-from ..errors import NonFiniteError
+from ..errors import GflowError, NonFiniteError
 from ..fusion.lazy import LazyAllreduce
 from ..fusion.sparse import check_dtype as check_sparse_dtype
 from ..runtime import checkpoint as st
@@ -332,6 +332,8 @@ class DataParallel:
                 f"DataParallel.push: parameter {key!r} is out of the fusion (set_absent()); its gradient "
                 "travels another way"
             )
+        if self._ready[slot] is not None and self.cut_short() is not None:
+            self._forget_cut_step()  # (the program began its next step: see cut_short)
         if self._ready[slot] is not None:
             raise ValueError(
                 f"DataParallel.push: parameter {key!r} was already pushed in this step; push each "
@@ -359,6 +361,21 @@ class DataParallel:
                 self._fail(exc)
         self._ready[slot] = grad
         self._drain()
+
+    def cut_short(self) -> str | None:
+        """Why this step was cut short on this rank, or None (LazyAllreduce.cut_short): crossed waits
+        made this rank leave a blocking call of its own after the step's first push, and the other
+        ranks' synchronize() failed then. This rank's synchronize() raises and forgets it; so does a
+        push of a parameter already pushed in it (the program's next step, after the error)."""
+        return self._lazy.cut_short()
+
+    def _forget_cut_step(self) -> None:
+        """Forget a step cut short, as the peers forgot theirs: synchronize() raises, and resets."""
+        try:
+            self.synchronize()
+        except GflowError:
+            return
+        raise AssertionError("DataParallel: a step cut short was reduced")  # (cut_short said it cannot be)
 
     def _check_not_rebound(self, key, buffer) -> None:
         """push(key) takes the array gradient_buffers() made; a trainer that put another array in its
