@@ -40,7 +40,7 @@ from ..arrays.kinds import check_array, check_writable
 from ..arrays.numpy_arrays import HOST
 from ..collectives.operations import allreduce_on, annotated, rejected_in_background
 from ..collectives.recursive_doubling import allreduce_with_agreement
-from ..errors import CompressionOverflowError, GflowError
+from ..errors import CompressionOverflowError, MismatchError
 from ..runtime import engine, timeline
 from ..runtime.config import DEFAULT_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import context
@@ -275,11 +275,12 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         return self._solo
 
     def cut_short(self) -> str | None:
-        """Why this step was cut short on this rank, or None: crossed waits made this rank leave a
-        blocking call after the step's first push (a metric reduced on this rank alone while the others
-        waited in their step), and the others' step failed with them. Nothing more of it is sent: on
-        the fresh background channel it would pair with their next step. flush() raises, forgetting
-        it (DataParallel and gflow.torch's optimizer do so where the program begins its next step)."""
+        """Why this step was cut short on this rank, or None: crossed waits after the step's first
+        push (a metric reduced on one rank alone while the others waited in their step) made that
+        rank leave its blocking call and the others' async work fail, their step's with it. Nothing
+        more of a step cut short is sent: on the fresh background channel it would pair with their
+        next step. flush() raises MismatchError, forgetting it (DataParallel and gflow.torch's
+        optimizer do so where the program begins its next step)."""
         if self._cuts_before is None or not (self._pushes or self._fired):
             return None
         ctx = context(self._comm)
@@ -289,7 +290,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         """Fail this step on this rank alone where it was cut short (the peers failed theirs)."""
         why = None if self._error is not None else self.cut_short()
         if why is not None:
-            self._error = GflowError(
+            self._error = MismatchError(
                 f"this step was cut short: a blocking call of this rank's failed with crossed waits after "
                 f"the step's first push, and the other ranks' step failed then. It is forgotten here too "
                 f"(the pushed arrays keep their local values); the next step pairs with theirs. ({why})"

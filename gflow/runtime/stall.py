@@ -298,11 +298,13 @@ def raise_crossed(ctx, number: int) -> None:
             del ctx.crossed[rank]
         elif position < number:
             del ctx.crossed[rank]
-            raise MismatchError(
+            text = (
                 f"crossed waits: rank {rank} waits in a blocking collective (#{theirs} on this communicator) "
                 f"that gflow rank {ctx.rank} has not entered, and cannot start the async collective "
                 f"#{number} this rank waits for before that call returns. {_CROSSED_CAUSE}"
             )
+            _cut_steps(ctx.parent, text)  # (the step this wait belongs to fails; one begun beside it too)
+            raise MismatchError(text)
 
 
 def _cut_steps(ctx, why: str) -> None:
