@@ -246,7 +246,8 @@ def test_after_crossed_waits_no_collective_starts_on_that_communicator():
     "threshold", [None, 256]
 )  # (the step's segments all at synchronize(), or some before)
 @pytest.mark.parametrize("next_step_by", ["push", "synchronize"])
-def test_a_step_that_crossed_waits_cut_short_is_forgotten_on_every_rank(threshold, next_step_by):
+@pytest.mark.parametrize("order", ["backward", "model"])  # (model: DataParallel holds them all back)
+def test_a_step_that_crossed_waits_cut_short_is_forgotten_on_every_rank(threshold, next_step_by, order):
     # helper-73: the last rank reduces a metric alone between its pushes and synchronize(). The others'
     # synchronize() fails with the crossed waits, and so does its metric, but its step stayed
     # pending: its synchronize() (which gflow.torch's zero_grad() message advised) sent it on the
@@ -265,10 +266,11 @@ def test_a_step_that_crossed_waits_cut_short_is_forgotten_on_every_rank(threshol
     for step in range(4):
         pushed = {k: g.copy() for k, g in grads[step].items()}
         try:
-            for key in reversed(shapes):
+            keys = list(reversed(shapes) if order == "backward" else shapes)
+            for key in keys:
+                if step == 1 and last and key == keys[-1]:  # (before the last push: in model order,
+                    gflow.allreduce(np.ones(1), comm=comm)  # the others are still held back) the metric
                 dp.push(key, pushed[key])
-            if step == 1 and last:
-                gflow.allreduce(np.ones(1), comm=comm)  # the metric, on this rank only
             dp.synchronize()
             got[step] = pushed
         except gflow.MismatchError as error:

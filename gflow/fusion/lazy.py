@@ -160,7 +160,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._filling_since = None  # with a timeline on: when the pending segment's first push came
         self._step_started = 0.0  # when the step's first push came (for threshold tuning)
         self._step_bytes = 0  # what the step's pushes put on the wire (for threshold tuning)
-        self._cuts_before = None  # the communicator's steps_cut at the step's first push (cut_short)
+        self._cuts_before = None  # the communicator's steps_cut when the step began (mark_begun)
 
     def fail_step(self, error: Exception) -> None:
         """This rank's step failed its local checks (or a caller's: DataParallel's): it does nothing
@@ -260,10 +260,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         if self._tuner is not None:
             where += self._tuner.position()  # ranks elsewhere in the schedule would part ways later
             self._step_started = time.perf_counter()
-        try:
-            self._cuts_before = context(self._comm).steps_cut
-        except Exception:  # noqa: BLE001 - a bad comm: the full path reports it where it always did
-            self._cuts_before = None
+        self.mark_begun()
         self._checksum = zlib.crc32(struct.pack(f"<{len(where)}q", *(min(int(v), 2**63 - 1) for v in where)))
 
     def _alone(self) -> bool:
@@ -274,6 +271,15 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 return False
         return self._solo
 
+    def mark_begun(self) -> None:
+        """The step has begun, if it had not (its first push, here or in a caller that holds pushes
+        back: DataParallel's): crossed waits from now on cut it short (cut_short)."""
+        if self._cuts_before is None:
+            try:
+                self._cuts_before = context(self._comm).steps_cut
+            except Exception:  # noqa: BLE001 - a bad comm: the full path reports it where it always did
+                pass
+
     def cut_short(self) -> str | None:
         """Why this step was cut short on this rank, or None: crossed waits after the step's first
         push (a metric reduced on one rank alone while the others waited in their step) made that
@@ -281,7 +287,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         more of a step cut short is sent: on the fresh background channel it would pair with their
         next step. flush() raises MismatchError, forgetting it (DataParallel and gflow.torch's
         optimizer do so where the program begins its next step)."""
-        if self._cuts_before is None or not (self._pushes or self._fired):
+        if self._cuts_before is None:
             return None
         ctx = context(self._comm)
         return ctx.cut_why if ctx.steps_cut != self._cuts_before else None

@@ -334,6 +334,7 @@ class DataParallel:
             )
         if self._ready[slot] is not None and self.cut_short() is not None:
             self._forget_cut_step()  # (the program began its next step: see cut_short)
+        self._lazy.mark_begun()  # (its pushes reach it in model order, maybe later)
         if self._ready[slot] is not None:
             raise ValueError(
                 f"DataParallel.push: parameter {key!r} was already pushed in this step; push each "
