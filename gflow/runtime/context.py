@@ -110,16 +110,13 @@ class CommContext:
         self.heard_departures = 0  # (stall.hear_elsewhere: the news it looked at)
         # Crossed waits (stall._check_crossed), shared the same way: peers that said they wait in a
         # blocking collective here that this rank has not entered ({rank: (its place on its background
-        # context, its collective here)}), and the error of one this rank found itself.
-        self.crossed = {}
-        self.crossed_here = None
-        # Crossed waits that made this rank leave a blocking call here, and the last one's error
-        # (stall._cut_steps): a step this rank had begun is cut short (LazyAllreduce.cut_short)
+        # context, its collective here)}), the error of one this rank found itself; and how many cut
+        # this rank's steps short here, with the last one's error (stall._cut_steps, LazyAllreduce)
+        self.crossed, self.crossed_here = {}, None
         self.steps_cut, self.cut_why = 0, None
         # Background contexts made for this one so far; a background context's own number among them
         # (crossed waits name the one they are about: a peer's fresh one is not the one it was told of)
-        self.backgrounds_made = 0
-        self.generation = 0
+        self.backgrounds_made = self.generation = 0
         self.parent = None  # for a background context: the context it duplicates (see .comm)
         self.last_sig = None
         self.agreed_unvalidated = False  # (collectives/recursive_doubling.wants_agreement)
