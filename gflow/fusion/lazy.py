@@ -168,11 +168,15 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         rejection is queued behind the segments already fired, where it meets the peers' next segment
         or final exchange, so their flush() fails too."""
         if self._error is None:
-            self._error = error
-            self._members, self._member_arrays, self._member_scales = [], [], []
-            self._pending_bytes = 0
-            self._filling_since = None
+            self._stop_step(error)
             self._fired.append((rejected_in_background(context(self._comm), "lazy", error), [], None))
+
+    def _stop_step(self, error: Exception) -> None:
+        """flush() raises `error`; the pushes not yet in a segment are dropped (fail_step, _check_cut)."""
+        self._error = error
+        self._members, self._member_arrays, self._member_scales = [], [], []
+        self._pending_bytes = 0
+        self._filling_since = None
 
     def push(self, grad, *, scale: float = 1.0, name: str | None = None) -> None:
         """Queue grad for reduction; the result is written into it by flush(). Do not modify grad
@@ -295,14 +299,12 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
     def _check_cut(self) -> None:
         """Fail this step on this rank alone where it was cut short (the peers failed theirs)."""
         why = None if self._error is not None else self.cut_short()
-        if why is not None:
-            self._error = MismatchError(
+        if why is not None:  # (no rejection sent: the peers' step is over)
+            self._stop_step(MismatchError(
                 f"this step was cut short: a blocking call of this rank's failed with crossed waits after "
                 f"the step's first push, and the other ranks' step failed then. It is forgotten here too "
                 f"(the pushed arrays keep their local values); the next step pairs with theirs. ({why})"
-            )
-            self._members, self._member_arrays, self._member_scales = [], [], []
-            self._pending_bytes = 0
+            ))  # fmt: skip
 
     def _fire(self) -> None:
         self._check_cut()
