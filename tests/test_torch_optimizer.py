@@ -525,14 +525,16 @@ def test_a_failed_step_keeps_values_and_the_next_step_works():
 
 @pytest.mark.parallel([2, 3])
 @pytest.mark.parametrize("threshold", [300, None])  # (segments sent during backward, or all at step())
-def test_a_step_that_crossed_waits_cut_short_is_forgotten_and_training_goes_on(threshold):
+@pytest.mark.parametrize("zero", ["optimizer", "model"])  # (whose zero_grad() the trainer calls)
+def test_a_step_that_crossed_waits_cut_short_is_forgotten_and_training_goes_on(threshold, zero):
     """The last rank reduces a metric alone between backward and step(): MismatchError (crossed waits)
     on every rank, its own from the metric. Every rank skips that batch and trains on. Its step was
     still pending, so its zero_grad() refused, and the synchronize() that message advised sent the
     step on, where it met the others' next one: every later step paired its step k with their k + 1
     (helper-73). Now the step is cut short on it too: zero_grad() forgets it, and the replicas equal a
-    float64 reference that skips that step. (On a communicator of its own: after crossed waits,
-    blocking calls on one fail by design.)"""
+    float64 reference that skips that step. A trainer that zeroes through model.zero_grad() has the
+    cut step forgotten by its next backward (it failed there with "more than backward_passes_per_step").
+    (On a communicator of its own: after crossed waits, blocking calls on one fail by design.)"""
     r, last = WORLD.rank, WORLD.size - 1
     data = batches(4)
     hvd.init(comm=WORLD.Dup())
@@ -541,7 +543,7 @@ def test_a_step_that_crossed_waits_cut_short_is_forgotten_and_training_goes_on(t
         model, ref, opt, ref_opt = sgd_and_reference(threshold_bytes=threshold)
         for step, (x, y) in enumerate(data):
             try:
-                opt.zero_grad()
+                (opt if zero == "optimizer" else model).zero_grad()
                 rank_loss(model, x, y, r)
                 if step == 1 and r == last:
                     hvd.allreduce(torch.ones(1), name="metric")  # on this rank only

@@ -267,6 +267,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         if not self._touched:
             self._gflow_begin_step()
         index = self._index_of.get(p)
+        if index is not None and self._delay[index] <= 0 and self._dp.cut_short() is not None:
+            # The next backward after a step cut short, without this optimizer's zero_grad() (the
+            # trainer called model.zero_grad()): forgotten here, as zero_grad() forgets it
+            self._forget_cut_step()
+            self._gflow_begin_step()
+            index = self._index_of.get(p)
         if index is None:
             return  # no longer reduced (frozen or removed from the groups); its gradient stays local
         if self._delay[index] <= 0:
@@ -824,12 +830,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         for group in self.param_groups:
             group["momentum"] = 0.0
 
+    def _forget_cut_step(self) -> None:
+        """Crossed waits cut this step short (a blocking call of this rank's alone, while the others
+        waited in step(), where it failed): forgotten here as there, by its synchronize()'s raise."""
+        with suppress(gflow.GflowError):
+            self._gflow_synchronize()
+
     def zero_grad(self, set_to_none: bool = True):
         if self._touched and self._dp.cut_short() is not None:
-            # Crossed waits cut this step short (a blocking call of this rank's alone, while the others
-            # waited in step(), where it failed): forgotten here as there, by its synchronize()'s raise
-            with suppress(gflow.GflowError):
-                self._gflow_synchronize()
+            self._forget_cut_step()
         if self._touched:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
