@@ -419,6 +419,36 @@ def test_the_programs_split_right_after_the_first_async_call_after_a_failed_one(
     on_all_ranks(check)
 
 
+@pytest.mark.parallel([2, 3, 4])
+def test_gradient_buffers_raise_while_a_rank_is_joined_and_the_others_go_on():
+    """gradient_buffers() carves a pool that the node's ranks allocate together, which a rank in join()
+    cannot: the callers raise NotServedInJoinError (Horovod's rule for what is not an allreduce), and
+    an allreduce after it is still served. The joined rank served the pool's agreement as an allreduce
+    of zeros, and the callers hung in the pool's allocation (helper-76)."""
+
+    comm = WORLD.Dup()
+    others = comm.Split(int(comm.rank > 0), comm.rank)
+
+    def check():
+        if comm.rank > 0:
+            lazy = gflow.LazyAllreduce(comm=comm)
+            with pytest.raises(gflow.NotServedInJoinError, match="^gradient_buffers is not supported while"):
+                lazy.gradient_buffers([(1000,), (10,)])
+            params = {"w": np.zeros((30, 20)), "b": np.zeros(20)}
+            dp = gflow.DataParallel(params, comm=comm)
+            with pytest.raises(gflow.NotServedInJoinError, match="^gradient_buffers is not supported while"):
+                dp.gradient_buffers()
+            x = random_array(rank_rng(77), 5000, np.float64)
+            expected = mpi_allreduce(x, comm=others)
+            np.testing.assert_allclose(gflow.allreduce(x, comm=comm), expected, rtol=1e-12)
+        last = gflow.join(comm)
+        assert comm.allgather(last) == [last] * comm.size and last > 0  # (whichever joined last)
+
+    on_all_ranks(check)
+    others.Free()
+    comm.Free()
+
+
 def reference_float64_mean(x: np.ndarray) -> np.ndarray:
     return np.mean(np.stack(WORLD.allgather(x.astype(np.float64))), axis=0)
 

@@ -789,7 +789,7 @@ def _add_joined(send_mv, recv_mv) -> None:
 
 
 # What ranks in join() serve: Horovod's rule (an allreduce, whatever the layer that made it).
-SERVED_WHILE_JOINED = ("allreduce", "lazy", "gradient_buffers")
+SERVED_WHILE_JOINED = ("allreduce", "lazy")
 
 
 def joined_refusal(header) -> str | None:
