@@ -10,6 +10,7 @@ import pickle
 import numpy as np
 import pytest
 from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
+from mpi4py import MPI
 
 import gflow
 from gflow.fusion import autotune
@@ -510,3 +511,110 @@ def test_a_distributed_optimizer_checkpoint_mid_tuning_goes_through_torch_load()
     fresh.load_state_dict(torch.load(file, weights_only=True))
     assert fresh._dp._lazy._tuner.state_dict() == position
     assert fresh._dp._lazy.threshold_bytes == position["trying"][position["index"]]
+
+
+def _uneven_steps_then_join(step, joins, steps: int):
+    """`steps` steps of `step()` on this rank, then `joins()`: the others' steps beyond this rank's
+    are served with zeros."""
+    for _ in range(steps):
+        step()
+    return joins()
+
+
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("kit", ["lazy", "data_parallel"])
+def test_after_uneven_steps_and_join_every_rank_takes_the_tuning_of_the_rank_that_joined_last(kit):
+    """Rank r runs r + 1 steps of an epoch, then join(): each rank's tuner stopped where it joined, and
+    its position is in every segment's checksum, so every step after join() failed on every rank
+    (helper-76). Now every rank takes the position of the rank that joined last at its next step, and
+    the steps of the next epoch are right (MPI float64 reference) and in the same place everywhere."""
+    rng, r, p = rank_rng(95), WORLD.rank, WORLD.size
+    if kit == "lazy":
+        lazy = gflow.LazyAllreduce("auto", op="sum")
+        grads = [random_array(rng, s, np.float32) for s in SHAPES]
+
+        def step():
+            for g in grads:
+                lazy.push(g)
+            lazy.flush()
+
+        joins = gflow.join
+    else:
+        params = {f"w{i}": np.zeros(s, np.float32) for i, s in enumerate(SHAPES)}
+        dp = gflow.DataParallel(params, op="sum", threshold_bytes="auto")
+        buffers = dp.gradient_buffers()
+        lazy, grads = dp._lazy, list(buffers.values())
+
+        def step():
+            for key in reversed(list(params)):
+                buffers[key][...] = random_array(rng, buffers[key].shape, np.float32)
+                dp.push(key)
+            dp.synchronize()
+
+        joins = dp.join
+
+    def check():
+        last = _uneven_steps_then_join(step, joins, r + 1)
+        assert last == p - 1
+        for i in range(3):
+            if kit == "lazy":
+                checked_step(lazy, grads, rng, f"step {i} after join")
+            else:
+                inputs = {k: random_array(rng, b.shape, b.dtype) for k, b in buffers.items()}
+                for key in reversed(list(params)):
+                    buffers[key][...] = inputs[key]
+                    dp.push(key)
+                on_all_ranks(dp.synchronize, f"step {i} after join")
+                for key, b in buffers.items():
+                    on_all_ranks(lambda b=b, x=inputs[key]: assert_close_to_reference(b, x, "sum"), f"{i}")
+            where = (lazy._tuner.position(), lazy.threshold_bytes)
+            assert WORLD.allgather(where) == [where] * p
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([3, 4])
+def test_a_kit_on_a_subset_takes_the_tuning_of_that_subsets_last_rank():
+    """join(subsets=...): a kit on a sub-communicator takes the position of the member that joined
+    last (rank p - 2 here, which ran the most of the subset's steps), not the last rank of all (p - 1,
+    outside the subset)."""
+    rng, r, p = rank_rng(96), WORLD.rank, WORLD.size
+    comm = WORLD.Dup()
+    sub = comm.Split(0 if r < p - 1 else MPI.UNDEFINED, r)
+    subsets = [sub] if sub != MPI.COMM_NULL else []
+    lazy = gflow.LazyAllreduce("auto", op="sum", comm=sub) if subsets else None
+    grads = [random_array(rng, s, np.float32) for s in SHAPES]
+
+    def check():
+        if subsets:
+
+            def step():
+                for g in grads:
+                    lazy.push(g)
+                lazy.flush()
+
+            last = _uneven_steps_then_join(step, lambda: gflow.join(comm, subsets=subsets), r + 1)
+        else:
+            for _ in range(p + 1):  # (the world's last to join: its allreduces are served by the rest)
+                gflow.allreduce(np.ones(3), comm=comm)
+            last = gflow.join(comm)
+        assert last == p - 1
+        if not subsets:
+            return
+        for _ in range(3):
+            inputs = [random_array(rng, g.shape, g.dtype) for g in grads]
+            for g, x in zip(grads, inputs, strict=True):
+                g[...] = x
+                lazy.push(g)
+            lazy.flush()
+            everyone = sub.allgather(inputs)
+            for k, g in enumerate(grads):
+                expected = sum(e[k].astype(np.float64) for e in everyone)
+                np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-5)
+            where = (lazy._tuner.position(), lazy.threshold_bytes)
+            assert sub.allgather(where) == [where] * sub.size
+
+    on_all_ranks(check)
+    if subsets:
+        sub.Free()
+    comm.Free()

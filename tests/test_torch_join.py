@@ -229,13 +229,19 @@ def test_a_rank_joins_with_an_async_call_queued_that_fails(on_a_set):
 
 
 @pytest.mark.parallel(SIZES)
-def test_distributed_optimizer_with_uneven_batches_equals_a_float64_replay():
+@pytest.mark.parametrize("threshold", [None, "auto"])
+def test_distributed_optimizer_with_uneven_batches_equals_a_float64_replay(threshold):
     """Each step averages the gradients of the ranks still training over all p ranks (zeros from those
-    that joined, as Horovod's); the ranks end with bitwise equal weights."""
+    that joined, as Horovod's); the ranks end with bitwise equal weights. The next epoch, from the
+    last rank's weights, trains on: with threshold_bytes="auto" too, whose tuning every rank takes
+    from the rank that joined last (each rank's tuner had stopped where it joined, and every step
+    after join() failed with MismatchError: helper-76)."""
     p, r = WORLD.size, WORLD.rank
     rng = np.random.default_rng([62, r])
     batches = [torch.from_numpy(rng.standard_normal((4, 3))) for _ in range(r + 1)]
     everyone = WORLD.allgather([b.numpy() for b in batches])
+    epoch_two = [torch.from_numpy(rng.standard_normal((4, 3))) for _ in range(3)]
+    everyone_two = WORLD.allgather([b.numpy() for b in epoch_two])
 
     def model():
         torch.manual_seed(0)
@@ -243,32 +249,50 @@ def test_distributed_optimizer_with_uneven_batches_equals_a_float64_replay():
         # (2.9 MB of float64 weights: the kit's segment goes by the ring, not recursive doubling)
         return torch.nn.Sequential(*layers, torch.nn.Linear(600, 1)).double()
 
+    def replay_step(replay, everyone, step):
+        total = [torch.zeros_like(q) for q in replay.parameters()]
+        for theirs in everyone:
+            if step < len(theirs):
+                replay.zero_grad()
+                replay(torch.from_numpy(theirs[step])).sum().backward()
+                total = [t + q.grad for t, q in zip(total, replay.parameters(), strict=True)]
+        with torch.no_grad():
+            for q, t in zip(replay.parameters(), total, strict=True):
+                q -= 0.1 * t / p
+
     def check():
         net, replay = model(), model()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters())
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), threshold_bytes=threshold
+        )
         for step in range(p):
-            total = [torch.zeros_like(q) for q in replay.parameters()]
-            for theirs in everyone:
-                if step < len(theirs):
-                    replay.zero_grad()
-                    replay(torch.from_numpy(theirs[step])).sum().backward()
-                    total = [t + q.grad for t, q in zip(total, replay.parameters(), strict=True)]
-            with torch.no_grad():
-                for q, t in zip(replay.parameters(), total, strict=True):
-                    q -= 0.1 * t / p
+            replay_step(replay, everyone, step)
             if step < len(batches):
                 opt.zero_grad()
                 net(batches[step]).sum().backward()
                 opt.step()
             elif step == len(batches):
-                hvd.join()
+                last = hvd.join()
         if len(batches) == p:
-            hvd.join()
+            last = hvd.join()
+        assert last == p - 1
         # every rank took each step's average (the joined ones too, through the kit's zeros), so the
         # ranks that trained longest hold the replay's weights
         if r == p - 1:
             for q, e in zip(net.parameters(), replay.parameters(), strict=True):
                 np.testing.assert_allclose(q.detach().numpy(), e.detach().numpy(), rtol=1e-10, atol=1e-13)
+        hvd.broadcast_parameters(net.state_dict(), root_rank=last)
+        for step, x in enumerate(epoch_two):  # the next epoch: every rank has a batch
+            replay_step(replay, everyone_two, step)
+            opt.zero_grad()
+            net(x).sum().backward()
+            opt.step()
+        for q, e in zip(net.parameters(), replay.parameters(), strict=True):
+            np.testing.assert_allclose(q.detach().numpy(), e.detach().numpy(), rtol=1e-10, atol=1e-13)
+            assert WORLD.allgather(q.detach().numpy().tobytes()) == [q.detach().numpy().tobytes()] * p
+        if threshold == "auto":
+            where = (opt._dp._lazy._tuner.position(), opt._dp._lazy.threshold_bytes)  # (the timings differ)
+            assert WORLD.allgather(where) == [where] * p
 
     on_all_ranks(check)
 

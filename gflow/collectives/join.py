@@ -20,6 +20,7 @@ sub-communicator it is given (gflow.torch's process sets), each on a thread of i
 
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from functools import partial
 
@@ -71,6 +72,7 @@ def join(comm=None, subsets=()) -> int:
     threads, or here while the others wait in a call on comm, it hangs): gflow.torch makes a set's
     when it registers it (process_sets._adopt)."""
     arrival = time.time()
+    subsets = list(subsets)
     parent = context(comm)
     parent.check_usable()  # (before its background channel is made or used)
     others = [context(sub) for sub in subsets]
@@ -96,7 +98,43 @@ def join(comm=None, subsets=()) -> int:
         raise
     times = np.full(parent.size, -np.inf)
     times[parent.rank] = arrival
-    return int(np.argmax(allreduce_on(parent, times, "max")))
+    times = allreduce_on(parent, times, "max")
+    last = int(np.argmax(times))
+    everyone = MPI.COMM_WORLD if comm is None else comm
+    _tell_listeners([(everyone, last)] + _last_of_each(parent, subsets, times))
+    return last
+
+
+# Objects told, when a join() on their communicator ends, which of its ranks joined last
+_LISTENERS = weakref.WeakKeyDictionary()
+
+
+def tell_after_join(listener, comm) -> None:
+    """Have listener.joined(last) called when a join() on comm (a subset of one included) ends, with
+    comm's rank that joined last (it ran every step): LazyAllreduce's threshold tuning follows it."""
+    _LISTENERS[listener] = MPI.COMM_WORLD if comm is None else comm
+
+
+def _tell_listeners(lasts: list) -> None:
+    for listener, comm in list(_LISTENERS.items()):
+        for joined, last in lasts:
+            if comm == joined:
+                listener.joined(last)
+
+
+def _last_of_each(parent: CommContext, subsets: list, times) -> list:
+    """(subset, its rank that joined last) for each subset, from every rank's arrival `times`."""
+    if not subsets:
+        return []
+    everyone = parent.comm.Get_group()
+    lasts = []
+    for sub in subsets:
+        group = sub.Get_group()
+        members = group.Translate_ranks(list(range(group.Get_size())), everyone)
+        group.Free()
+        lasts.append((sub, int(np.argmax(times[members]))))
+    everyone.Free()
+    return lasts
 
 
 def _serve_backgrounds(parents: list) -> None:

@@ -38,6 +38,7 @@ import numpy as np
 from ..arrays.codecs import check_compression, overflow_message
 from ..arrays.kinds import check_array, check_writable
 from ..arrays.numpy_arrays import HOST
+from ..collectives.join import tell_after_join
 from ..collectives.operations import allreduce_on, annotated, rejected_in_background
 from ..collectives.recursive_doubling import allreduce_with_agreement
 from ..errors import CompressionOverflowError, MismatchError
@@ -145,6 +146,9 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._pool = GradientPool()  # what gradient_buffers() handed out
         self._solo = None  # whether the communicator has one rank (found at the first push)
         self._uncommitted: list = []  # sparse segments of a flush(commit=False), awaiting commit_step()
+        self._follow = None  # after a join(): the rank whose tuning position to take (joined)
+        if self._tuner is not None:
+            tell_after_join(self, comm)
         self._reset()
 
     def _reset(self) -> None:
@@ -259,6 +263,8 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
     def _begin_step(self) -> None:
         """The step's first push: its checksum starts from the threshold (ranks that fuse differently
         must disagree at the first segment), and tuning times the step from here."""
+        if self._follow is not None and self._tuner is not None:
+            self._follow_join()
         where = (self.threshold_bytes, self.first_segment_bytes or 0, self._tuner is not None,
                  isinstance(self._strategy, Hook))  # fmt: skip
         if self._tuner is not None:

@@ -2,8 +2,14 @@
 next (the settings, the threshold tuner's position, each sparse segment's residual), saved and
 loaded, and undone for a caller whose own load failed."""
 
+import pickle
+
+import numpy as np
+
+from ..collectives.exchange import broadcast_on
 from ..runtime import checkpoint as st
 from ..runtime.checkpoint import compression_name
+from ..runtime.context import context
 from .autotune import ThresholdTuner
 from .sparse import SparseAllreduce
 from .strategies import Sparse
@@ -27,6 +33,25 @@ class LazyCheckpoint:
         """With threshold "auto": where the tuning is (the tuner's state_dict()), for adopt_tuning()
         on other ranks; None with a fixed threshold."""
         return None if self._tuner is None else self._tuner.state_dict()
+
+    def joined(self, last: int) -> None:
+        """A join() on this kit's communicator ended (gflow.join, DataParallel.join, hvd.join): the
+        ranks' tuners stopped where each joined, and their position is in every segment's checksum,
+        so every step after an uneven epoch failed on every rank (helper-76). At the next step's
+        first push every rank takes the position of `last`, the rank that joined last (follow_join)."""
+        self._follow = last
+
+    def _follow_join(self) -> None:
+        """Take the tuning position of the rank that joined last (a blocking broadcast from it, on
+        every rank: each was told of the join)."""
+        ctx, root = context(self._comm), self._follow
+        mine = pickle.dumps(self.tuning_position()) if ctx.rank == root else b""
+        size = int(broadcast_on(ctx, np.array([len(mine)], np.int64), root=root)[0])
+        words = np.zeros(-(-size // 8), np.int64)  # (bytes travel as int64 words)
+        words.view(np.uint8)[: len(mine)] = np.frombuffer(mine, np.uint8)
+        payload = broadcast_on(ctx, words, root=root).view(np.uint8)[:size]
+        self.adopt_tuning(pickle.loads(payload.tobytes()))  # (the same job's own bytes)
+        self._follow = None
 
     def adopt_tuning(self, tuning) -> None:
         """Take another rank's tuning (broadcast_optimizer_state): its whole position (a tuner
