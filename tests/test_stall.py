@@ -287,3 +287,40 @@ def test_a_step_that_crossed_waits_cut_short_is_forgotten_on_every_rank(threshol
             want = sum(everyone[r][step][key] for r in range(WORLD.size))
             np.testing.assert_allclose(reduced[key], want, rtol=1e-12, err_msg=f"step {step}, {key}")
     WORLD.Barrier()
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("threshold", [None, 256])
+def test_a_step_the_others_began_after_a_ranks_last_one_is_cut_when_that_rank_begins_it(threshold):
+    # helper-75: the last rank reduces a metric alone after its synchronize() (a log line). The
+    # others' next step fails with the crossed waits, and so does the last rank's metric: its own
+    # next step then met their step after it, and every later step paired its step k with their
+    # k + 1. Now that step is cut short where the last rank begins it (its synchronize() raises,
+    # sending nothing), and every rank's steps 0, 1 and 3 are the float64 sums of their gradients.
+    comm = WORLD.Dup()
+    shapes = {"w": (40, 3), "b": (40,), "v": (7,)}
+    dp = gflow.DataParallel({k: np.zeros(s) for k, s in shapes.items()}, op="sum", threshold_bytes=threshold,
+                            comm=comm)  # fmt: skip
+    rng = rank_rng(75)
+    grads = [{k: random_array(rng, s, np.float64) for k, s in shapes.items()} for _ in range(4)]
+    everyone = WORLD.allgather(grads)
+    failed, got, last = [], {}, WORLD.rank == LAST
+    for step in range(4):
+        pushed = {k: g.copy() for k, g in grads[step].items()}
+        try:
+            for key in reversed(shapes):
+                dp.push(key, pushed[key])
+            dp.synchronize()
+            got[step] = pushed
+        except gflow.MismatchError as error:
+            assert "crossed waits" in str(error) or "cut short" in str(error), error
+            failed.append(step)
+        if step == 1 and last:
+            with pytest.raises(gflow.MismatchError, match="crossed waits"):
+                gflow.allreduce(np.ones(1), comm=comm)
+    assert failed == [2]
+    for step, reduced in got.items():
+        for key in shapes:
+            want = sum(everyone[r][step][key] for r in range(WORLD.size))
+            np.testing.assert_allclose(reduced[key], want, rtol=1e-12, err_msg=f"step {step}, {key}")
+    WORLD.Barrier()
