@@ -3,7 +3,9 @@ with zeros (blocking, async, grouped, small and large, DistributedOptimizer's) u
 joined; the result against float64 references built from every rank's inputs (MPI's own allgather);
 other collectives raise on the ranks that call them while some rank is joined, and nothing hangs."""
 
+import copy
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -452,3 +454,56 @@ def test_an_interrupted_join_refuses_its_communicator_and_frees_gflows_thread(si
     output = done.stdout + done.stderr
     assert done.stdout.count("[0 then: ['GflowError']]") == 3, output
     assert all(f"[{r} other: True]" in done.stdout for r in range(size)), output
+
+
+@pytest.mark.parallel(SIZES)
+def test_a_partial_accumulation_at_join_is_dropped_with_a_warning_and_the_next_epoch_pairs():
+    """backward_passes_per_step=2 and uneven data: an even rank r ends its epoch after 2r + 1 passes,
+    one short of a step (an odd rank after 2r + 2). join() drops that partial step (nothing of it was
+    sent) with a warning; it used to take the next epoch's first backward for its last pass, and the
+    next failed on that rank alone ("more than backward_passes_per_step") while the others waited
+    (helper-75). The next epoch, from
+    the last rank's weights, equals a float64 replay on every rank."""
+    p, r = WORLD.size, WORLD.rank
+    rng = np.random.default_rng([63, r])
+    first = [torch.from_numpy(rng.standard_normal((4, 3))) for _ in range(2 * r + 1 + r % 2)]
+    second = [torch.from_numpy(rng.standard_normal((4, 3))) for _ in range(4)]
+    everyone = WORLD.allgather([b.numpy() for b in second])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 20), torch.nn.Tanh(), torch.nn.Linear(20, 1)).double()
+
+    def check():
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), backward_passes_per_step=2
+        )
+        for i, x in enumerate(first):
+            net(x).sum().backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            last = hvd.join()
+        dropped = [w for w in caught if "joined with 1 of backward_passes_per_step=2" in str(w.message)]
+        assert len(dropped) == (r % 2 == 0), [str(w.message) for w in caught]
+        assert last == p - 1
+        hvd.broadcast_parameters(net.state_dict(), root_rank=last)
+        replay = copy.deepcopy(net)
+        opt.zero_grad()
+        for i, x in enumerate(second):
+            net(x).sum().backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+                replay.zero_grad()
+                for theirs in everyone:
+                    for batch in theirs[i - 1 : i + 1]:
+                        replay(torch.from_numpy(batch)).sum().backward()
+                with torch.no_grad():
+                    for q in replay.parameters():
+                        q -= 0.1 * q.grad / p
+        for q, e in zip(net.parameters(), replay.parameters(), strict=True):
+            np.testing.assert_allclose(q.detach().numpy(), e.detach().numpy(), rtol=1e-10, atol=1e-13)
+            assert WORLD.allgather(q.detach().numpy().tobytes()) == [q.detach().numpy().tobytes()] * p
+
+    on_all_ranks(check)

@@ -19,7 +19,7 @@ import gflow
 from ..training.data_parallel import DataParallel
 from ..training.loss_scaler import bounds, value_range
 from ._basics import OP_NAMES, Average, as_horovod_error
-from ._gather import sparse_allreduce_on
+from ._gather import BEFORE_JOIN, sparse_allreduce_on
 from ._optimizer_state import OptimizerCheckpoint
 from .compression import wire_compression
 
@@ -872,6 +872,26 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._reduced = self._user_synchronized = False  # a new step's gradients come next
         return super().zero_grad(set_to_none)
 
+    def _drop_partial_step(self) -> None:
+        """See drop_partial_steps (hvd.join)."""
+        if not self._touched:
+            return
+        if any(entry is not None for entry in self._pushed) or self._sparse_pushed:
+            raise RuntimeError(
+                "hvd.join(): this rank's DistributedOptimizer has a step in flight (gradients pushed, "
+                "step() or synchronize() not called yet): finish it with step() before join()"
+            )
+        passes = self.backward_passes_per_step - min(self._delay, default=self.backward_passes_per_step)
+        warnings.warn(
+            f"hvd.join(): this rank joined with {passes} of backward_passes_per_step="
+            f"{self.backward_passes_per_step} backward passes accumulated and not reduced: that partial "
+            "step is dropped (nothing of it was sent). Its gradients stay in p.grad: call zero_grad() "
+            "before the next epoch, or they add to its first step",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self._gflow_reset_step()
+
     # --- checkpoints ------------------------------------------------------------------------------
 
     def _check_between_steps(self, who: str) -> None:
@@ -884,6 +904,19 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
 # The wrapped class's step already runs torch's step hooks; torch must not wrap this one again.
 _DistributedOptimizer.step.hooked = True
+
+
+def drop_partial_steps() -> None:
+    """hvd.join() on a rank whose optimizer holds a step begun but not sent (fewer backward passes
+    than backward_passes_per_step at the end of its data): that step is dropped here, with a warning,
+    as nothing of it reached the other ranks. Kept, it took the next epoch's first backward for its
+    last pass, and the next one failed on this rank alone ("more than backward_passes_per_step"),
+    while the others waited in their step (helper-75)."""
+    for optimizer in list(_LIVE):
+        optimizer._drop_partial_step()
+
+
+BEFORE_JOIN.append(drop_partial_steps)
 
 
 def _memory(grad):

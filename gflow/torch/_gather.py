@@ -302,10 +302,15 @@ def join(device=-1) -> int:
     serves the process sets it is in as well, with zeros, and a mean divides by the set's size
     (Horovod's join() serves the global set only: a call on another set beside a joined rank stalls).
     """
+    for before in BEFORE_JOIN:
+        before()
     try:
         return join_on(comm(), subsets=process_sets_module.communicators_of_this_rank())
     except gflow.GflowError as exc:
         raise_as_horovod(exc)
+
+
+BEFORE_JOIN: list = []  # called by join() first (DistributedOptimizer's: _distributed.drop_partial_steps)
 
 
 # --- sparse tensors --------------------------------------------------------------------------------
