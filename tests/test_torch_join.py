@@ -486,7 +486,7 @@ def test_a_partial_accumulation_at_join_is_dropped_with_a_warning_and_the_next_e
             last = hvd.join()
         dropped = [w for w in caught if "joined with 1 of backward_passes_per_step=2" in str(w.message)]
         assert len(dropped) == (r % 2 == 0), [str(w.message) for w in caught]
-        assert last == p - 1
+        assert WORLD.allgather(last) == [last] * p and last > 0  # (the last two run as many steps)
         hvd.broadcast_parameters(net.state_dict(), root_rank=last)
         replay = copy.deepcopy(net)
         opt.zero_grad()
