@@ -41,7 +41,7 @@ from ..arrays.numpy_arrays import HOST
 from ..collectives.join import tell_after_join
 from ..collectives.operations import allreduce_on, annotated, rejected_in_background
 from ..collectives.recursive_doubling import allreduce_with_agreement
-from ..errors import CompressionOverflowError, GflowError, MismatchError
+from ..errors import CompressionOverflowError, MismatchError
 from ..runtime import engine, timeline
 from ..runtime.config import DEFAULT_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import context
@@ -147,7 +147,6 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._solo = None  # whether the communicator has one rank (found at the first push)
         self._uncommitted: list = []  # sparse segments of a flush(commit=False), awaiting commit_step()
         self._follow = None  # after a join(): the rank whose tuning position to take (joined)
-        self.last_cut = None  # why the last step failed, where crossed waits cut it short (flush)
         if self._tuner is not None:
             tell_after_join(self, comm)
         self._reset()
@@ -287,45 +286,30 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         back: DataParallel's): crossed waits from now on cut it short (cut_short)."""
         if self._cuts_before is None:
             try:
-                ctx = context(self._comm)
+                self._cuts_before = context(self._comm).steps_cut
             except Exception:  # noqa: BLE001 - a bad comm: the full path reports it where it always did
-                return
-            ctx.steps_begun += 1
-            self.last_cut = None
-            # (a step the peers had begun when crossed waits cut it, before this rank began it: cut)
-            self._cuts_before = -1 if ctx.steps_begun <= ctx.cut_through else ctx.steps_cut
+                pass
 
     def cut_short(self) -> str | None:
-        """Why this step was cut short on this rank, or None: crossed waits (a metric reduced on one
-        rank alone while the others waited in their step) made that rank leave its blocking call and
-        the others' async work fail, their step's with it: this step, begun here before (its first
-        push) or after (on that rank, where its call came after its last step: the peers told it which
-        step they were in, stall._check_crossed). Nothing more of a step cut short is sent: on the
-        fresh background channel it would pair with their next step. flush() raises MismatchError,
-        forgetting it (DataParallel and gflow.torch's optimizer do so where the program begins its
-        next step)."""
-        return self._step_cut(self._cuts_before)
-
-    def cut_owed(self) -> str | None:
-        """Why the next step begun on this communicator will be cut short, or None: crossed waits
-        failed the peers' step before this rank began it (mark_begun)."""
-        ctx = context(self._comm)
-        return ctx.cut_why if ctx.steps_begun < ctx.cut_through else None
-
-    def _step_cut(self, cuts_before) -> str | None:
-        if cuts_before is None:
+        """Why this step was cut short on this rank, or None: crossed waits after the step's first
+        push (a metric reduced on one rank alone while the others waited in their step) made that
+        rank leave its blocking call and the others' async work fail, their step's with it. Nothing
+        more of a step cut short is sent: on the fresh background channel it would pair with their
+        next step. flush() raises MismatchError, forgetting it (DataParallel and gflow.torch's
+        optimizer do so where the program begins its next step)."""
+        if self._cuts_before is None:
             return None
         ctx = context(self._comm)
-        return ctx.cut_why if ctx.steps_cut != cuts_before else None
+        return ctx.cut_why if ctx.steps_cut != self._cuts_before else None
 
     def _check_cut(self) -> None:
         """Fail this step on this rank alone where it was cut short (the peers failed theirs)."""
         why = None if self._error is not None else self.cut_short()
         if why is not None:  # (no rejection sent: the peers' step is over)
             self._stop_step(MismatchError(
-                f"this step was cut short: crossed waits (a blocking call of one rank's alone) failed "
-                f"the other ranks' step, which this rank had begun or begins after it. It is forgotten here "
-                f"too (the pushed arrays keep their local values); the next step pairs with theirs. ({why})"
+                f"this step was cut short: a blocking call of this rank's failed with crossed waits after "
+                f"the step's first push, and the other ranks' step failed then. It is forgotten here too "
+                f"(the pushed arrays keep their local values); the next step pairs with theirs. ({why})"
             ))  # fmt: skip
 
     def _fire(self) -> None:
@@ -476,13 +460,8 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             CompressionOverflowError: with dense compression="fp16", a reduced value is inf or NaN (on
                 every rank; the pushed arrays hold the reduced values, inf/NaN included).
         """
-        cuts_before = self._cuts_before  # (the step's: _flush resets it)
         with timeline.span("lazy flush"):
-            try:
-                return self._flush(commit, agree, refuse)
-            except GflowError:
-                self.last_cut = self._step_cut(cuts_before)
-                raise
+            return self._flush(commit, agree, refuse)
 
     def commit_step(self) -> None:
         """Commit the sparse residuals of the last flush(commit=False)."""

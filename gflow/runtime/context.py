@@ -110,10 +110,10 @@ class CommContext:
         self.heard_departures = 0  # (stall.hear_elsewhere: the news it looked at)
         # Crossed waits (stall._check_crossed), shared the same way: peers that said they wait in a
         # blocking collective here that this rank has not entered ({rank: (its place on its background
-        # context, its collective here)}), the error of one this rank found itself; steps cut short here,
-        # the last one's error, steps begun here, the last one cut before it began (stall._cut_steps)
+        # context, its collective here)}), the error of one this rank found itself; and how many cut
+        # this rank's steps short here, with the last one's error (stall._cut_steps, LazyAllreduce)
         self.crossed, self.crossed_here = {}, None
-        self.steps_cut, self.cut_why, self.steps_begun, self.cut_through = 0, None, 0, 0
+        self.steps_cut, self.cut_why = 0, None
         # Background contexts made for this one so far; a background context's own number among them
         # (crossed waits name the one they are about: a peer's fresh one is not the one it was told of)
         self.backgrounds_made = self.generation = 0

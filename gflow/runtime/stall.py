@@ -203,7 +203,7 @@ def _answer(ctx) -> None:
         number, report = (-1, _SILENT) if about is None else about.stall_report
         report = report if number == entered else _SILENT  # (about the collective it is in now)
         answer = [question[0], entered, int(seconds * 1000), needs, int(background_seconds * 1000), blocked]
-        answer += [report, (ctx.parent or ctx).steps_begun]
+        answer.append(report)
         comm.Send(np.array(answer, np.int64), status.Get_source(), TAG_ANSWER)
 
 
@@ -612,15 +612,14 @@ def _answer_for(seconds: float) -> None:
 def _ask(asked, about, peers) -> dict:
     """Ask the peers, on asked's monitor duplicate, where they are (about asked itself, or its
     background context): {rank: (collectives entered, seconds a thread waits in one or -1,
-    _background_wait's three, its stall report of the collective it is in: _SILENT,
-    _ABOUT_TO_REPORT or _REPORTED, and the steps LazyAllreduce began on its caller's context)} for
-    those that answered within ANSWER_S."""
+    _background_wait's three, and its stall report of the collective it is in: _SILENT,
+    _ABOUT_TO_REPORT or _REPORTED)} for those that answered within ANSWER_S."""
     global _questions
     _questions += 1
     comm, answers = asked.monitor_comm, {}
     question = np.array([_questions, about], np.int64)
     sends = [comm.Isend(question, r, TAG_QUESTION) for r in peers]
-    buffers = {r: np.empty(8, np.int64) for r in peers}
+    buffers = {r: np.empty(7, np.int64) for r in peers}
     receives = {r: comm.Irecv(buffers[r], r, TAG_ANSWER) for r in peers}
     deadline = time.monotonic() + ANSWER_S
     while receives and time.monotonic() < deadline:
@@ -629,14 +628,7 @@ def _ask(asked, about, peers) -> dict:
                 if buffers[r][0] == _questions:
                     del receives[r]
                     b = buffers[r]
-                    answers[r] = (
-                        int(b[1]),
-                        b[2] / 1000,
-                        int(b[3]),
-                        b[4] / 1000,
-                        bool(b[5]),
-                        *map(int, b[6:]),
-                    )
+                    answers[r] = (int(b[1]), b[2] / 1000, int(b[3]), b[4] / 1000, bool(b[5]), int(b[6]))
                 else:  # a late answer to an earlier question: wait on for this one's
                     receives[r] = comm.Irecv(buffers[r], r, TAG_ANSWER)
         for other in _watched:  # peers may be asking us at the same time
@@ -683,14 +675,11 @@ def _check_crossed(ctx, number: int) -> None:
     answers = _ask(asked, about, [r for r in range(ctx.size) if r != ctx.rank])
     crossed = sorted(
         r
-        for r, (entered, _, needs, background_seconds, blocked, *_) in answers.items()
+        for r, (entered, _, needs, background_seconds, blocked, _) in answers.items()
         if entered < number and blocked and background_seconds >= 0 and needs > position
     )
     if not crossed or not _engine_idle():
         return
-    # A step the peers began that this rank has not (its blocking call came after its last step: a
-    # metric logged after step()) fails there: this rank's cuts it when it begins (LazyAllreduce)
-    ctx.cut_through = max(ctx.cut_through, *(answers[r][6] for r in crossed))
     # Every peer is told, not only those found crossed: one slower to start waiting is in the same
     # place a moment later, and none can finish what this rank now leaves unfinished.
     # (which background context: the current one, or the first one made from now where none is)

@@ -366,11 +366,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         losses alike, or raise MismatchError on every rank."""
         self._check_set()
         if not self._touched:
-            why = self._dp.take_cut()
-            if why is None and self._dp.cut_owed() and self._grads_as_reduced(unchanged=True):
-                why = self._dp.cut_owed()  # (no backward since the step applied before the crossed waits)
-            if why is not None:  # (Horovod's way to drop a step, after the error: see _raise_cut)
-                self._raise_cut(why)
             self._gflow_begin_step()
         params = self._gflow_params
         stale = any(p.grad is g and g._version == v for p, g, v in self._refused)
@@ -452,17 +447,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         unchanged since), over the same memory (p.grad.data = ... sets a gradient anew too). Else a
         step whose gradients were set by hand, after a step GradScaler skipped, would be taken for
         reduced."""
-        self._reduced = self._reduced and self._grads_as_reduced(unchanged)
-        return self._reduced
-
-    def _grads_as_reduced(self, unchanged: bool) -> bool:
-        """Whether every gradient is the tensor the last synchronize() reduced (and, with
-        `unchanged`, unchanged since), over the same memory."""
+        if not self._reduced:
+            return False
         live = [p.grad for p in self._gflow_params if p.grad is not None]
-        return len(live) == len(self._reduced_grads) and all(
+        still = len(live) == len(self._reduced_grads) and all(
             g is was and _memory(g) == memory and (not unchanged or g._version == version)
             for g, (was, version, memory) in zip(live, self._reduced_grads, strict=True)
         )
+        self._reduced = still
+        return still
 
     def _agreement(self, changed: list, moved: bool, scale: float | None, stale: bool) -> np.ndarray:
         """This rank's side of the step's agreement, whose maximum over the ranks _gflow_agree
@@ -837,18 +830,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         for group in self.param_groups:
             group["momentum"] = 0.0
 
-    def _raise_cut(self, why: str) -> None:
-        """synchronize() (or step()) with no backward since a step that crossed waits cut short: on the
-        rank whose blocking call crossed, that step was still pending, and its synchronize() raises
-        without sending it; here it raises alike, sending nothing. It sent the same gradients as a new
-        step, and the ranks' steps no longer paired (helper-75). On the rank whose blocking call came
-        after its step, with the gradients that step applied: the peers' next step failed, which
-        this rank's next backward begins (and drops), not this call."""
-        raise as_horovod_error(gflow.MismatchError(
-            f"this step was cut short by crossed waits and failed (a blocking call of one rank's alone): "
-            f"it is forgotten; run backward for the next step. ({why})"
-        ))  # fmt: skip
-
     def _forget_cut_step(self) -> None:
         """Crossed waits cut this step short (a blocking call of this rank's alone, while the others
         waited in step(), where it failed): forgotten here as there, by its synchronize()'s raise."""
@@ -858,7 +839,6 @@ class _DistributedOptimizer(OptimizerCheckpoint):
     def zero_grad(self, set_to_none: bool = True):
         if self._touched and self._dp.cut_short() is not None:
             self._forget_cut_step()
-        self._dp.take_cut()  # (a new step's gradients come next)
         if self._touched:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "

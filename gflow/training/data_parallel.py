@@ -370,17 +370,6 @@ class DataParallel:
         push of a parameter already pushed in it (the program's next step, after the error)."""
         return self._lazy.cut_short()
 
-    def take_cut(self) -> str | None:
-        """Why the last synchronize() failed, where crossed waits cut its step short (and not since
-        a push began another), once: then None. For a caller that must drop that step alike on every
-        rank: gflow.torch's optimizer, whose synchronize() straight after it sends nothing."""
-        why, self._lazy.last_cut = self._lazy.last_cut, None
-        return why
-
-    def cut_owed(self) -> str | None:
-        """See LazyAllreduce.cut_owed."""
-        return self._lazy.cut_owed()
-
     def _forget_cut_step(self) -> None:
         """Forget a step cut short, as the peers forgot theirs: synchronize() raises, and resets."""
         try:
