@@ -242,19 +242,15 @@ def test_after_crossed_waits_no_collective_starts_on_that_communicator():
 
 
 @pytest.mark.parallel([2, 3])
-@pytest.mark.parametrize(
-    "threshold", [None, 256]
-)  # (the step's segments all at synchronize(), or some before)
-@pytest.mark.parametrize("next_step_by", ["push", "synchronize"])
+@pytest.mark.parametrize("threshold", [None, 256])  # (segments all at synchronize(), or some before)
+@pytest.mark.parametrize("where", ["between", "after"])  # (the metric before the last push, or after)
 @pytest.mark.parametrize("order", ["backward", "model"])  # (model: DataParallel holds them all back)
-def test_a_step_that_crossed_waits_cut_short_is_forgotten_on_every_rank(threshold, next_step_by, order):
-    # helper-73: the last rank reduces a metric alone between its pushes and synchronize(). The others'
-    # synchronize() fails with the crossed waits, and so does its metric, but its step stayed
-    # pending: its synchronize() (which gflow.torch's zero_grad() message advised) sent it on the
-    # fresh background channel, where it met the others' next step, and every later step paired its
-    # step k with their k + 1. Now that step is cut short on it too: its synchronize() raises, or a
-    # push of its next step forgets it, and every rank's steps 0, 2 and 3 are the float64 sums of
-    # those steps' gradients.
+def test_after_crossed_waits_every_later_step_fails_on_every_rank(threshold, where, order):
+    # The last rank reduces a metric alone, between its pushes and synchronize() or after its step,
+    # while the others wait in their step: crossed waits, on every rank. Then every later step fails
+    # on every rank, sending nothing: which of the ranks' steps pair after it depends on the program,
+    # and going on paired a rank's step k with the others' k + 1 (helper-73, helper-77). The steps
+    # before are the float64 sums of their gradients on every rank.
     comm = WORLD.Dup()
     shapes = {"w": (40, 3), "b": (40,), "v": (7,)}
     dp = gflow.DataParallel({k: np.zeros(s) for k, s in shapes.items()}, op="sum", threshold_bytes=threshold,
@@ -268,20 +264,17 @@ def test_a_step_that_crossed_waits_cut_short_is_forgotten_on_every_rank(threshol
         try:
             keys = list(reversed(shapes) if order == "backward" else shapes)
             for key in keys:
-                if step == 1 and last and key == keys[-1]:  # (before the last push: in model order,
+                if step == 1 and last and key == keys[-1] and where == "between":  # (in model order,
                     gflow.allreduce(np.ones(1), comm=comm)  # the others are still held back) the metric
                 dp.push(key, pushed[key])
             dp.synchronize()
             got[step] = pushed
-        except gflow.MismatchError as error:
-            assert "crossed waits" in str(error)
+            if step == 1 and last and where == "after":
+                gflow.allreduce(np.ones(1), comm=comm)
+        except gflow.GflowError as error:
+            assert "crossed waits" in str(error), error
             failed.append(step)
-        if step == 1 and last and next_step_by == "synchronize":
-            assert dp.cut_short() is not None
-            with pytest.raises(gflow.GflowError, match="this step was cut short"):
-                dp.synchronize()
-        assert dp.cut_short() is None or step == 1 and last
-    assert failed == [1]
+    assert failed == list(range(2 if where == "after" and not last else 1, 4)), failed
     for step, reduced in got.items():
         for key in shapes:
             want = sum(everyone[r][step][key] for r in range(WORLD.size))

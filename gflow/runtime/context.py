@@ -3,6 +3,9 @@
 One CommContext per user communicator, made on first use and cached on that communicator as an MPI
 attribute, so it is freed with it and a reused handle never finds a stale one. Traffic on the
 private duplicate can never match the user's own messages.
+
+This file is long: a context's duplicates, its background channel and what a failure leaves usable
+(crossed waits, interrupts) are one state machine, read together.
 """
 
 import threading
@@ -264,6 +267,8 @@ class CommContext:
         meet the program's own Split or Dup of the communicator right after the call out of order.
         What fails there is raised by the queued work, as where the engine thread makes them.
         `collective` names the call in a stall warning meanwhile."""
+        if self.failed is not None:
+            return self._refusing()
         background = self.background()
         if not _DUPLICATES_BEFORE_ASYNC or (self._made and background._made) or background.failed is not None:
             return background  # (a failed one refuses its work: check_usable)
@@ -277,6 +282,20 @@ class CommContext:
             background.making_error = error
         finally:
             mark.ctx, mark.blocked_on, mark.job = last, None, None
+        return background
+
+    def _refusing(self) -> "CommContext":
+        """After crossed waits (stall.py) no rank makes another collective on this communicator: the
+        ranks cannot tell which of their steps pair (the one the others failed in was this rank's
+        current step, its next, or one its program skips: helper-77). Async work goes to a context
+        that refuses it without communicating (check_usable), as blocking calls here are refused."""
+        background = self._background or self._retired
+        if background is None:  # (none made yet: one that posts no duplicate)
+            background = self._retired = CommContext(self._user_comm, background=True, by_parent=True)
+        background.failed = (
+            f"crossed waits ended this communicator's collectives on every rank ({self.failed}): make "
+            "that call on every rank; end the job, or go on with a new communicator"
+        )
         return background
 
     def background(self) -> "CommContext":
