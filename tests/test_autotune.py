@@ -618,3 +618,39 @@ def test_a_kit_on_a_subset_takes_the_tuning_of_that_subsets_last_rank():
     if subsets:
         sub.Free()
     comm.Free()
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_rank_with_no_data_in_the_next_epoch_leaves_the_others_to_follow_the_last_tuning():
+    """The epoch after an uneven one: the last rank has no batch and joins at once, so the others'
+    first step takes the tuning position it set through allreduces it serves with zeros in join()
+    (a broadcast failed on them alone: helper-77). Every step of theirs sums the ranks with data."""
+    rng, r, p = rank_rng(97), WORLD.rank, WORLD.size
+    lazy = gflow.LazyAllreduce("auto", op="sum")
+    grads = [random_array(rng, s, np.float32) for s in SHAPES]
+
+    def step():
+        for g in grads:
+            lazy.push(g)
+        lazy.flush()
+
+    def check():
+        assert _uneven_steps_then_join(step, gflow.join, r + 1) == p - 1
+        inputs, outputs = [], []
+        for _ in range(0 if r == p - 1 else 2):  # (the next epoch: the last rank has no data)
+            inputs.append([random_array(rng, g.shape, g.dtype) for g in grads])
+            for g, x in zip(grads, inputs[-1], strict=True):
+                g[...] = x
+                lazy.push(g)
+            lazy.flush()
+            outputs.append([g.copy() for g in grads])
+        gflow.join()
+        everyone = WORLD.allgather(inputs)
+        for i, got in enumerate(outputs):
+            for k, g in enumerate(got):
+                expected = sum(e[i][k].astype(np.float64) for e in everyone if len(e) > i)
+                np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-5)
+        where = (lazy._tuner.position(), lazy.threshold_bytes) if r < p - 1 else None
+        assert len({w for w in WORLD.allgather(where) if w is not None}) == 1
+
+    on_all_ranks(check)

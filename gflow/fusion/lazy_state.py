@@ -6,7 +6,7 @@ import pickle
 
 import numpy as np
 
-from ..collectives.exchange import broadcast_on
+from ..collectives.operations import allreduce_on
 from ..runtime import checkpoint as st
 from ..runtime.checkpoint import compression_name
 from ..runtime.context import context
@@ -42,14 +42,18 @@ class LazyCheckpoint:
         self._follow = last
 
     def _follow_join(self) -> None:
-        """Take the tuning position of the rank that joined last (a blocking broadcast from it, on
-        every rank: each was told of the join)."""
-        ctx, root = context(self._comm), self._follow
-        mine = pickle.dumps(self.tuning_position()) if ctx.rank == root else b""
-        size = int(broadcast_on(ctx, np.array([len(mine)], np.int64), root=root)[0])
+        """Take the tuning position of the rank that joined last (or, where that rank is in join()
+        again, with no data this epoch, of the rank still stepping that tuned longest): its bytes
+        summed with every other rank's zeros, in allreduces, which a rank in join() serves with zeros
+        (a broadcast failed on the others alone: helper-77)."""
+        ctx = context(self._comm)
+        mine = (ctx.rank == self._follow) * 2**40 + self._tuner.steps  # (who to follow: the largest)
+        key = allreduce_on(ctx, np.array([mine * ctx.size + ctx.rank], np.int64), "max")[0]
+        own = pickle.dumps(self.tuning_position()) if key % ctx.size == ctx.rank else b""
+        size = int(allreduce_on(ctx, np.array([len(own)], np.int64), "max")[0])
         words = np.zeros(-(-size // 8), np.int64)  # (bytes travel as int64 words)
-        words.view(np.uint8)[: len(mine)] = np.frombuffer(mine, np.uint8)
-        payload = broadcast_on(ctx, words, root=root).view(np.uint8)[:size]
+        words.view(np.uint8)[: len(own)] = np.frombuffer(own, np.uint8)
+        payload = allreduce_on(ctx, words, "sum").view(np.uint8)[:size]
         self.adopt_tuning(pickle.loads(payload.tobytes()))  # (the same job's own bytes)
         self._follow = None
 
