@@ -38,7 +38,7 @@ class LazyCheckpoint:
         """A join() on this kit's communicator ended (gflow.join, DataParallel.join, hvd.join): the
         ranks' tuners stopped where each joined, and their position is in every segment's checksum,
         so every step after an uneven epoch failed on every rank (helper-76). At the next step's
-        first push every rank takes the position of `last`, the rank that joined last (follow_join)."""
+        first push every rank takes the position of `last`, the rank that joined last (_follow_join)."""
         self._follow = last
 
     def _follow_join(self) -> None:
