@@ -284,10 +284,9 @@ def raise_crossed(ctx, number: int) -> None:
         ctx.failed = text  # its unfinished collective's messages are still posted
         # The peers were told to abandon their async collectives past this rank's place on the
         # background context (their duplicates, where it has none yet): each fails the one it waits in
-        # (the program's step, which this rank's program skips as it raises here) and makes a fresh
-        # context at its next async call. So does this rank: its background context is dropped now
-        # (made first where there is none yet, so that its duplicate meets the one the peers
-        # abandoned), and its next async call, the peers' next one, makes the fresh one with them.
+        # (the program's step). This rank's background context is dropped now (made first where there
+        # is none yet, so that its duplicate meets the one the peers abandoned). No rank makes another
+        # collective on this communicator (CommContext._refusing: which steps pair is unknown).
         _cut_steps(ctx, text)
         _drop_background(ctx)
         raise MismatchError(text)
