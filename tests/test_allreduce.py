@@ -428,6 +428,8 @@ def test_gradient_buffers_raise_while_a_rank_is_joined_and_the_others_go_on():
 
     comm = WORLD.Dup()
     others = comm.Split(int(comm.rank > 0), comm.rank)
+    gflow.allreduce(np.ones(3), comm=comm)  # (gflow's communicators made: under Open MPI, join() as
+    # rank 0's first call beside the others' gradient_buffers() hangs making them; not fixed)
 
     def check():
         if comm.rank > 0:
