@@ -6,6 +6,7 @@ import hashlib
 import io
 import math
 import pickle
+from functools import partial
 
 import numpy as np
 import pytest
@@ -513,6 +514,21 @@ def test_a_distributed_optimizer_checkpoint_mid_tuning_goes_through_torch_load()
     assert fresh._dp._lazy.threshold_bytes == position["trying"][position["index"]]
 
 
+def _push_and_flush(lazy, grads) -> None:
+    for g in grads:
+        lazy.push(g)
+    lazy.flush()
+
+
+def _random_step(lazy, grads, rng) -> list:
+    """Random values into `grads`, one step through `lazy`; returns the inputs."""
+    inputs = [random_array(rng, g.shape, g.dtype) for g in grads]
+    for g, x in zip(grads, inputs, strict=True):
+        g[...] = x
+    _push_and_flush(lazy, grads)
+    return inputs
+
+
 def _uneven_steps_then_join(step, joins, steps: int):
     """`steps` steps of `step()` on this rank, then `joins()`: the others' steps beyond this rank's
     are served with zeros."""
@@ -532,13 +548,7 @@ def test_after_uneven_steps_and_join_every_rank_takes_the_tuning_of_the_rank_tha
     if kit == "lazy":
         lazy = gflow.LazyAllreduce("auto", op="sum")
         grads = [random_array(rng, s, np.float32) for s in SHAPES]
-
-        def step():
-            for g in grads:
-                lazy.push(g)
-            lazy.flush()
-
-        joins = gflow.join
+        step, joins = partial(_push_and_flush, lazy, grads), gflow.join
     else:
         params = {f"w{i}": np.zeros(s, np.float32) for i, s in enumerate(SHAPES)}
         dp = gflow.DataParallel(params, op="sum", threshold_bytes="auto")
@@ -587,13 +597,8 @@ def test_a_kit_on_a_subset_takes_the_tuning_of_that_subsets_last_rank():
 
     def check():
         if subsets:
-
-            def step():
-                for g in grads:
-                    lazy.push(g)
-                lazy.flush()
-
-            last = _uneven_steps_then_join(step, lambda: gflow.join(comm, subsets=subsets), r + 1)
+            step, joins = partial(_push_and_flush, lazy, grads), partial(gflow.join, comm, subsets=subsets)
+            last = _uneven_steps_then_join(step, joins, r + 1)
         else:
             for _ in range(p + 1):  # (the world's last to join: its allreduces are served by the rest)
                 gflow.allreduce(np.ones(3), comm=comm)
@@ -602,12 +607,7 @@ def test_a_kit_on_a_subset_takes_the_tuning_of_that_subsets_last_rank():
         if not subsets:
             return
         for _ in range(3):
-            inputs = [random_array(rng, g.shape, g.dtype) for g in grads]
-            for g, x in zip(grads, inputs, strict=True):
-                g[...] = x
-                lazy.push(g)
-            lazy.flush()
-            everyone = sub.allgather(inputs)
+            everyone = sub.allgather(_random_step(lazy, grads, rng))
             for k, g in enumerate(grads):
                 expected = sum(e[k].astype(np.float64) for e in everyone)
                 np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-5)
@@ -629,20 +629,11 @@ def test_a_rank_with_no_data_in_the_next_epoch_leaves_the_others_to_follow_the_l
     lazy = gflow.LazyAllreduce("auto", op="sum")
     grads = [random_array(rng, s, np.float32) for s in SHAPES]
 
-    def step():
-        for g in grads:
-            lazy.push(g)
-        lazy.flush()
-
     def check():
-        assert _uneven_steps_then_join(step, gflow.join, r + 1) == p - 1
+        assert _uneven_steps_then_join(partial(_push_and_flush, lazy, grads), gflow.join, r + 1) == p - 1
         inputs, outputs = [], []
         for _ in range(0 if r == p - 1 else 2):  # (the next epoch: the last rank has no data)
-            inputs.append([random_array(rng, g.shape, g.dtype) for g in grads])
-            for g, x in zip(grads, inputs[-1], strict=True):
-                g[...] = x
-                lazy.push(g)
-            lazy.flush()
+            inputs.append(_random_step(lazy, grads, rng))
             outputs.append([g.copy() for g in grads])
         gflow.join()
         everyone = WORLD.allgather(inputs)
