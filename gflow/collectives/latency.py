@@ -79,7 +79,7 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
         result = out
     else:
         return None
-    if ctx.failed is not None or ctx.abandoned is not None:
+    if ctx.failed is not None or ctx.abandoned is not None or ctx.ended is not None:
         ctx.check_usable()
     plan = small.plan
     flat = small.flat and result.ndim == 1  # (a reshape costs 0.3 us: about what this lane adds)

@@ -36,7 +36,7 @@ def reject(ctx: CommContext, collective: str, error: BaseException | None = None
     MismatchError instead of waiting for this rank forever, with this rank's error (`error`, or the one
     being handled) in its first line. The caller then raises the local error. Every exception the
     local checks raise takes this path, not only TypeError and ValueError."""
-    if recursive_doubling.wants_agreement(ctx) and ctx.failed is None:
+    if recursive_doubling.wants_agreement(ctx) and ctx.failed is None and ctx.ended is None:
         error = error or sys.exc_info()[1]
         try:
             with recursive_doubling.passing(None if error is None else Words(_first_line, error)):

@@ -449,9 +449,35 @@ def _conclude(ctx: CommContext, header, about) -> None:
         if _two_calls(header) and settings_differ(sig_a, sig_b):
             about = settings_words(sig_a)  # (this rank's values of them: which one differs)
         passed = share_what_passed(ctx, header, about)
-        raise MismatchError(_mismatch_message(header, stall.world_ranks(ctx), passed))
+        text = _mismatch_message(header, stall.world_ranks(ctx), passed)
+        if _two_calls(header):
+            end_after_a_step_met(ctx, sig_a, sig_b, text)
+        raise MismatchError(text)
     if header[_RANK_B] != 0:
         _check_joined(header)
+
+
+_STEP_CODES = frozenset((COLLECTIVE_CODE["lazy"], COLLECTIVE_CODE["sparse"]))
+
+
+def end_after_a_step_met(ctx: CommContext, sig_a, sig_b, text: str) -> None:
+    """Where one rank's step (a lazy or sparse segment) met another kind of call on the background
+    channel, one rank made a call the others did not (a metric's allreduce_async on one rank, before
+    or after its own step): no rank makes another collective on this communicator, as after crossed
+    waits. Whether that rank's next step pairs with the others' failed one or with their next one
+    depends on where its program goes after the error, and a wrong guess averages batch k with
+    batch k + 1 for the rest of training, silently (helper-77). The verdict is alike on every rank."""
+    codes = {int(sig_a[0]), int(sig_b[0])}
+    parent = ctx.parent
+    if not ctx.is_background or parent is None or len(codes) < 2 or not codes & _STEP_CODES:
+        return
+    if parent.ended is None:
+        parent.ended = (
+            f"a step met another kind of call on this communicator ({text.partition(chr(10))[0]}), so "
+            "no rank makes another collective on it: which of the ranks' steps would pair next is "
+            "unknown. Make that call on every rank; end the job, or go on with a new communicator"
+        )
+    stall.cut_steps(parent, parent.ended)
 
 
 def _node_step(ctx: CommContext, plan: _Plan, src, dst, op, about, exchanged=False) -> None:

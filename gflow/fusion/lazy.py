@@ -283,7 +283,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
 
     def mark_begun(self) -> None:
         """The step has begun, if it had not (its first push, here or in a caller that holds pushes
-        back: DataParallel's): crossed waits from now on cut it short (cut_short)."""
+        back: DataParallel's): an end of its communicator from now on cuts it short (cut_short)."""
         if self._cuts_before is None:
             try:
                 self._cuts_before = context(self._comm).steps_cut
@@ -291,12 +291,11 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 pass
 
     def cut_short(self) -> str | None:
-        """Why this step was cut short on this rank, or None: crossed waits after the step's first
-        push (a metric reduced on one rank alone while the others waited in their step) made that
-        rank leave its blocking call and the others' async work fail, their step's with it. Nothing
-        more of a step cut short is sent: on the fresh background channel it would pair with their
-        next step. flush() raises MismatchError, forgetting it (DataParallel and gflow.torch's
-        optimizer do so where the program begins its next step)."""
+        """Why this step was cut short on this rank, or None: after its first push, crossed waits (a
+        metric reduced on one rank alone while the others waited in their step) or a step that met
+        another kind of call ended the communicator (stall.cut_steps). Nothing more of a step cut
+        short is sent; flush() raises MismatchError, forgetting it (DataParallel and gflow.torch's
+        optimizer do so where the program begins its next step, whose pushes are refused)."""
         if self._cuts_before is None:
             return None
         ctx = context(self._comm)
@@ -307,9 +306,8 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         why = None if self._error is not None else self.cut_short()
         if why is not None:  # (no rejection sent: the peers' step is over)
             self._stop_step(MismatchError(
-                f"this step was cut short: a blocking call of this rank's failed with crossed waits after "
-                f"the step's first push, and the other ranks' step failed then. It is forgotten here too "
-                f"(the pushed arrays keep their local values); the next step pairs with theirs. ({why})"
+                f"this step was cut short after its first push, and nothing more of it is sent (the pushed "
+                f"arrays keep their local values): {why}"
             ))  # fmt: skip
 
     def _fire(self) -> None:

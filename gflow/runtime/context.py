@@ -114,9 +114,13 @@ class CommContext:
         # Crossed waits (stall._check_crossed), shared the same way: peers that said they wait in a
         # blocking collective here that this rank has not entered ({rank: (its place on its background
         # context, its collective here)}), the error of one this rank found itself; and how many cut
-        # this rank's steps short here, with the last one's error (stall._cut_steps, LazyAllreduce)
+        # this rank's steps short here, with the last one's error (stall.cut_steps, LazyAllreduce)
         self.crossed, self.crossed_here = {}, None
         self.steps_cut, self.cut_why = 0, None
+        # Why no rank makes another collective on this communicator, where a step met another kind of
+        # call on the background channel (collectives/recursive_doubling.end_after_a_step_met): like
+        # crossed waits, which of the ranks' steps pair next is unknown. Checked where a call starts.
+        self.ended = None
         # Background contexts made for this one so far; a background context's own number among them
         # (crossed waits name the one they are about: a peer's fresh one is not the one it was told of)
         self.backgrounds_made = self.generation = 0
@@ -158,6 +162,8 @@ class CommContext:
         an exchange through shared memory (stall.abandoned): its message may be with the others
         already (an MPI message sent eagerly, a slot of collectives/shared_slots.py), which take it
         for their own call, and this rank's next call would meet their next, silently."""
+        if self.ended is not None:
+            raise GflowError(self.ended)
         if self.failed is not None:
             channel = "background " if self.is_background else ""
             raise GflowError(f"an earlier {channel}collective on this communicator failed: {self.failed}")
@@ -267,7 +273,7 @@ class CommContext:
         meet the program's own Split or Dup of the communicator right after the call out of order.
         What fails there is raised by the queued work, as where the engine thread makes them.
         `collective` names the call in a stall warning meanwhile."""
-        if self.failed is not None:
+        if self.failed is not None or self.ended is not None:
             return self._refusing()
         background = self.background()
         if not _DUPLICATES_BEFORE_ASYNC or (self._made and background._made) or background.failed is not None:
@@ -285,14 +291,15 @@ class CommContext:
         return background
 
     def _refusing(self) -> "CommContext":
-        """After crossed waits (stall.py) no rank makes another collective on this communicator: the
-        ranks cannot tell which of their steps pair (the one the others failed in was this rank's
-        current step, its next, or one its program skips: helper-77). Async work goes to a context
-        that refuses it without communicating (check_usable), as blocking calls here are refused."""
+        """After crossed waits (stall.py), or a step that met another kind of call (`ended`), no rank
+        makes another collective on this communicator: the ranks cannot tell which of their steps pair
+        (the one the others failed in was this rank's current step, its next, or one its program
+        skips: helper-77). Async work goes to a context that refuses it without communicating
+        (check_usable), as blocking calls here are refused."""
         background = self._background or self._retired
         if background is None:  # (none made yet: one that posts no duplicate)
             background = self._retired = CommContext(self._user_comm, background=True, by_parent=True)
-        background.failed = (
+        background.failed = self.ended or (
             f"crossed waits ended this communicator's collectives on every rank ({self.failed}): make "
             "that call on every rank; end the job, or go on with a new communicator"
         )

@@ -253,7 +253,7 @@ def check_waiting() -> None:
         # A peer that found crossed waits told this rank (stall._answer), whose thread waits in a
         # blocking collective too (the one that peer left unfinished, or one after it): none can
         # finish. This rank's program leaves it as the finder's does: so does its background context.
-        _cut_steps(ctx, ctx.failed)
+        cut_steps(ctx, ctx.failed)
         if _engine_idle():
             _drop_background(ctx)
         raise MismatchError(
@@ -287,7 +287,7 @@ def raise_crossed(ctx, number: int) -> None:
         # (the program's step). This rank's background context is dropped now (made first where there
         # is none yet, so that its duplicate meets the one the peers abandoned). No rank makes another
         # collective on this communicator (CommContext._refusing: which steps pair is unknown).
-        _cut_steps(ctx, text)
+        cut_steps(ctx, text)
         _drop_background(ctx)
         raise MismatchError(text)
     if not ctx.is_background:
@@ -302,15 +302,15 @@ def raise_crossed(ctx, number: int) -> None:
                 f"that gflow rank {ctx.rank} has not entered, and cannot start the async collective "
                 f"#{number} this rank waits for before that call returns. {_CROSSED_CAUSE}"
             )
-            _cut_steps(ctx.parent, text)  # (the step this wait belongs to fails; one begun beside it too)
+            cut_steps(ctx.parent, text)  # (the step this wait belongs to fails; one begun beside it too)
             raise MismatchError(text)
 
 
-def _cut_steps(ctx, why: str) -> None:
+def cut_steps(ctx, why: str) -> None:
     """Crossed waits make this rank leave a blocking call on ctx, and the peers failed the async work
-    they waited in, their program's step: a step this rank had begun on ctx is cut short too
-    (LazyAllreduce.cut_short). Sent on, on the fresh background context, it would pair with the
-    peers' next step (helper-73)."""
+    they waited in, their program's step (or a step met another kind of call: recursive_doubling.
+    end_after_a_step_met): a step this rank had begun on ctx is cut short too (LazyAllreduce.cut_short).
+    Sent on, on the fresh background context, it would pair with the peers' next step (helper-73)."""
     ctx.steps_cut, ctx.cut_why = ctx.steps_cut + 1, why
 
 

@@ -364,10 +364,10 @@ class DataParallel:
         self._drain()
 
     def cut_short(self) -> str | None:
-        """Why this step was cut short on this rank, or None (LazyAllreduce.cut_short): crossed waits
-        made this rank leave a blocking call of its own after the step's first push, and the other
-        ranks' synchronize() failed then. This rank's synchronize() raises and forgets it; so does a
-        push of a parameter already pushed in it (the program's next step, after the error)."""
+        """Why this step was cut short on this rank, or None (LazyAllreduce.cut_short): crossed waits,
+        or a step that met another kind of call, ended the communicator after the step's first push.
+        This rank's synchronize() raises and forgets it; so does a push of a parameter already pushed
+        in it (the program's next step, after the error)."""
         return self._lazy.cut_short()
 
     def _forget_cut_step(self) -> None:
