@@ -170,6 +170,10 @@ FIRST_LINES = {
     "rows": (lambda: gflow.reduce_scatter(np.ones((10, 2)), rows=True),
              lambda: gflow.reduce_scatter(np.ones((10, 2))),
              "rows=: rank {a} passed rows=True, rank {last} passed rows=False"),
+    "flat shapes": (lambda: gflow.reduce_scatter(np.ones((5, 3))),
+                    lambda: gflow.reduce_scatter(np.ones((3, 5))),
+                    "the shape: rank {a} passed an array of shape (5, 3), rank {last} passed an array of "
+                    "shape (3, 5)"),
     "settings": (lambda: gflow.allreduce(np.ones(64), algorithm="ring"), lambda: _segments_of(4096),
                  "gflow.config's settings for the algorithm: rank {a} has ring_segment_bytes=1048576, "
                  "rank {last} has ring_segment_bytes=4096"),

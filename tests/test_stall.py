@@ -243,12 +243,14 @@ def test_after_crossed_waits_no_collective_starts_on_that_communicator():
 @pytest.mark.parametrize("threshold", [None, 256])  # (segments all at synchronize(), or some before)
 @pytest.mark.parametrize("where", ["between", "after"])  # (the metric before the last push, or after)
 @pytest.mark.parametrize("order", ["backward", "model"])  # (model: DataParallel holds them all back)
-def test_after_crossed_waits_every_later_step_fails_on_every_rank(threshold, where, order):
+@pytest.mark.parametrize("metric", ["blocking", "async"])
+def test_after_crossed_waits_every_later_step_fails_on_every_rank(threshold, where, order, metric):
     # The last rank reduces a metric alone, between its pushes and synchronize() or after its step,
-    # while the others wait in their step: crossed waits, on every rank. Then every later step fails
-    # on every rank, sending nothing: which of the ranks' steps pair after it depends on the program,
-    # and going on paired a rank's step k with the others' k + 1 (helper-73, helper-77). The steps
-    # before are the float64 sums of their gradients on every rank.
+    # while the others are in their step: crossed waits (a blocking metric) or a step that met another
+    # kind of call (an async one), on every rank. Then every later step fails on every rank, sending
+    # nothing: which of the ranks' steps pair after it depends on the program, and going on paired a
+    # rank's step k with the others' k + 1 (helper-73, helper-77). The steps before are the float64
+    # sums of their gradients on every rank.
     comm = WORLD.Dup()
     shapes = {"w": (40, 3), "b": (40,), "v": (7,)}
     dp = gflow.DataParallel({k: np.zeros(s) for k, s in shapes.items()}, op="sum", threshold_bytes=threshold,
@@ -257,20 +259,28 @@ def test_after_crossed_waits_every_later_step_fails_on_every_rank(threshold, whe
     grads = [{k: random_array(rng, s, np.float64) for k, s in shapes.items()} for _ in range(4)]
     everyone = WORLD.allgather(grads)
     failed, got, last = [], {}, WORLD.rank == LAST
+    said = "crossed waits" if metric == "blocking" else "disagree on the collective|another kind of call"
+
+    def reduce_metric():  # (on the last rank only)
+        if metric == "blocking":
+            gflow.allreduce(np.ones(1), comm=comm)
+        else:
+            gflow.allreduce_async(np.ones(1), comm=comm).wait()
+
     for step in range(4):
         pushed = {k: g.copy() for k, g in grads[step].items()}
         try:
             keys = list(reversed(shapes) if order == "backward" else shapes)
             for key in keys:
                 if step == 1 and last and key == keys[-1] and where == "between":  # (in model order,
-                    gflow.allreduce(np.ones(1), comm=comm)  # the others are still held back) the metric
+                    reduce_metric()  # the others are still held back) the metric
                 dp.push(key, pushed[key])
             dp.synchronize()
             got[step] = pushed
             if step == 1 and last and where == "after":
-                gflow.allreduce(np.ones(1), comm=comm)
+                reduce_metric()
         except gflow.GflowError as error:
-            assert "crossed waits" in str(error), error
+            assert re.search(said, str(error)), error
             failed.append(step)
     assert failed == list(range(2 if where == "after" and not last else 1, 4)), failed
     for step, reduced in got.items():

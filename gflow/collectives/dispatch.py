@@ -166,18 +166,19 @@ def settle_auto(ctx: CommContext, nbytes: int, memory: str) -> str:
     return "ring"
 
 
-def reduce_scatter_flat(ctx: CommContext, src, *, ops, dtype, name: str, memory: str, rows=None):
+def reduce_scatter_flat(
+    ctx: CommContext, src, *, ops, dtype, name: str, memory: str, rows=None, fingerprint: int = 0
+):
     """This rank's shard of the reduction of the flat contiguous src, as a new flat array: chunk
-    `rank` of np.array_split's layout over the elements, or, with rows=(nrows, shape fingerprint),
-    over the rows (the ranks agree on the whole shape, whose checksum is that fingerprint)."""
-    extra = 0 if rows is None else rows[1]
-    agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, extra=extra, memory=memory))
+    `rank` of np.array_split's layout over the elements, or, with rows=nrows, over the rows. The
+    ranks agree on `fingerprint` (the caller's checksum of the shape)."""
+    agree(ctx, signature("reduce_scatter", "ring", src.size, dtype, name, extra=fingerprint, memory=memory))
     src, name = _predivided(ctx, src, ops, name)
     if rows is None:
         bounds = ring.chunk_bounds(src.size, ctx.size)
     else:
-        row_elems = src.size // rows[0] if rows[0] else 0
-        bounds = [b * row_elems for b in ring.chunk_bounds(rows[0], ctx.size)]
+        row_elems = src.size // rows if rows else 0
+        bounds = [b * row_elems for b in ring.chunk_bounds(rows, ctx.size)]
     work = ops.empty(src.size, dtype)
     ring.reduce_scatter(ctx, src, work, ops, "sum" if name == "mean" else name, bounds)
     shard = ops.empty(bounds[ctx.rank + 1] - bounds[ctx.rank], dtype)

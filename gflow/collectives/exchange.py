@@ -51,19 +51,19 @@ def reduce_scatter_on(ctx: CommContext, x, op, *, rows=False, fingerprint=None, 
     except Exception:
         reject(ctx, "reduce_scatter")
         raise
-    if rows and fingerprint is None:
-        fingerprint = shape_fingerprint(shape)
+    if fingerprint is None:  # ((2, 3) against (3, 2) fails, as in allreduce; rows= apart from either)
+        fingerprint = shape_fingerprint(shape if rows else (*shape, -1))
     if about is None:  # (words made only for a MismatchError)
         about = Words("an array of shape {}, rows={}".format, shape, bool(rows))
     transport = kind.transport()
     src = transport.send(ctx, kind.read(x))
-    split = (shape[0], fingerprint) if rows else None
     shard = annotated(
         lambda: reduce_scatter_flat(
-            ctx, src, ops=transport.ops, dtype=dtype, name=name, memory=kind.memory, rows=split
+            ctx, src, ops=transport.ops, dtype=dtype, name=name, memory=kind.memory,
+            rows=shape[0] if rows else None, fingerprint=fingerprint,
         ),
         about,
-    )
+    )  # fmt: skip
     if not rows:
         return kind.done(transport.result(kind, x, shard, (shard.size,), dtype))
     nrows = ring_rows(shape[0], ctx.size, ctx.rank)

@@ -461,16 +461,16 @@ _STEP_CODES = frozenset((COLLECTIVE_CODE["lazy"], COLLECTIVE_CODE["sparse"]))
 
 
 def end_after_a_step_met(ctx: CommContext, sig_a, sig_b, text: str) -> None:
-    """Where one rank's step (a lazy or sparse segment) met another kind of call on the background
+    """Where one rank's step (a lazy or sparse segment) met a call that is no step's on the background
     channel, one rank made a call the others did not (a metric's allreduce_async on one rank, before
     or after its own step): no rank makes another collective on this communicator, as after crossed
     waits. Whether that rank's next step pairs with the others' failed one or with their next one
     depends on where its program goes after the error, and a wrong guess averages batch k with
     batch k + 1 for the rest of training, silently (helper-77). The verdict is alike on every rank."""
-    codes = {int(sig_a[0]), int(sig_b[0])}
+    steps = [int(sig[0]) in _STEP_CODES for sig in (sig_a, sig_b)]
     parent = ctx.parent
-    if not ctx.is_background or parent is None or len(codes) < 2 or not codes & _STEP_CODES:
-        return
+    if not ctx.is_background or parent is None or steps[0] == steps[1]:
+        return  # (a step's failure met the step it is in: a lazy rejection, a CSC segment's exchange)
     if parent.ended is None:
         parent.ended = (
             f"a step met another kind of call on this communicator ({text.partition(chr(10))[0]}), so "
