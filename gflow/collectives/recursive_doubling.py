@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from ..arrays import host_ops as host
 from ..errors import GflowError, MismatchError, NotServedInJoinError
-from ..runtime import stall, timeline
+from ..runtime import engine, stall, timeline
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import TAG_AGREE, CommContext
 from ..runtime.signature import (
@@ -448,29 +448,26 @@ def _conclude(ctx: CommContext, header, about) -> None:
         _, sig_a, _, sig_b = _record(header)
         if _two_calls(header) and settings_differ(sig_a, sig_b):
             about = settings_words(sig_a)  # (this rank's values of them: which one differs)
-        passed = share_what_passed(ctx, header, about)
+        passed, kinds = share_what_passed(ctx, header, about)
         text = _mismatch_message(header, stall.world_ranks(ctx), passed)
-        if _two_calls(header):
-            end_after_a_step_met(ctx, sig_a, sig_b, text)
+        if CALL in kinds and STEP_CALL in kinds:
+            end_after_a_step_met(ctx, text)
         raise MismatchError(text)
     if header[_RANK_B] != 0:
         _check_joined(header)
 
 
-_STEP_CODES = frozenset((COLLECTIVE_CODE["lazy"], COLLECTIVE_CODE["sparse"]))
-
-
-def end_after_a_step_met(ctx: CommContext, sig_a, sig_b, text: str) -> None:
-    """Where one rank's step (a lazy or sparse segment) met a call that is no step's on the background
-    channel, one rank made a call the others did not (a metric's allreduce_async on one rank, before
-    or after its own step): no rank makes another collective on this communicator, as after crossed
-    waits. Whether that rank's next step pairs with the others' failed one or with their next one
-    depends on where its program goes after the error, and a wrong guess averages batch k with
-    batch k + 1 for the rest of training, silently (helper-77). The verdict is alike on every rank."""
-    steps = [int(sig[0]) in _STEP_CODES for sig in (sig_a, sig_b)]
+def end_after_a_step_met(ctx: CommContext, text: str) -> None:
+    """Where a training step's call (a LazyAllreduce segment, DataParallel's or gflow.torch's
+    optimizer's) met a call that is no step's on the background channel, one rank made a call the
+    others did not (a metric's allreduce_async on one rank, before, inside or after its own step):
+    no rank makes another collective on this communicator, as after crossed waits. Whether that
+    rank's next step pairs with the others' failed one or with their next one depends on where its
+    program goes after the error, and a wrong guess averages batch k with batch k + 1 for the rest
+    of training, silently (helper-77). Every rank holds the same verdict and kinds."""
     parent = ctx.parent
-    if not ctx.is_background or parent is None or steps[0] == steps[1]:
-        return  # (a step's failure met the step it is in: a lazy rejection, a CSC segment's exchange)
+    if not ctx.is_background or parent is None:
+        return
     if parent.ended is None:
         parent.ended = (
             f"a step met another kind of call on this communicator ({text.partition(chr(10))[0]}), so "
@@ -871,18 +868,28 @@ def _two_calls(header) -> bool:
     return rank_b >= 0 and any(sig_b)
 
 
-def share_what_passed(ctx: CommContext, header, about: str | None) -> list:
-    """Every rank's words for the call it is in ("" where it has none), after a mismatch. Every rank
-    holds the same verdict, so all of them take part (a rank in join() too: collectives/join.py);
-    none does where a peer spoke another protocol, which may not."""
+NO_CALL, CALL, STEP_CALL = 0, 1, 2  # what a rank is in, in share_what_passed
+
+
+def share_what_passed(ctx: CommContext, header, about: str | None, kind: int | None = None) -> tuple:
+    """(every rank's words for the call it is in, "" where it has none; what each is in: NO_CALL, a
+    CALL, or a STEP_CALL, a training step's: engine.running_a_step), after a mismatch. Every rank
+    holds the same verdict, so all of them take part (a rank in join() too, with `kind` NO_CALL:
+    collectives/join.py); none does where a peer spoke another protocol, which may not."""
     if not _two_calls(header):
-        return []
-    mine = np.zeros(PASSED_BYTES, np.uint8)
+        return [], []
+    if kind is None:
+        kind = STEP_CALL if engine.running_a_step() else CALL
+    mine = np.zeros(PASSED_BYTES + 1, np.uint8)
     text = ("" if about is None else str(about)).encode()[:PASSED_BYTES]  # (str: see signature.Words)
     mine[: len(text)] = np.frombuffer(text, np.uint8)
-    everyone = np.empty((ctx.size, PASSED_BYTES), np.uint8)
+    mine[-1] = kind
+    everyone = np.empty((ctx.size, PASSED_BYTES + 1), np.uint8)
     ctx.waitall([ctx.comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])])
-    return [bytes(row).rstrip(b"\0").decode(errors="ignore") for row in everyone]  # (a character cut: gone)
+    words = [
+        bytes(row[:-1]).rstrip(b"\0").decode(errors="ignore") for row in everyone
+    ]  # (a character cut: gone)
+    return words, [int(row[-1]) for row in everyone]
 
 
 def _fields(words: str) -> list:

@@ -173,7 +173,8 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         or final exchange, so their flush() fails too."""
         if self._error is None:
             self._stop_step(error)
-            self._fired.append((rejected_in_background(context(self._comm), "lazy", error), [], None))
+            rejection = rejected_in_background(context(self._comm), "lazy", error, step=True)
+            self._fired.append((rejection, [], None))
 
     def _stop_step(self, error: Exception) -> None:
         """flush() raises `error`; the pushes not yet in a segment are dropped (fail_step, _check_cut)."""
@@ -501,7 +502,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             final = functools.partial(
                 annotated, final, Words(pushes_in_words, self._pushed, len(self._pushed))
             )
-            self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx), [], None))
+            self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx, step=True), [], None))
         elif step_agreed is not None:
             step_agreed[:] = src  # alone: the maximum over one rank
         tuner = self._tuner
@@ -575,7 +576,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             tag=("lazy", candidates),
             about="LazyAllreduce's threshold tuning",
         )
-        handle = engine.submit("lazy threshold agreement", run, keep=(medians, summed), ctx=ctx)
+        handle = engine.submit("lazy threshold agreement", run, keep=(medians, summed), ctx=ctx, step=True)
         self._fired.append((handle, [], None))
         return summed
 

@@ -17,13 +17,23 @@ from mpi4py import MPI
 from ..errors import GflowError, NonFiniteError
 from . import stall, timeline
 
+_running = threading.local()  # what the engine thread runs now (running_a_step)
+
+
+def running_a_step() -> bool:
+    """Whether this thread runs a training step's work now: a LazyAllreduce segment, its final
+    exchange or its rejection (submit(step=True)). A mismatch between a step's call and a call that
+    is no step's ends the communicator (recursive_doubling.end_after_a_step_met)."""
+    return getattr(_running, "step", False)
+
 
 class Handle:
     """An operation in flight. Holds every buffer the operation uses, so none can be freed before
     it finishes, whatever the caller drops."""
 
-    def __init__(self, description: str, keep: tuple, on_failure=None, ctx=None):
+    def __init__(self, description: str, keep: tuple, on_failure=None, ctx=None, step=False):
         self.description = description
+        self.step = step  # a training step's work (running_a_step)
         self.context = ctx  # the background CommContext the operation runs on (or None)
         self._keep = keep
         self._on_failure = on_failure
@@ -76,8 +86,8 @@ class Engine:
     def idle(self) -> bool:
         return not self._in_flight
 
-    def submit(self, description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
-        handle = Handle(description, keep, on_failure, ctx)
+    def submit(self, description: str, fn, keep: tuple = (), ctx=None, on_failure=None, step=False) -> Handle:
+        handle = Handle(description, keep, on_failure, ctx, step)
         with self._lock:
             if self._thread is None:
                 if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -111,7 +121,7 @@ class Engine:
         objects, and a reference to it left in this thread until the next job kept those alive
         (helper-70: an optimizer replaced after a failed step went on reducing its parameters)."""
         mark = stall.mark()
-        mark.job = handle.description
+        mark.job, _running.step = handle.description, handle.step
         result = error = None
         try:
             with timeline.span(handle.description):
@@ -123,7 +133,10 @@ class Engine:
             if ctx is not None and ctx.failed is None and failed:
                 ctx.failed = f"{handle.description}: {exc}"
             error = exc
-        mark.job = None  # before the caller wakes: a finished job is not a busy thread at exit
+        mark.job, _running.step = (
+            None,
+            False,
+        )  # before the caller wakes: a finished job is not a busy thread at exit
         with self._lock:
             self._in_flight.pop(handle, None)
         handle._finish(result=result, error=error)
@@ -171,9 +184,10 @@ def drain() -> None:
         _engine.submit("drain", lambda: None).wait()
 
 
-def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None) -> Handle:
+def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None, step=False) -> Handle:
     """Run fn() on the background thread after everything submitted before it; return its Handle.
     A GflowError from fn, but NonFiniteError, marks `ctx` (a background CommContext) failed: see
     CommContext.check_usable; on_failure(ctx) runs in the caller's thread when Handle.wait raises
-    (CommContext.reset_background, which acts only on a context marked failed)."""
-    return _engine.submit(description, fn, keep, ctx, on_failure)
+    (CommContext.reset_background, which acts only on a context marked failed). `step`: fn is a
+    training step's work (running_a_step)."""
+    return _engine.submit(description, fn, keep, ctx, on_failure, step)
