@@ -629,8 +629,11 @@ def test_a_rank_whose_input_is_not_in_its_pool_gets_the_copy_path():
 @pytest.mark.parallel([2, 3, 4])
 def test_gradient_buffers_during_a_step_abandons_it_on_that_rank():
     """A rank that calls gradient_buffers() with a step in flight abandons its step (RuntimeError,
-    its pushed array keeps its values); the others' call fails with MismatchError; the next step works."""
-    lazy = gflow.LazyAllreduce(threshold_bytes=2**16, op="sum")
+    its pushed array keeps its values); the others' call fails with MismatchError. Their call met that
+    rank's step, so the communicator takes no more collectives (which steps would pair next is
+    unknown): the next step fails on every rank, and one on a new communicator works."""
+    comm = WORLD.Dup()
+    lazy = gflow.LazyAllreduce(threshold_bytes=2**16, op="sum", comm=comm)
     grads = lazy.gradient_buffers([(100_000,), (10,)])
     values = [random_array(rank_rng(14), g.shape, np.float32) for g in grads]
     for g, v in zip(grads, values, strict=True):
@@ -643,6 +646,13 @@ def test_gradient_buffers_during_a_step_abandons_it_on_that_rank():
     else:
         with pytest.raises(gflow.MismatchError):
             lazy.gradient_buffers([(5,)])
+    with pytest.raises(gflow.GflowError, match="a step met another kind of call"):
+        for g in grads:
+            lazy.push(g)
+        lazy.flush()
+    for g, v in zip(grads, values, strict=True):
+        np.testing.assert_array_equal(g, v)
+    lazy = gflow.LazyAllreduce(threshold_bytes=2**16, op="sum", comm=WORLD.Dup())
     for g in grads:
         lazy.push(g)
     lazy.flush()

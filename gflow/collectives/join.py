@@ -44,13 +44,11 @@ from .recursive_doubling import (
     _RANK_A,
     _RANK_B,
     _SIG_A,
-    CALL,
     HEADER_BYTES,
     HEADER_WORDS,
     JOINED,
     NO_CALL,
     SEPARATE_PAYLOAD_BYTES,
-    STEP_CALL,
     _merge,
     connect_slots,
     end_after_a_step_met,
@@ -59,6 +57,7 @@ from .recursive_doubling import (
     node_verdict,
     scatter_gather,
     share_what_passed,
+    steps_met_strays,
 )
 
 
@@ -237,7 +236,7 @@ def _serve(ctx: CommContext) -> None:
         sig = header[_SIG_A]
         if header[1] != _OK:  # the callers raise, saying what each rank passed: this one, nothing
             _, kinds = share_what_passed(ctx, header, "nothing: it is in join(), out of data", NO_CALL)
-            if CALL in kinds and STEP_CALL in kinds:  # (the communicator ends here too)
+            if steps_met_strays(kinds):  # (the communicator ends here too)
                 end_after_a_step_met(ctx, "a step met another kind of call while this rank was in join()")
             ctx = _after_failure(ctx, "ranks disagree")
             continue

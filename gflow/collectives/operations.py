@@ -95,13 +95,13 @@ def allreduce(x, op="sum", *, comm=None, out=None, algorithm="auto", compression
     return allreduce_on(ctx, x, op, out=out, algorithm=algorithm, compression=compression)
 
 
-def rejected_in_background(parent: CommContext, collective: str, error: Exception, step: bool = False):
+def rejected_in_background(parent: CommContext, collective: str, error: Exception, kind=None):
     """The Handle of a background collective whose arguments failed this rank's checks: its rejection
     runs on the engine in this rank's order, where it meets the peers' collective of the same
     position (theirs then fail with MismatchError), and wait() raises `error`. Reporting it through
     the handle rather than at once keeps every rank's program on the same path: each waits on the
     handle of that call and resets the background channel there, whatever it had queued behind it.
-    `step`: the call was a training step's (engine.running_a_step)."""
+    `kind`: engine.STEP_REJECTION for a training step's (engine.running); else the engine's own."""
     ctx = parent.for_async(collective)
 
     def run():
@@ -109,7 +109,7 @@ def rejected_in_background(parent: CommContext, collective: str, error: Exceptio
         raise error
 
     return engine.submit(
-        f"{collective} (rejected arguments)", run, ctx=ctx, on_failure=parent.reset_background, step=step
+        f"{collective} (rejected arguments)", run, ctx=ctx, on_failure=parent.reset_background, kind=kind
     )
 
 

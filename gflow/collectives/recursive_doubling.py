@@ -450,21 +450,33 @@ def _conclude(ctx: CommContext, header, about) -> None:
             about = settings_words(sig_a)  # (this rank's values of them: which one differs)
         passed, kinds = share_what_passed(ctx, header, about)
         text = _mismatch_message(header, stall.world_ranks(ctx), passed)
-        if CALL in kinds and STEP_CALL in kinds:
+        if steps_met_strays(kinds):
             end_after_a_step_met(ctx, text)
         raise MismatchError(text)
     if header[_RANK_B] != 0:
         _check_joined(header)
 
 
+def steps_met_strays(kinds) -> bool:
+    """Whether a mismatch's kinds (share_what_passed) pair a training step's own call with a call
+    that is no step's (any: one inside a step was made there on one rank only, or reaches the peers
+    in another order), or a step's rejection with a call made outside any step: end_after_a_step_met.
+    A rejection met by a call made inside the step is that step failing on every rank alike: the
+    rejecting rank sends it at the bad push, ahead of the others' later segments (test_soak)."""
+    kinds = set(kinds)
+    others = {engine.CALL, engine.IN_A_STEP} & kinds
+    return bool(engine.STEP in kinds and others or engine.STEP_REJECTION in kinds and engine.CALL in kinds)
+
+
 def end_after_a_step_met(ctx: CommContext, text: str) -> None:
     """Where a training step's call (a LazyAllreduce segment, DataParallel's or gflow.torch's
-    optimizer's) met a call that is no step's on the background channel, one rank made a call the
-    others did not (a metric's allreduce_async on one rank, before, inside or after its own step):
-    no rank makes another collective on this communicator, as after crossed waits. Whether that
-    rank's next step pairs with the others' failed one or with their next one depends on where its
-    program goes after the error, and a wrong guess averages batch k with batch k + 1 for the rest
-    of training, silently (helper-77). Every rank holds the same verdict and kinds."""
+    optimizer's) met a call that is no step's on the background channel (steps_met_strays), a rank
+    made a call the others did not (a metric's allreduce_async on one rank, before, inside or after
+    its own step): no rank makes another collective on this communicator, as after crossed waits.
+    Whether that rank's next step pairs with the others' failed one or with their next one depends on
+    where its program goes after the error (did the error skip its step() or synchronize()?), and a
+    wrong guess averages batch k with batch k + 1 for the rest of training, silently (helper-77).
+    Every rank holds the same verdict and kinds."""
     parent = ctx.parent
     if not ctx.is_background or parent is None:
         return
@@ -868,27 +880,26 @@ def _two_calls(header) -> bool:
     return rank_b >= 0 and any(sig_b)
 
 
-NO_CALL, CALL, STEP_CALL = 0, 1, 2  # what a rank is in, in share_what_passed
+NO_CALL = 0  # a rank in join(): beside engine.STEP, IN_A_STEP and CALL in share_what_passed's kinds
 
 
 def share_what_passed(ctx: CommContext, header, about: str | None, kind: int | None = None) -> tuple:
-    """(every rank's words for the call it is in, "" where it has none; what each is in: NO_CALL, a
-    CALL, or a STEP_CALL, a training step's: engine.running_a_step), after a mismatch. Every rank
-    holds the same verdict, so all of them take part (a rank in join() too, with `kind` NO_CALL:
-    collectives/join.py); none does where a peer spoke another protocol, which may not."""
+    """(every rank's words for the call it is in, "" where it has none; what each is in: NO_CALL or
+    engine.running()'s kind), after a mismatch. Every rank holds the same verdict, so all of them take
+    part (a rank in join() too, with `kind` NO_CALL: collectives/join.py); none does where a peer
+    spoke another protocol, which may not."""
     if not _two_calls(header):
         return [], []
     if kind is None:
-        kind = STEP_CALL if engine.running_a_step() else CALL
+        kind = engine.running()
     mine = np.zeros(PASSED_BYTES + 1, np.uint8)
     text = ("" if about is None else str(about)).encode()[:PASSED_BYTES]  # (str: see signature.Words)
     mine[: len(text)] = np.frombuffer(text, np.uint8)
     mine[-1] = kind
     everyone = np.empty((ctx.size, PASSED_BYTES + 1), np.uint8)
     ctx.waitall([ctx.comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])])
-    words = [
-        bytes(row[:-1]).rstrip(b"\0").decode(errors="ignore") for row in everyone
-    ]  # (a character cut: gone)
+    # (a character cut at the end: dropped)
+    words = [bytes(row[:-1]).rstrip(b"\0").decode(errors="ignore") for row in everyone]
     return words, [int(row[-1]) for row in everyone]
 
 

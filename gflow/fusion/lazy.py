@@ -173,7 +173,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         or final exchange, so their flush() fails too."""
         if self._error is None:
             self._stop_step(error)
-            rejection = rejected_in_background(context(self._comm), "lazy", error, step=True)
+            rejection = rejected_in_background(context(self._comm), "lazy", error, kind=engine.STEP_REJECTION)
             self._fired.append((rejection, [], None))
 
     def _stop_step(self, error: Exception) -> None:
@@ -287,9 +287,15 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         back: DataParallel's): an end of its communicator from now on cuts it short (cut_short)."""
         if self._cuts_before is None:
             try:
-                self._cuts_before = context(self._comm).steps_cut
+                ctx = context(self._comm)
             except Exception:  # noqa: BLE001 - a bad comm: the full path reports it where it always did
-                pass
+                return
+            self._cuts_before = ctx.steps_cut
+            ctx.kits.add(self)  # (CommContext.in_a_step)
+
+    def step_begun(self) -> bool:
+        """Whether a step has begun here (mark_begun) and not ended (flush, or its failure)."""
+        return self._cuts_before is not None
 
     def cut_short(self) -> str | None:
         """Why this step was cut short on this rank, or None: after its first push, crossed waits (a
@@ -502,7 +508,9 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             final = functools.partial(
                 annotated, final, Words(pushes_in_words, self._pushed, len(self._pushed))
             )
-            self._fired.append((engine.submit("lazy allreduce flush", final, ctx=ctx, step=True), [], None))
+            self._fired.append(
+                (engine.submit("lazy allreduce flush", final, ctx=ctx, kind=engine.STEP), [], None)
+            )
         elif step_agreed is not None:
             step_agreed[:] = src  # alone: the maximum over one rank
         tuner = self._tuner
@@ -576,7 +584,9 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             tag=("lazy", candidates),
             about="LazyAllreduce's threshold tuning",
         )
-        handle = engine.submit("lazy threshold agreement", run, keep=(medians, summed), ctx=ctx, step=True)
+        handle = engine.submit(
+            "lazy threshold agreement", run, keep=(medians, summed), ctx=ctx, kind=engine.STEP
+        )
         self._fired.append((handle, [], None))
         return summed
 

@@ -103,7 +103,7 @@ class Dense:
         op = self.wire_op(segment.op)
         run = lambda: allreduce_on(ctx, source, op, out=out, tag=tag, holds=dtype, about=segment.about)  # noqa: E731
         handle = engine.submit(f"lazy allreduce segment {segment.index}", kind.in_background(run),
-                               keep=(source, out), ctx=ctx, step=True)  # fmt: skip
+                               keep=(source, out), ctx=ctx, kind=engine.STEP)  # fmt: skip
         return handle, None
 
     def wire_op(self, op: str) -> str:
@@ -169,7 +169,7 @@ class Sparse(Dense):
         # gradient pool, which must keep its values until the whole step has succeeded.
         run = lambda: csc.step_on(ctx, source, extra=checksum, out=out)  # noqa: E731
         handle = engine.submit(f"lazy allreduce segment {segment.index}", kind.in_background(run),
-                               keep=(source, out), ctx=ctx, step=True)  # fmt: skip
+                               keep=(source, out), ctx=ctx, kind=engine.STEP)  # fmt: skip
         return handle, csc
 
     def new_segment(self) -> SparseAllreduce:
@@ -232,7 +232,7 @@ class Hook(Dense):
             return result
 
         handle = engine.submit(f"lazy hook segment {index}", kind.in_background(run),
-                               keep=(buffer,), ctx=ctx, step=True)  # fmt: skip
+                               keep=(buffer,), ctx=ctx, kind=engine.STEP)  # fmt: skip
         return handle, _HookState(self.state)
 
 

@@ -10,6 +10,7 @@ This file is long: a context's duplicates, its background channel and what a fai
 
 import threading
 import time
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -121,6 +122,8 @@ class CommContext:
         # call on the background channel (collectives/recursive_doubling.end_after_a_step_met): like
         # crossed waits, which of the ranks' steps pair next is unknown. Checked where a call starts.
         self.ended = None
+        # The LazyAllreduce kits that began a step here (in_a_step): weakly, a kit lives as the program's
+        self.kits = weakref.WeakSet()
         # Background contexts made for this one so far; a background context's own number among them
         # (crossed waits name the one they are about: a peer's fresh one is not the one it was told of)
         self.backgrounds_made = self.generation = 0
@@ -173,6 +176,12 @@ class CommContext:
                 "may have reached the other ranks (they take it for their own call): no later "
                 "collective on it can meet theirs. Use another communicator"
             )
+
+    def in_a_step(self) -> bool:
+        """Whether a LazyAllreduce on this communicator has begun a step that has not ended: an async
+        call queued now is one inside that step (engine.IN_A_STEP), whose mismatch with a peer's step
+        fails that step on every rank and leaves the steps paired."""
+        return any(kit.step_begun() for kit in list(self.kits))
 
     def sendrecv(self, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:
         """Sendrecv, waiting the way this context waits (see waitall)."""

@@ -17,23 +17,28 @@ from mpi4py import MPI
 from ..errors import GflowError, NonFiniteError
 from . import stall, timeline
 
-_running = threading.local()  # what the engine thread runs now (running_a_step)
+_running = threading.local()  # what the engine thread runs now (running)
+
+# What a job is, for the verdict on a mismatch (collectives/recursive_doubling.end_after_a_step_met):
+# a call queued outside any step, one queued while a step was begun on its communicator, a training
+# step's own work (a LazyAllreduce segment, its final exchange), or a step's rejection of a bad push
+# (after which that step sends nothing more).
+CALL, IN_A_STEP, STEP, STEP_REJECTION = 1, 2, 3, 4
 
 
-def running_a_step() -> bool:
-    """Whether this thread runs a training step's work now: a LazyAllreduce segment, its final
-    exchange or its rejection (submit(step=True)). A mismatch between a step's call and a call that
-    is no step's ends the communicator (recursive_doubling.end_after_a_step_met)."""
-    return getattr(_running, "step", False)
+def running() -> int:
+    """What this thread runs now: one of CALL, IN_A_STEP, STEP, STEP_REJECTION (a blocking call's
+    thread: CALL)."""
+    return getattr(_running, "kind", CALL)
 
 
 class Handle:
     """An operation in flight. Holds every buffer the operation uses, so none can be freed before
     it finishes, whatever the caller drops."""
 
-    def __init__(self, description: str, keep: tuple, on_failure=None, ctx=None, step=False):
+    def __init__(self, description: str, keep: tuple, on_failure=None, ctx=None, kind=CALL):
         self.description = description
-        self.step = step  # a training step's work (running_a_step)
+        self.kind = kind  # STEP, IN_A_STEP or CALL (running)
         self.context = ctx  # the background CommContext the operation runs on (or None)
         self._keep = keep
         self._on_failure = on_failure
@@ -86,8 +91,11 @@ class Engine:
     def idle(self) -> bool:
         return not self._in_flight
 
-    def submit(self, description: str, fn, keep: tuple = (), ctx=None, on_failure=None, step=False) -> Handle:
-        handle = Handle(description, keep, on_failure, ctx, step)
+    def submit(self, description: str, fn, keep: tuple = (), ctx=None, on_failure=None, kind=None) -> Handle:
+        if kind is None:  # (a call of the program's: inside a step of its communicator, or not)
+            parent = getattr(ctx, "parent", None)
+            kind = IN_A_STEP if parent is not None and parent.in_a_step() else CALL
+        handle = Handle(description, keep, on_failure, ctx, kind)
         with self._lock:
             if self._thread is None:
                 if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -121,7 +129,7 @@ class Engine:
         objects, and a reference to it left in this thread until the next job kept those alive
         (helper-70: an optimizer replaced after a failed step went on reducing its parameters)."""
         mark = stall.mark()
-        mark.job, _running.step = handle.description, handle.step
+        mark.job, _running.kind = handle.description, handle.kind
         result = error = None
         try:
             with timeline.span(handle.description):
@@ -184,10 +192,10 @@ def drain() -> None:
         _engine.submit("drain", lambda: None).wait()
 
 
-def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None, step=False) -> Handle:
+def submit(description: str, fn, keep: tuple = (), ctx=None, on_failure=None, kind=None) -> Handle:
     """Run fn() on the background thread after everything submitted before it; return its Handle.
     A GflowError from fn, but NonFiniteError, marks `ctx` (a background CommContext) failed: see
     CommContext.check_usable; on_failure(ctx) runs in the caller's thread when Handle.wait raises
-    (CommContext.reset_background, which acts only on a context marked failed). `step`: fn is a
-    training step's work (running_a_step)."""
-    return _engine.submit(description, fn, keep, ctx, on_failure, step)
+    (CommContext.reset_background, which acts only on a context marked failed). `kind`: what fn is
+    (running): STEP or STEP_REJECTION for a training step's work; by default IN_A_STEP or CALL."""
+    return _engine.submit(description, fn, keep, ctx, on_failure, kind)
