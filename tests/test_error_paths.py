@@ -65,6 +65,40 @@ def test_rejected_async_call_keeps_the_background_channel_in_step():
 
 
 @pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("threshold", [8, 1_000_000])  # (a segment per push, or one at flush())
+def test_a_rejection_met_by_a_metric_inside_the_step_fails_that_step_alone(threshold):
+    # helper-78: rank 0's push fails its checks in step 1, and every rank reduces a metric inside
+    # that step and waits for it, tolerating its failure. Rank 0's rejection met the others' metric;
+    # the wait replaced the channel mid-step, and the rest of their step 1, sent on the fresh one,
+    # met rank 0's step 2: batch k against k + 1 for ever, silently (or every later step failed).
+    # Now a step whose channel was replaced sends nothing more: step 1 fails on every rank and every
+    # other step is the float64 sum of that step's gradients.
+    comm = WORLD.Dup()
+    lazy = gflow.LazyAllreduce(threshold_bytes=threshold, op="sum", comm=comm)
+    rng = rank_rng(78)
+    steps = [[random_array(rng, 3, np.float64) for _ in range(3)] for _ in range(4)]
+    everyone = WORLD.allgather(steps)
+    failed = []
+    for step, grads in enumerate(steps):
+        pushed = [g.copy() for g in grads]
+        try:
+            for i, g in enumerate(pushed):
+                lazy.push(g.astype(np.int8) if (step == 1 and WORLD.rank == 0 and i == 0) else g)
+                if step == 1 and i == 0:  # the metric, inside the step, on every rank
+                    with pytest.raises(gflow.GflowError):
+                        gflow.allreduce_async(np.ones(2), comm=comm).wait()
+            lazy.flush()
+        except (gflow.GflowError, TypeError):
+            failed.append(step)
+            continue
+        for i, g in enumerate(pushed):
+            want = sum(everyone[r][step][i] for r in range(WORLD.size))
+            np.testing.assert_allclose(g, want, rtol=1e-12, err_msg=f"step {step}, push {i}")
+    assert failed == [1], failed
+    WORLD.Barrier()
+
+
+@pytest.mark.parallel([2, 3])
 def test_sparse_agreement_covers_the_gradient_size():
     # Defect 2: 2000 vs 2001 elements give the same number of 1024-element chunks, and at density 0.5
     # the short last chunk may not be selected: the ranks still disagree and must all raise.

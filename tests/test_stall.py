@@ -239,6 +239,32 @@ def test_after_crossed_waits_no_collective_starts_on_that_communicator():
     WORLD.Barrier()
 
 
+@pytest.mark.parallel([3, 4])
+def test_a_rank_in_join_leaves_it_when_a_stray_call_ends_the_communicator():
+    # helper-78: rank 0 runs out of data and joins; the last rank alone reduces a metric after its
+    # step, which ends the communicator. The others' join() is refused at once, and rank 0's join()
+    # waited for them until the stall abort. Now it raises too, within seconds, and every rank goes
+    # on on a new communicator.
+    comm = WORLD.Dup()
+    lazy = gflow.LazyAllreduce(threshold_bytes=8, op="sum", comm=comm)
+    said = "another kind of call|disagree on the collective"
+    start = time.monotonic()
+    for step in range(1 if WORLD.rank == 0 else 3):
+        try:
+            for _ in range(3):
+                lazy.push(np.full(3, 100.0 * step + WORLD.rank))
+            lazy.flush()
+        except gflow.GflowError as error:
+            assert step == 2 and re.search(said, str(error)), (step, error)
+        if step == 1 and WORLD.rank == LAST:
+            with pytest.raises(gflow.MismatchError, match="disagree on the collective"):
+                gflow.allreduce_async(np.ones(2), comm=comm).wait()
+    with pytest.raises(gflow.GflowError, match=said):
+        gflow.join(comm)
+    assert time.monotonic() - start < 20
+    np.testing.assert_array_equal(gflow.allreduce(np.ones(1), comm=WORLD.Dup()), WORLD.size)
+
+
 @pytest.mark.parallel([2, 3])
 @pytest.mark.parametrize("threshold", [None, 256])  # (segments all at synchronize(), or some before)
 @pytest.mark.parametrize("where", ["between", "after"])  # (the metric before the last push, or after)

@@ -236,8 +236,9 @@ def _serve(ctx: CommContext) -> None:
         sig = header[_SIG_A]
         if header[1] != _OK:  # the callers raise, saying what each rank passed: this one, nothing
             _, kinds = share_what_passed(ctx, header, "nothing: it is in join(), out of data", NO_CALL)
-            if steps_met_strays(kinds):  # (the communicator ends here too)
+            if steps_met_strays(kinds) and ctx.is_background:  # (the communicator ends here too, and
                 end_after_a_step_met(ctx, "a step met another kind of call while this rank was in join()")
+                raise GflowError(ctx.parent.ended)  # join() with it: the others' join() is refused)
             ctx = _after_failure(ctx, "ranks disagree")
             continue
         refusal = joined_refusal(header)

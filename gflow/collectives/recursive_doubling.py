@@ -486,6 +486,7 @@ def end_after_a_step_met(ctx: CommContext, text: str) -> None:
             "no rank makes another collective on it: which of the ranks' steps would pair next is "
             "unknown. Make that call on every rank; end the job, or go on with a new communicator"
         )
+        stall.departures.append((parent, None))  # (a blocking wait there ends: stall.check_waiting)
     stall.cut_steps(parent, parent.ended)
 
 

@@ -165,12 +165,15 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._step_started = 0.0  # when the step's first push came (for threshold tuning)
         self._step_bytes = 0  # what the step's pushes put on the wire (for threshold tuning)
         self._cuts_before = None  # the communicator's steps_cut when the step began (mark_begun)
+        self._channel = None  # the background channel's generation when it began (mark_begun)
 
     def fail_step(self, error: Exception) -> None:
         """This rank's step failed its local checks (or a caller's: DataParallel's): it does nothing
         more until flush() raises `error`, whose first line the peers' MismatchError shows. The
         rejection is queued behind the segments already fired, where it meets the peers' next segment
         or final exchange, so their flush() fails too."""
+        if self._error is None:
+            self._check_cut()  # (a step cut short sends no rejection either: the peers' step is over)
         if self._error is None:
             self._stop_step(error)
             rejection = rejected_in_background(context(self._comm), "lazy", error, kind=engine.STEP_REJECTION)
@@ -290,7 +293,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 ctx = context(self._comm)
             except Exception:  # noqa: BLE001 - a bad comm: the full path reports it where it always did
                 return
-            self._cuts_before = ctx.steps_cut
+            self._cuts_before, self._channel = ctx.steps_cut, ctx.channel_generation()
             ctx.kits.add(self)  # (CommContext.in_a_step)
 
     def step_begun(self) -> bool:
@@ -309,8 +312,17 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         return ctx.cut_why if ctx.steps_cut != self._cuts_before else None
 
     def _check_cut(self) -> None:
-        """Fail this step on this rank alone where it was cut short (the peers failed theirs)."""
+        """Fail this step on this rank alone where it was cut short (the peers failed theirs), or
+        where its background channel was replaced after the step began: a failure there (a bad
+        push's rejection on another rank met an async call the program made inside the step, and
+        waited on) ended the peers' step, and the rest, sent on the fresh channel, would meet their
+        next step, batch k against batch k + 1 silently (helper-78)."""
         why = None if self._error is not None else self.cut_short()
+        if why is None and self._error is None and self._channel is not None:
+            ctx = context(self._comm)
+            if ctx.channel_generation() != self._channel:
+                failed = ctx._retired.failed if ctx._retired is not None else "unknown"
+                why = f"its background channel failed after the step began ({failed})"
         if why is not None:  # (no rejection sent: the peers' step is over)
             self._stop_step(MismatchError(
                 f"this step was cut short after its first push, and nothing more of it is sent (the pushed "

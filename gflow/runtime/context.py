@@ -177,6 +177,12 @@ class CommContext:
                 "collective on it can meet theirs. Use another communicator"
             )
 
+    def channel_generation(self) -> int:
+        """The generation of the background context this rank's next async call goes to (the
+        current one, or the fresh one made after a failure). A step whose channel was replaced
+        after it began sends nothing more (LazyAllreduce._check_cut)."""
+        return self.backgrounds_made + (self._background is None)
+
     def in_a_step(self) -> bool:
         """Whether a LazyAllreduce on this communicator has begun a step that has not ended: an async
         call queued now is one inside that step (engine.IN_A_STEP), whose mismatch with a peer's step

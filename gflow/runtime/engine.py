@@ -141,10 +141,8 @@ class Engine:
             if ctx is not None and ctx.failed is None and failed:
                 ctx.failed = f"{handle.description}: {exc}"
             error = exc
-        mark.job, _running.step = (
-            None,
-            False,
-        )  # before the caller wakes: a finished job is not a busy thread at exit
+        # (before the caller wakes: a finished job is not a busy thread at exit)
+        mark.job, _running.kind = None, CALL
         with self._lock:
             self._in_flight.pop(handle, None)
         handle._finish(result=result, error=error)

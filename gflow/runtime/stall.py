@@ -249,6 +249,8 @@ def check_waiting() -> None:
         return
     if ctx.crossed_here is not None or ctx.crossed:
         raise_crossed(ctx, ctx.entered)
+    if ctx.ended is not None and not ctx.is_background:  # (a rank in join(): the others are refused)
+        raise GflowError(ctx.ended)
     if ctx.failed is not None and not ctx.is_background:
         # A peer that found crossed waits told this rank (stall._answer), whose thread waits in a
         # blocking collective too (the one that peer left unfinished, or one after it): none can
