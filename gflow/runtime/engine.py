@@ -38,7 +38,7 @@ class Handle:
 
     def __init__(self, description: str, keep: tuple, on_failure=None, ctx=None, kind=CALL):
         self.description = description
-        self.kind = kind  # STEP, IN_A_STEP or CALL (running)
+        self.kind = kind  # CALL, IN_A_STEP, STEP or STEP_REJECTION (running)
         self.context = ctx  # the background CommContext the operation runs on (or None)
         self._keep = keep
         self._on_failure = on_failure
