@@ -49,7 +49,7 @@ def test_drawn_programs_with_drawn_faults(program, seed):
     rank, size = WORLD.rank, WORLD.size
     rng = np.random.default_rng([seed, rank])
     # (a program of its own: a fault may end its communicator, where a rank's push fires a segment
-    # the others meet with an async call: gflow's end_after_a_step_met)
+    # the others meet with an async call: gflow's end_where_a_step_met_strays)
     comm = WORLD.Dup()
     lazies = {kind: make(kind, comm) for kind in ("dense", "fp16", "sparse")}
     twin = make("sparse", WORLD.Dup())  # takes only the sparse steps that succeeded

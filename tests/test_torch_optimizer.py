@@ -481,6 +481,21 @@ def test_gradient_clipping_and_grad_scaler_patterns():
     on_all_ranks(grad_scaler_fp16_overflow, "GradScaler, fp16 overflow")
 
 
+def a_step_on_a_new_communicator(model, ref, batch, r, momentum=0.0, **kw):
+    """After a communicator ended: hvd.init() on a new one, where one SGD(lr=0.1, momentum) step,
+    DistributedOptimizer with `kw`, gives identical replicas equal to the float64 reference's."""
+    hvd.init(comm=WORLD.Dup())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    opt = hvd.DistributedOptimizer(sgd, model.named_parameters(), **kw)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum)
+    opt.zero_grad()
+    rank_loss(model, *batch, r)
+    opt.step()
+    reference_step(ref, ref_opt, *batch)
+    assert_identical(model)
+    assert_close_to(model, ref, atol=1e-5)
+
+
 @pytest.mark.parallel(SIZES)
 def test_a_stray_call_inside_a_step_fails_it_on_every_rank_and_ends_the_communicator():
     """One rank starts a collective inside its step that the others do not: every rank's step() raises a
@@ -515,16 +530,7 @@ def test_a_stray_call_inside_a_step_fails_it_on_every_rank_and_ends_the_communic
             for q, before, grad in zip(model.parameters(), params, grads, strict=True):
                 assert torch.equal(q.detach(), before)
                 assert (q.grad is None and grad is None) or torch.equal(q.grad, grad)
-        hvd.init(comm=WORLD.Dup())  # a new communicator: training goes on there
-        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-        opt = hvd.DistributedOptimizer(sgd, model.named_parameters(), threshold_bytes=300)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
-        opt.zero_grad()
-        rank_loss(model, *data[3], r)
-        opt.step()
-        reference_step(ref, ref_opt, *data[3])
-        assert_identical(model)
-        assert_close_to(model, ref, atol=1e-5)
+        a_step_on_a_new_communicator(model, ref, data[3], r, momentum=0.5, threshold_bytes=300)
 
     try:
         on_all_ranks(check)
@@ -596,14 +602,7 @@ def test_after_crossed_waits_or_a_stray_async_call_no_rank_steps_again(call, whe
         assert failed == list(range(2 if where == "after" and r < last else 1, 5)), failed
         assert_identical(model)
         assert_close_to(model, ref, atol=1e-5)
-        hvd.init(comm=WORLD.Dup())  # a new communicator: training goes on there
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
-        opt.zero_grad()
-        rank_loss(model, *data[0], r)
-        opt.step()
-        reference_step(ref, ref_opt, *data[0])
-        assert_identical(model)
-        assert_close_to(model, ref, atol=1e-5)
+        a_step_on_a_new_communicator(model, ref, data[0], r)
 
     try:
         on_all_ranks(check)

@@ -51,13 +51,12 @@ from .recursive_doubling import (
     SEPARATE_PAYLOAD_BYTES,
     _merge,
     connect_slots,
-    end_after_a_step_met,
+    end_where_a_step_met_strays,
     joined_refusal,
     node_fold_bytes,
     node_verdict,
     scatter_gather,
     share_what_passed,
-    steps_met_strays,
 )
 
 
@@ -236,9 +235,9 @@ def _serve(ctx: CommContext) -> None:
         sig = header[_SIG_A]
         if header[1] != _OK:  # the callers raise, saying what each rank passed: this one, nothing
             _, kinds = share_what_passed(ctx, header, "nothing: it is in join(), out of data", NO_CALL)
-            if steps_met_strays(kinds) and ctx.is_background:  # (the communicator ends here too, and
-                end_after_a_step_met(ctx, "a step met another kind of call while this rank was in join()")
-                raise GflowError(ctx.parent.ended)  # join() with it: the others' join() is refused)
+            ended = end_where_a_step_met_strays(ctx, kinds, "while this rank was in join()")
+            if ended is not None:  # (join() ends with it here: the others' join() is refused)
+                raise GflowError(ended)
             ctx = _after_failure(ctx, "ranks disagree")
             continue
         refusal = joined_refusal(header)

@@ -450,36 +450,36 @@ def _conclude(ctx: CommContext, header, about) -> None:
             about = settings_words(sig_a)  # (this rank's values of them: which one differs)
         passed, kinds = share_what_passed(ctx, header, about)
         text = _mismatch_message(header, stall.world_ranks(ctx), passed)
-        if steps_met_strays(kinds):
-            end_after_a_step_met(ctx, text)
+        end_where_a_step_met_strays(ctx, kinds, text)
         raise MismatchError(text)
     if header[_RANK_B] != 0:
         _check_joined(header)
 
 
-def steps_met_strays(kinds) -> bool:
+def _steps_met_strays(kinds) -> bool:
     """Whether a mismatch's kinds (share_what_passed) pair a training step's own call with a call
     that is no step's (any: one inside a step was made there on one rank only, or reaches the peers
-    in another order), or a step's rejection with a call made outside any step: end_after_a_step_met.
-    A rejection met by a call made inside the step is that step failing on every rank alike: the
-    rejecting rank sends it at the bad push, ahead of the others' later segments (test_soak)."""
+    in another order), or a step's rejection with a call made outside any step. A rejection met by a
+    call made inside the step is that step failing on every rank alike: the rejecting rank sends it
+    at the bad push, ahead of the others' later segments (test_soak)."""
     kinds = set(kinds)
     others = {engine.CALL, engine.IN_A_STEP} & kinds
     return bool(engine.STEP in kinds and others or engine.STEP_REJECTION in kinds and engine.CALL in kinds)
 
 
-def end_after_a_step_met(ctx: CommContext, text: str) -> None:
-    """Where a training step's call (a LazyAllreduce segment, DataParallel's or gflow.torch's
-    optimizer's) met a call that is no step's on the background channel (steps_met_strays), a rank
-    made a call the others did not (a metric's allreduce_async on one rank, before, inside or after
-    its own step): no rank makes another collective on this communicator, as after crossed waits.
-    Whether that rank's next step pairs with the others' failed one or with their next one depends on
-    where its program goes after the error (did the error skip its step() or synchronize()?), and a
-    wrong guess averages batch k with batch k + 1 for the rest of training, silently (helper-77).
-    Every rank holds the same verdict and kinds."""
+def end_where_a_step_met_strays(ctx: CommContext, kinds, text: str) -> str | None:
+    """Why this communicator takes no more collectives, where a mismatch on its background channel
+    (`text`, its first line quoted) paired a training step's call (a LazyAllreduce segment,
+    DataParallel's or gflow.torch's optimizer's) with a call that is no step's (_steps_met_strays);
+    else None. A rank made a call the others did not (a metric's allreduce_async on one rank,
+    before, inside or after its own step): no rank makes another collective there, as after crossed
+    waits. Whether that rank's next step pairs with the others' failed one or with their next one
+    depends on where its program goes after the error (did the error skip its step() or
+    synchronize()?), and a wrong guess averages batch k with batch k + 1 for the rest of training,
+    silently (helper-77). Every rank holds the same verdict and kinds."""
     parent = ctx.parent
-    if not ctx.is_background or parent is None:
-        return
+    if not ctx.is_background or parent is None or not _steps_met_strays(kinds):
+        return None
     if parent.ended is None:
         parent.ended = (
             f"a step met another kind of call on this communicator ({text.partition(chr(10))[0]}), so "
@@ -488,6 +488,7 @@ def end_after_a_step_met(ctx: CommContext, text: str) -> None:
         )
         stall.departures.append((parent, None))  # (a blocking wait there ends: stall.check_waiting)
     stall.cut_steps(parent, parent.ended)
+    return parent.ended
 
 
 def _node_step(ctx: CommContext, plan: _Plan, src, dst, op, about, exchanged=False) -> None:

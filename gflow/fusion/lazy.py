@@ -317,12 +317,9 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         push's rejection on another rank met an async call the program made inside the step, and
         waited on) ended the peers' step, and the rest, sent on the fresh channel, would meet their
         next step, batch k against batch k + 1 silently (helper-78)."""
-        why = None if self._error is not None else self.cut_short()
-        if why is None and self._error is None and self._channel is not None:
-            ctx = context(self._comm)
-            if ctx.channel_generation() != self._channel:
-                failed = ctx._retired.failed if ctx._retired is not None else "unknown"
-                why = f"its background channel failed after the step began ({failed})"
+        if self._error is not None or self._cuts_before is None:
+            return
+        why = self.cut_short() or context(self._comm).channel_replaced(self._channel)
         if why is not None:  # (no rejection sent: the peers' step is over)
             self._stop_step(MismatchError(
                 f"this step was cut short after its first push, and nothing more of it is sent (the pushed "

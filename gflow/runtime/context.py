@@ -119,8 +119,8 @@ class CommContext:
         self.crossed, self.crossed_here = {}, None
         self.steps_cut, self.cut_why = 0, None
         # Why no rank makes another collective on this communicator, where a step met another kind of
-        # call on the background channel (collectives/recursive_doubling.end_after_a_step_met): like
-        # crossed waits, which of the ranks' steps pair next is unknown. Checked where a call starts.
+        # call on the background channel (collectives/recursive_doubling.end_where_a_step_met_strays):
+        # like crossed waits, which of the ranks' steps pair next is unknown. Checked where a call starts.
         self.ended = None
         # The LazyAllreduce kits that began a step here (in_a_step): weakly, a kit lives as the program's
         self.kits = weakref.WeakSet()
@@ -180,13 +180,20 @@ class CommContext:
     def channel_generation(self) -> int:
         """The generation of the background context this rank's next async call goes to (the
         current one, or the fresh one made after a failure). A step whose channel was replaced
-        after it began sends nothing more (LazyAllreduce._check_cut)."""
+        after it began sends nothing more (LazyAllreduce._check_cut, channel_replaced)."""
         return self.backgrounds_made + (self._background is None)
+
+    def channel_replaced(self, generation: int) -> str | None:
+        """Why the background channel of `generation` was replaced since (its failure), or None."""
+        if self.channel_generation() == generation:
+            return None
+        return f"its background channel failed ({self._retired.failed if self._retired else 'unknown'})"
 
     def in_a_step(self) -> bool:
         """Whether a LazyAllreduce on this communicator has begun a step that has not ended: an async
-        call queued now is one inside that step (engine.IN_A_STEP), whose mismatch with a peer's step
-        fails that step on every rank and leaves the steps paired."""
+        call queued now is one inside that step (engine.IN_A_STEP). Its mismatch with a peer's step
+        ends the communicator; with a peer's rejection of a bad push in that step, it fails the step
+        on every rank alike (recursive_doubling._steps_met_strays)."""
         return any(kit.step_begun() for kit in list(self.kits))
 
     def sendrecv(self, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:

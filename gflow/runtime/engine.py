@@ -19,7 +19,7 @@ from . import stall, timeline
 
 _running = threading.local()  # what the engine thread runs now (running)
 
-# What a job is, for the verdict on a mismatch (collectives/recursive_doubling.end_after_a_step_met):
+# What a job is, for the verdict on a mismatch (collectives/recursive_doubling.end_where_a_step_met_strays):
 # a call queued outside any step, one queued while a step was begun on its communicator, a training
 # step's own work (a LazyAllreduce segment, its final exchange), or a step's rejection of a bad push
 # (after which that step sends nothing more).

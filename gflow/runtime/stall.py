@@ -310,9 +310,10 @@ def raise_crossed(ctx, number: int) -> None:
 
 def cut_steps(ctx, why: str) -> None:
     """Crossed waits make this rank leave a blocking call on ctx, and the peers failed the async work
-    they waited in, their program's step (or a step met another kind of call: recursive_doubling.
-    end_after_a_step_met): a step this rank had begun on ctx is cut short too (LazyAllreduce.cut_short).
-    Sent on, on the fresh background context, it would pair with the peers' next step (helper-73)."""
+    they waited in, their program's step (or a step met another kind of call:
+    recursive_doubling.end_where_a_step_met_strays): a step this rank had begun on ctx is cut short
+    too (LazyAllreduce.cut_short). Sent on, on the fresh background context, it would pair with the
+    peers' next step (helper-73)."""
     ctx.steps_cut, ctx.cut_why = ctx.steps_cut + 1, why
 
 
