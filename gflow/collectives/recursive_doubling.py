@@ -48,6 +48,7 @@ from ..runtime.signature import (
     PASSED_BYTES,
     SIG_LEN,
     SIG_REJECTED,
+    collective_in_words,
     describe,
     difference,
     first_push_apart,
@@ -835,10 +836,11 @@ def joined_refusal(header) -> str | None:
     vectors, which a joined rank has none of; it would wait for the joined rank for ever). The joined
     ranks ask it too: a refusal fails the callers' background channel, which they then leave."""
     collective = CODE_COLLECTIVE.get(int(header[_SIG_A][0]), "?")
+    named = collective_in_words(header[_SIG_A][0])
     joined = f"while ranks are in join() ({int(header[_RANK_B])} of them)"
     if collective not in SERVED_WHILE_JOINED:
         return (
-            f"{collective} is not supported {joined}: as in Horovod, ranks that joined take part only in "
+            f"{named} is not supported {joined}: as in Horovod, ranks that joined take part only in "
             "allreduces (with zeros)"
         )
     if CODE_ALGORITHM.get(int(header[_SIG_A][1]) & 0xFF) == "adasum":
@@ -1001,7 +1003,7 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
         if any(_CALL_ALONE.fullmatch(words) for words in (words_a, words_b)):  # (a barrier() against a call)
             what = "the collective"
             said_a, said_b = (
-                f"called {words if _CALL_ALONE.fullmatch(words) else CODE_COLLECTIVE.get(int(sig[0]), '?')}"
+                f"called {words if _CALL_ALONE.fullmatch(words) else collective_in_words(sig[0])}"
                 for words, sig in ((words_a, sig_a), (words_b, sig_b))
             )
         elif int(sig_a[0]) == int(sig_b[0]) == COLLECTIVE_CODE["sparse"]:  # (CSC: sizes, a checksum)

@@ -32,6 +32,20 @@ COLLECTIVES = (
 )  # fmt: skip
 COLLECTIVE_CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
 CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}
+# What a person reads for a collective whose internal name means nothing to them.
+_IN_WORDS = {
+    "lazy": "a gradient step (fused allreduce)",
+    "sparse": "a CSC sparse step",
+    "gradient_buffers": "gradient_buffers()",
+}
+
+
+def collective_in_words(code) -> str:
+    """A collective's code as an error message names it: 'allreduce', 'a gradient step (fused
+    allreduce)' (LazyAllreduce's segments: DistributedOptimizer's and DataParallel's steps), ..."""
+    name = CODE_COLLECTIVE.get(int(code), f"<collective {int(code)}>")
+    return _IN_WORDS.get(name, name)
+
 
 # "auto": a bandwidth-sized call under algorithm="auto", whose algorithm (ring or hierarchical) is
 # settled after the agreement, from the topology (collectives/dispatch.py).
@@ -175,7 +189,7 @@ def describe(sig, other=None) -> str:
     disagrees with), the settings checksum only where the two differ in it."""
     collective = CODE_COLLECTIVE.get(int(sig[0]), f"<collective {int(sig[0])}>")
     if int(sig[7]) == SIG_REJECTED:
-        return f"called {collective} with arguments it rejected (see the error raised on that rank)"
+        return f"called {collective_in_words(sig[0])} with arguments it rejected (see the error raised there)"
     dtype = CODE_DTYPE.get(int(sig[3]))
     memory = CODE_MEMORY.get(int(sig[6]), "?")
     elements = f"{int(sig[2])} {dtype.name if dtype else '?'} elements"
@@ -183,7 +197,7 @@ def describe(sig, other=None) -> str:
         elements = f"rows of {elements}"
     if collective == "lazy" and _final_exchange([int(v) for v in sig]) and not int(sig[4]):
         elements = f"its step's final exchange ({int(sig[2])} segments fired)"
-    text = f"called {collective} with {elements} ({memory} array)"
+    text = f"called {collective_in_words(sig[0])} with {elements} ({memory} array)"
     if int(sig[4]):
         text += f", op={CODE_OP.get(int(sig[4]), '?')}"
     algorithm = CODE_ALGORITHM.get(int(sig[1]) & 0xFF, "?")
@@ -312,7 +326,7 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
         words = ("rejected its own (see its error)", "accepted its own")
         return "the arguments", *(words[0] if s[7] else words[1] for s in (a, b))
     if a[0] != b[0]:
-        return "the collective", *(f"called {CODE_COLLECTIVE.get(s[0], s[0])}" for s in (a, b))
+        return "the collective", *(f"called {collective_in_words(s[0])}" for s in (a, b))
     if a[6] != b[6]:
         return "where the array lives", *(f"passed a {CODE_MEMORY.get(s[6], '?')} array" for s in (a, b))
     if collective == "lazy" and (a[2], a[3]) != (b[2], b[3]) and _one_step_ended(a, b):

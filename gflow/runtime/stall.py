@@ -723,9 +723,9 @@ def world_ranks(ctx):
 
 def _brief(sig) -> str:
     """'allreduce of 1048576 float32 (host array), op=sum': what the waiting rank called."""
-    from .signature import CODE_COLLECTIVE, CODE_DTYPE, CODE_MEMORY, CODE_OP, SIG_REJECTED
+    from .signature import CODE_DTYPE, CODE_MEMORY, CODE_OP, SIG_REJECTED, collective_in_words
 
-    collective = CODE_COLLECTIVE.get(int(sig[0]), "a collective")
+    collective = collective_in_words(sig[0])
     if int(sig[7]) == SIG_REJECTED:
         return f"{collective} (its arguments were rejected here)"
     dtype = CODE_DTYPE.get(int(sig[3]))
