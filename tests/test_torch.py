@@ -710,6 +710,12 @@ def test_grouped_allreduce_checks_each_tensors_shape():
         got = hvd.grouped_allreduce(good, op=hvd.Sum)
         for g, t in zip(got, good, strict=True):
             on_all_ranks(lambda g=g, t=t: assert_same(g, t * WORLD.size), "next")
+    # Lists of different lengths are named as such, not by their element counts (5 against 9).
+    ts = [torch.ones(3), torch.ones(2)] + [torch.ones(4)] * bad
+    first_line = "^ranks disagree on the number of tensors in the list: "
+    first_line += rf"rank \d+ passed 2, rank {LAST} passed 3\n"
+    for call in (lambda: hvd.grouped_allreduce(ts), lambda: hvd.synchronize(hvd.grouped_allreduce_async(ts))):
+        on_all_ranks(lambda call=call: mismatch_everywhere(call, first_line), "list lengths")
 
 
 @pytest.mark.parallel([2, 3])

@@ -956,6 +956,7 @@ _CALL_ALONE = re.compile(r"[a-z_]+\(\)")
 _OF_SHAPE = re.compile(r"(?:an array|a tensor) of shape (\(.*?\))(.*)")
 # The i-th tensor of a grouped call (gflow.torch's grouped_allgather: gather._agreed's words)
 _MEMBER = re.compile(r"tensors=a list of \d+ \(\[(\d+)\] of it\)")
+_LIST = re.compile(r"(?:name=.*?, )?a list of (\d+) tensors \[")  # (gflow.torch's grouped calls)
 
 
 def _field_names(fields_a, fields_b) -> str:
@@ -1006,6 +1007,12 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
                 f"called {words if _CALL_ALONE.fullmatch(words) else collective_in_words(sig[0])}"
                 for words, sig in ((words_a, sig_a), (words_b, sig_b))
             )
+        elif (
+            all(_LIST.match(words) for words in (words_a, words_b))
+            and len({_LIST.match(words)[1] for words in (words_a, words_b)}) == 2
+        ):  # (grouped calls with lists of different lengths: say so, not their element counts)
+            what = "the number of tensors in the list"
+            said_a, said_b = (f"passed {_LIST.match(words)[1]}" for words in (words_a, words_b))
         elif int(sig_a[0]) == int(sig_b[0]) == COLLECTIVE_CODE["sparse"]:  # (CSC: sizes, a checksum)
             what = "the gradient or the CSC settings"
             said_a, said_b = (f"passed {', '.join(fields)}" for fields in _differing(words_a, words_b))

@@ -188,8 +188,8 @@ def tensors_text(tensors) -> str:
         t = tensors[0]
         return f"a tensor of shape {tuple(t.shape)} and dtype {dtype_name(t.dtype)}"
     shown = ", ".join(f"{dtype_name(t.dtype)} {tuple(t.shape)}" for t in tensors[:8])
-    more = f", ... ({len(tensors)} in all)" if len(tensors) > 8 else ""
-    return f"tensors [{shown}{more}]"
+    more = ", ..." if len(tensors) > 8 else ""
+    return f"a list of {len(tensors)} tensors [{shown}{more}]"
 
 
 # --- scaling -----------------------------------------------------------------------------------------
