@@ -1,6 +1,7 @@
 """allreduce against MPI's own Allreduce and float64 NumPy, at world sizes 1 to 4."""
 
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -60,6 +61,43 @@ def test_allreduce_matches_mpi(n, dtype, op, algorithm, seed):
         algorithm = "auto"
     x = random_array(rank_rng(seed), n, dtype)
     on_all_ranks(lambda: check_allreduce(x, op, algorithm))
+
+
+@pytest.mark.parallel(SIZES)
+def test_inf_and_overflow_reduce_as_mpi_does_without_warnings():
+    """inf + -inf is NaN and a sum past the dtype's maximum is inf, as in MPI's own Allreduce, with no
+    NumPy RuntimeWarning from gflow's arithmetic. Where the program turns warnings into errors, the
+    reduction still finishes: raised inside it, one would stop a collective half way on one rank."""
+    p = WORLD.size
+    fits = gflow.config.small_message_bytes  # (recursive doubling takes no more)
+    algorithms = ("auto", "ring", "recursive_doubling", "hierarchical")
+    dtypes = (np.float16, np.float32, np.float64)
+    cases = [
+        (n, dtype, algorithm)
+        for n in (5, 5000, 70_000)
+        for dtype in dtypes
+        for algorithm in algorithms
+        if algorithm != "recursive_doubling" or n * np.dtype(dtype).itemsize <= fits
+    ]
+
+    def check(x, op, algorithm, errors):
+        with warnings.catch_warnings(record=True) as raised:
+            if errors:
+                warnings.simplefilter("error")
+            y = gflow.allreduce(x, op, algorithm=algorithm)
+        assert not raised, [str(w.message) for w in raised]
+        np.testing.assert_array_equal(y[1:3], [np.nan if p > 1 else np.inf, np.inf])
+        if op == "sum":  # (a float16 mean is summed in float32: its maximum times p fits there)
+            assert y[3] == (np.inf if p > 1 else np.finfo(x.dtype).max)
+        assert_close_to_reference(y[4:], x[4:], op)
+        assert_same_on_all_ranks(y)
+
+    for n, dtype, algorithm in cases:
+        x = random_array(rank_rng(n + p), n, dtype)
+        x[1:4] = np.inf if WORLD.rank == 0 else -np.inf, np.inf, np.finfo(dtype).max
+        for op, errors in (("sum", False), ("mean", True)):
+            label = f"{n} {np.dtype(dtype).name} {algorithm} {op}"
+            on_all_ranks(lambda x=x, op=op, a=algorithm, e=errors: check(x, op, a, e), label)
 
 
 @pytest.mark.parallel(SIZES)
