@@ -2,6 +2,8 @@
 reference of the Adasum formula applied as a binary tree over the ranks, at 1, 2 and 4 ranks; its
 restrictions (a power-of-two number of ranks, floating dtypes) refused on every rank."""
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -63,6 +65,29 @@ def test_adasum_against_the_formula_in_float64():
         out = cases[4].copy()
         assert gflow.allreduce(out, op="adasum", out=out) is out
         np.testing.assert_allclose(out, reference(cases[4]), rtol=1e-12)
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel(POWERS_OF_TWO)
+def test_adasum_of_infs_gives_the_formulas_nans_without_a_warning():
+    """inf on one rank and -inf on another: the formula's NaNs, with no NumPy RuntimeWarning; under
+    warnings as errors the combination still finishes on every rank (raised inside, it stopped the
+    collective half way on one rank)."""
+    x = rank_rng(41).standard_normal(100)
+    x[3] = np.inf if WORLD.rank == 0 else -np.inf
+
+    def check():
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("error")
+            y = gflow.allreduce(x, op="adasum")
+        assert not raised, [str(w.message) for w in raised]
+        with np.errstate(all="ignore"):
+            expected = reference(x)
+        assert WORLD.size == 1 or np.isnan(expected).any()
+        np.testing.assert_allclose(y, expected, rtol=1e-12)  # (NaN where the formula has NaN)
+        blobs = WORLD.allgather(y.tobytes())
+        assert all(b == blobs[0] for b in blobs), "ranks differ"
 
     on_all_ranks(check)
 

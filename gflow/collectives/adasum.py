@@ -79,6 +79,7 @@ def _group_sum(ctx: CommContext, values: np.ndarray, level: int) -> np.ndarray:
     return total
 
 
+@np.errstate(invalid="ignore", over="ignore", divide="ignore")  # (inf in, NaN out, as a sum: fp_errors.py)
 def adasum(ctx: CommContext, work: np.ndarray, sizes: list) -> None:
     """Combine the ranks' float64 `work` (flat, the tensors of `sizes` one after another) in place."""
     p, r = ctx.size, ctx.rank
