@@ -71,7 +71,7 @@ def test_a_lazy_step_and_an_allreduce_are_traced(tmp_path):
     threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     if WORLD.size > 1:
         assert {"MainThread", "gflow-engine"} <= threads
-        assert spans(events, "lazy allreduce segment 0")
+        assert spans(events, "gradient step segment 0")
     if WORLD.size == 2:  # (the ring, after its agreement)
         assert spans(events, "agreement") and spans(events, "wait") and spans(events, "reduce-scatter")
     if WORLD.size > 2:  # (one host: the fp16 call and the larger segment reduce in the slots)

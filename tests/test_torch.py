@@ -716,6 +716,14 @@ def test_grouped_allreduce_checks_each_tensors_shape():
     first_line += rf"rank \d+ passed 2, rank {LAST} passed 3\n"
     for call in (lambda: hvd.grouped_allreduce(ts), lambda: hvd.synchronize(hvd.grouped_allreduce_async(ts))):
         on_all_ranks(lambda call=call: mismatch_everywhere(call, first_line), "list lengths")
+    one = [torch.ones(3)] * (1 + bad)  # (a list of one is a list: helper-79)
+    first_line = "^ranks disagree on the number of tensors in the list: "
+    first_line += rf"rank \d+ passed 1, rank {LAST} passed 2\n"
+    on_all_ranks(lambda: mismatch_everywhere(lambda: hvd.grouped_allreduce(one, name="g"), first_line), "one")
+    rows = [torch.ones(WORLD.size, 2)] * (2 + bad)  # (another collective is named as such first)
+    start = hvd.grouped_reducescatter_async if bad else hvd.grouped_allreduce_async
+    call = lambda: hvd.synchronize(start(rows))  # noqa: E731 (both async: blocking, they would cross)
+    on_all_ranks(lambda: mismatch_everywhere(call, "^ranks disagree on the collective: "), "rs")
 
 
 @pytest.mark.parallel([2, 3])

@@ -12,10 +12,10 @@ import numpy as np
 try:
     from numpy._core._ufunc_config import _extobj_contextvar, _make_extobj
 
-    _QUIET = _make_extobj(invalid="ignore", over="ignore")
+    _QUIET = _make_extobj(all="ignore")  # (every field set: none taken from the state at import)
 
     def quietly(ufunc, a, b, out) -> None:
-        """ufunc(a, b, out=out) with NumPy's invalid-value and overflow reports off."""
+        """ufunc(a, b, out=out) with NumPy's floating-point reports off."""
         token = _extobj_contextvar.set(_QUIET)
         try:
             ufunc(a, b, out=out)
@@ -25,6 +25,6 @@ try:
 except ImportError:  # (NumPy 1: its error state is np.errstate's alone)
 
     def quietly(ufunc, a, b, out) -> None:
-        """ufunc(a, b, out=out) with NumPy's invalid-value and overflow reports off."""
-        with np.errstate(invalid="ignore", over="ignore"):
+        """ufunc(a, b, out=out) with NumPy's floating-point reports off."""
+        with np.errstate(all="ignore"):
             ufunc(a, b, out=out)

@@ -956,7 +956,8 @@ _CALL_ALONE = re.compile(r"[a-z_]+\(\)")
 _OF_SHAPE = re.compile(r"(?:an array|a tensor) of shape (\(.*?\))(.*)")
 # The i-th tensor of a grouped call (gflow.torch's grouped_allgather: gather._agreed's words)
 _MEMBER = re.compile(r"tensors=a list of \d+ \(\[(\d+)\] of it\)")
-_LIST = re.compile(r"(?:name=.*?, )?a list of (\d+) tensors \[")  # (gflow.torch's grouped calls)
+# gflow.torch's grouped calls: "[name='...', ]a list of N tensors [...]" (the name as repr() writes it)
+_LIST = re.compile(r"""(?:name=(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"), )?a list of (\d+) tensors? \[""")
 
 
 def _field_names(fields_a, fields_b) -> str:
@@ -1008,7 +1009,8 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
                 for words, sig in ((words_a, sig_a), (words_b, sig_b))
             )
         elif (
-            all(_LIST.match(words) for words in (words_a, words_b))
+            what != "the collective"
+            and all(_LIST.match(words) for words in (words_a, words_b))
             and len({_LIST.match(words)[1] for words in (words_a, words_b)}) == 2
         ):  # (grouped calls with lists of different lengths: say so, not their element counts)
             what = "the number of tensors in the list"

@@ -341,7 +341,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         dtype = strategy.wire_dtype(members[0][0].dtype)
         total = sum(m.size for m, _, _ in members)
         index = len(self._fired)
-        ctx = context(self._comm).for_async(f"lazy allreduce segment {index}")
+        ctx = context(self._comm).for_async(f"gradient step segment {index}")
         name = check_op(self.op, holds(members[0][0].dtype))
         try:
             strategy.check_size(index, total)
@@ -491,7 +491,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
 
     def _flush(self, commit: bool, agree, refuse):
         self._check_cut()
-        ctx = context(self._comm).for_async("lazy allreduce flush")
+        ctx = context(self._comm).for_async("gradient step final exchange")
         if agree is not None and np.size(agree) and not np.can_cast(np.asarray(agree).dtype, np.int64):
             # (a float vector was cut to integers: a max of 0.9 came back 0)
             got = np.asarray(agree).dtype
@@ -518,7 +518,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 annotated, final, Words(pushes_in_words, self._pushed, len(self._pushed))
             )
             self._fired.append(
-                (engine.submit("lazy allreduce flush", final, ctx=ctx, kind=engine.STEP), [], None)
+                (engine.submit("gradient step final exchange", final, ctx=ctx, kind=engine.STEP), [], None)
             )
         elif step_agreed is not None:
             step_agreed[:] = src  # alone: the maximum over one rank
@@ -594,7 +594,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             about="LazyAllreduce's threshold tuning",
         )
         handle = engine.submit(
-            "lazy threshold agreement", run, keep=(medians, summed), ctx=ctx, kind=engine.STEP
+            "gradient step threshold agreement", run, keep=(medians, summed), ctx=ctx, kind=engine.STEP
         )
         self._fired.append((handle, [], None))
         return summed

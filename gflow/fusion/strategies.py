@@ -102,7 +102,7 @@ class Dense:
         tag = ("lazy", segment.checksum)
         op = self.wire_op(segment.op)
         run = lambda: allreduce_on(ctx, source, op, out=out, tag=tag, holds=dtype, about=segment.about)  # noqa: E731
-        handle = engine.submit(f"lazy allreduce segment {segment.index}", kind.in_background(run),
+        handle = engine.submit(f"gradient step segment {segment.index}", kind.in_background(run),
                                keep=(source, out), ctx=ctx, kind=engine.STEP)  # fmt: skip
         return handle, None
 
@@ -168,7 +168,7 @@ class Sparse(Dense):
         # allocation and its page faults); it is the source itself unless the source is the
         # gradient pool, which must keep its values until the whole step has succeeded.
         run = lambda: csc.step_on(ctx, source, extra=checksum, out=out)  # noqa: E731
-        handle = engine.submit(f"lazy allreduce segment {segment.index}", kind.in_background(run),
+        handle = engine.submit(f"gradient step segment {segment.index}", kind.in_background(run),
                                keep=(source, out), ctx=ctx, kind=engine.STEP)  # fmt: skip
         return handle, csc
 
@@ -231,7 +231,7 @@ class Hook(Dense):
                 )
             return result
 
-        handle = engine.submit(f"lazy hook segment {index}", kind.in_background(run),
+        handle = engine.submit(f"gradient step hook segment {index}", kind.in_background(run),
                                keep=(buffer,), ctx=ctx, kind=engine.STEP)  # fmt: skip
         return handle, _HookState(self.state)
 

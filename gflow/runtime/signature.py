@@ -196,7 +196,10 @@ def describe(sig, other=None) -> str:
     if collective in ("allgather", "alltoall"):
         elements = f"rows of {elements}"
     if collective == "lazy" and _final_exchange([int(v) for v in sig]) and not int(sig[4]):
-        elements = f"its step's final exchange ({int(sig[2])} segments fired)"
+        fired = int(sig[2])
+        elements = f"its final exchange (after {fired} segment{'s' * (fired != 1)})"
+    elif collective == "sparse":  # (its exchanges: the chunk norms, then the chunks chosen)
+        elements = f"an exchange of {elements} (chunk norms, or the chunks chosen)"
     text = f"called {collective_in_words(sig[0])} with {elements} ({memory} array)"
     if int(sig[4]):
         text += f", op={CODE_OP.get(int(sig[4]), '?')}"

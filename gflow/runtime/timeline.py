@@ -247,7 +247,7 @@ def _an_event(event) -> bool:
 
 def plot(path: str, out: str, start_ms: float | None = None, end_ms: float | None = None, title=None) -> None:
     """A PNG of a trace's spans: one row per rank and thread, a colour per family of span (numbered
-    ones, "lazy allreduce segment 3", share one), spans inside spans drawn thinner on top. Times in
+    ones, "gradient step segment 3", share one), spans inside spans drawn thinner on top. Times in
     ms from start_ms (default: the first span)."""
     import re
 

@@ -111,13 +111,13 @@ class _AllreducePlan:
         # The ranks agree on the shapes (and their order), the op and the factors, as Horovod's
         # controller does: an integer Average travels as a sum and the factors are applied locally,
         # so gflow's own signature would not tell them apart.
-        members = [tensor] if members is None else members
+        listed, members = members is not None, [tensor] if members is None else members
         shapes = [(dtype_name(t.dtype), tuple(t.shape)) for t in members]
         if self.gop == "adasum" and self.compression is not None:
             raise ValueError(f"{where}: op=hvd.Adasum takes no wire compression (Compression.none)")
         self.tag = ("allreduce", fingerprint(shapes, int(op), prescale, postscale, name))
         self.about = (
-            f"{named(name)}{tensors_text(members)}, op={_basics.OP_NAMES[op]}, "
+            f"{named(name)}{tensors_text(members, listed)}, op={_basics.OP_NAMES[op]}, "
             f"prescale_factor={prescale}, postscale_factor={postscale}"
             + (f", compression={self.compression}" if self.compression else "")  # (helper-70: unsaid)
         )

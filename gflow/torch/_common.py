@@ -182,14 +182,15 @@ def named(name) -> str:
     return "" if name is None else f"name={name!r}, "
 
 
-def tensors_text(tensors) -> str:
-    """How this rank's tensors read in a MismatchError."""
-    if len(tensors) == 1:
+def tensors_text(tensors, listed: bool = False) -> str:
+    """How this rank's tensors read in a MismatchError; `listed`: passed as a list (a grouped call),
+    whose length the ranks compare (recursive_doubling._mismatch_message), even a list of one."""
+    if len(tensors) == 1 and not listed:
         t = tensors[0]
         return f"a tensor of shape {tuple(t.shape)} and dtype {dtype_name(t.dtype)}"
     shown = ", ".join(f"{dtype_name(t.dtype)} {tuple(t.shape)}" for t in tensors[:8])
     more = ", ..." if len(tensors) > 8 else ""
-    return f"a list of {len(tensors)} tensors [{shown}{more}]"
+    return f"a list of {len(tensors)} tensor{'s' * (len(tensors) != 1)} [{shown}{more}]"
 
 
 # --- scaling -----------------------------------------------------------------------------------------

@@ -164,11 +164,11 @@ class _ReducescatterPlan:
         self.src = scaled(tensor, prescale) if prescale != 1.0 else tensor.detach().contiguous()
         if self.narrow is not None:
             self.src = self.src.to(torch.int32)
-        members = [tensor] if members is None else members
+        listed, members = members is not None, [tensor] if members is None else members
         shapes = [(dtype_name(t.dtype), tuple(t.shape)) for t in members]
         self.fingerprint = fingerprint("reducescatter", shapes, int(op), prescale, postscale, name)
         self.about = (
-            f"{named(name)}{tensors_text(members)}, op={_basics.OP_NAMES[op]}, "
+            f"{named(name)}{tensors_text(members, listed)}, op={_basics.OP_NAMES[op]}, "
             f"prescale_factor={prescale}, postscale_factor={postscale}"
         )
 
