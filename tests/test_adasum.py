@@ -76,6 +76,7 @@ def test_adasum_of_infs_gives_the_formulas_nans_without_a_warning():
     collective half way on one rank)."""
     x = rank_rng(41).standard_normal(100)
     x[3] = np.inf if WORLD.rank == 0 else -np.inf
+    big = np.array([3e38, 3e38 if WORLD.rank % 2 == 0 else -3e38], np.float32)
 
     def check():
         with warnings.catch_warnings(record=True) as raised:
@@ -88,6 +89,14 @@ def test_adasum_of_infs_gives_the_formulas_nans_without_a_warning():
         np.testing.assert_allclose(y, expected, rtol=1e-12)  # (NaN where the formula has NaN)
         blobs = WORLD.allgather(y.tobytes())
         assert all(b == blobs[0] for b in blobs), "ranks differ"
+        # Orthogonal float32 vectors near its maximum: a sum past its range, inf when cast back (helper-79)
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("error")
+            z = gflow.allreduce(big, op="adasum")
+        assert not raised, [str(w.message) for w in raised]
+        with np.errstate(all="ignore"):
+            np.testing.assert_array_equal(z, reference(big).astype(np.float32))
+        assert WORLD.size == 1 or np.isinf(z).any()
 
     on_all_ranks(check)
 

@@ -1,6 +1,7 @@
 """fp16 communication, LossScaler, allreduce_async and LazyAllreduce, at world sizes 1 to 4."""
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -109,6 +110,30 @@ def test_loss_scaler_rejects_bad_settings():
     ]:
         with pytest.raises(ValueError, match=match):
             gflow.LossScaler(**kwargs)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_a_scaled_push_past_the_range_is_inf_without_a_warning():
+    """push(scale=) multiplies on the way into the fusion buffer: a product past float32's range is inf
+    in the result, as a sum past it is, with no NumPy warning; under warnings as errors the step
+    finishes on every rank (the overflowing rank's push raised, and the step failed: helper-79)."""
+    x = random_array(rank_rng(5), 10, np.float32)
+    if WORLD.rank == 0:
+        x[2] = 2e38
+
+    def check():
+        lazy, g = gflow.LazyAllreduce(threshold_bytes=4096), x.copy()
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("error")
+            lazy.push(g, scale=4.0)
+            lazy.flush()
+        assert not raised, [str(w.message) for w in raised]
+        assert g[2] == np.inf
+        rest = np.delete(x, 2) * np.float32(4.0)
+        assert_close_to_reference(np.delete(g, 2), rest, "mean")
+        assert_same_on_all_ranks(g)
+
+    on_all_ranks(check)
 
 
 def test_loss_scaler_stops_growing_before_inf():
