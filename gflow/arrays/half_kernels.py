@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit, types
 from numba.core.extending import intrinsic
 
-from .fp_errors import quietly
+from .fp_errors import quiet, unquiet
 
 
 @intrinsic
@@ -113,13 +113,17 @@ def reduce_half(out, low, high, op: int) -> None:
         _scratch.b = np.empty(_BLOCK, np.float32)
     b = _scratch.b
     ufunc = _UFUNC[op]
-    for start in range(0, out.size, _BLOCK):
-        stop = min(start + _BLOCK, out.size)
-        x, y = a[: stop - start], b[: stop - start]
-        _decode(x, low[start:stop])
-        _decode(y, high[start:stop])
-        quietly(ufunc, x, y, x)  # (inf + -inf is NaN without a warning: fp_errors.py)
-        _encode(out[start:stop], x)
+    token = quiet()  # (inf + -inf is NaN without a warning: fp_errors.py)
+    try:
+        for start in range(0, out.size, _BLOCK):
+            stop = min(start + _BLOCK, out.size)
+            x, y = a[: stop - start], b[: stop - start]
+            _decode(x, low[start:stop])
+            _decode(y, high[start:stop])
+            ufunc(x, y, out=x)
+            _encode(out[start:stop], x)
+    finally:
+        unquiet(token)
 
 
 def reduce_bf16(out, low, high, op: int) -> None:

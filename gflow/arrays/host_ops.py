@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from ..runtime.signature import BFLOAT16
-from .fp_errors import quietly
+from .fp_errors import quiet, unquiet
 
 memory = "host"
 
@@ -68,7 +68,11 @@ def reduce(out: np.ndarray, low: np.ndarray, high: np.ndarray, op: str) -> None:
 
         reduce_bf16(out.view(_U16), low.view(_U16), high.view(_U16), _HALF_OP[op])
     else:
-        quietly(_UFUNC[op], low, high, out)
+        token = quiet()  # (inf + -inf is NaN without a warning: fp_errors.py)
+        try:
+            _UFUNC[op](low, high, out=out)
+        finally:
+            unquiet(token)
 
 
 # Below this the fused loop's gain is smaller than loading Numba and its compiled loop into a fresh
