@@ -4,7 +4,7 @@ A reduction gives inf + -inf = NaN and overflows to inf without a word, as MPI's
 RuntimeWarnings for them are not the program's, and where a program turns warnings into errors, one
 raised inside a collective would stop it half way on one rank. np.errstate around each reduction costs
 2 us a call (a small allreduce makes several); NumPy 2 keeps its error state in a context variable,
-which costs 0.17 us to set and reset (bench/RESULTS.md, "inf, -inf and overflow, quietly"). Use:
+which costs about 0.2 us to set and reset (bench/RESULTS.md, "inf, -inf and overflow, quietly"). Use:
 
     token = quiet()
     try:
