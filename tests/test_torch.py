@@ -187,9 +187,9 @@ def test_grouped_allreduce_against_mpis_allreduce():
 @pytest.mark.parallel(SIZES)
 def test_the_narrow_integer_and_bool_dtypes_horovod_reduces():
     """uint8, int8, int16 and bool, as Horovod reduces them: against MPI's Allreduce of every rank's
-    values in those types (mpi4py's own), sums wrapping as the type wraps, an integer average dividing
-    the wrapped sum and truncating, bool's sum a logical or; every form (new tensor, in place, async,
-    grouped). Values span each type's whole range, so sums overflow."""
+    values (max and min in those types; sums in int64, wrapped into the type as the type wraps), an
+    integer average dividing the wrapped sum and truncating, bool's sum a logical or; every form (new
+    tensor, in place, async, grouped). Values span each type's whole range, so sums overflow."""
     rng = rank_rng(23)
     numpy_of = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16, torch.bool: np.bool_}
     mpi_op = {hvd.Sum: MPI.SUM, hvd.Max: MPI.MAX, hvd.Min: MPI.MIN}
@@ -207,8 +207,12 @@ def test_the_narrow_integer_and_bool_dtypes_horovod_reduces():
                 WORLD.Allreduce(
                     x.numpy(), expected, {hvd.Sum: MPI.LOR, hvd.Max: MPI.LOR, hvd.Min: MPI.LAND}[op]
                 )
+            elif op in (hvd.Sum, hvd.Average):  # MPI's sum in int64, wrapped into the type by NumPy:
+                wide = np.empty(x.numel(), np.int64)  # Open MPI 4.1's own 8- and 16-bit sums saturate
+                WORLD.Allreduce(x.numpy().astype(np.int64), wide, MPI.SUM)  # (its AVX ops, ompi#8045)
+                expected = wide.astype(np_dtype)
             else:
-                WORLD.Allreduce(x.numpy(), expected, mpi_op.get(op, MPI.SUM))
+                WORLD.Allreduce(x.numpy(), expected, mpi_op[op])
             if op == hvd.Average:  # Horovod's C: the (wrapped) sum scaled by 1/size, truncated
                 expected = np.trunc(expected.astype(np.float64) / WORLD.size).astype(np_dtype)
             in_place = x.clone()
