@@ -960,6 +960,14 @@ _MEMBER = re.compile(r"tensors=a list of \d+ \(\[(\d+)\] of it\)")
 _LIST = re.compile(r"""(?:name=(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"), )?a list of (\d+) tensors? \[""")
 
 
+def _list_lengths(words_a: str, words_b: str) -> tuple | None:
+    """The lengths of two grouped calls' lists, from gflow.torch's words, where they differ; None where
+    they do not, or either call passed no list."""
+    found = [_LIST.match(words) for words in (words_a, words_b)]
+    lengths = None if None in found else tuple(int(match[1]) for match in found)
+    return lengths if lengths and lengths[0] != lengths[1] else None
+
+
 def _field_names(fields_a, fields_b) -> str:
     """What pairs of differing fields are about: "name=" for name='a' against name='b', "the shape" or
     "the dtype" for arrays that differ in it (gflow.torch's int8 travels as int32), else "what it passed"."""
@@ -1008,13 +1016,9 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
                 f"called {words if _CALL_ALONE.fullmatch(words) else collective_in_words(sig[0])}"
                 for words, sig in ((words_a, sig_a), (words_b, sig_b))
             )
-        elif (
-            what != "the collective"
-            and all(_LIST.match(words) for words in (words_a, words_b))
-            and len({_LIST.match(words)[1] for words in (words_a, words_b)}) == 2
-        ):  # (grouped calls with lists of different lengths: say so, not their element counts)
-            what = "the number of tensors in the list"
-            said_a, said_b = (f"passed {_LIST.match(words)[1]}" for words in (words_a, words_b))
+        elif what != "the collective" and (lengths := _list_lengths(words_a, words_b)):
+            what = "the number of tensors in the list"  # (not the lists' element counts)
+            said_a, said_b = (f"passed {n}" for n in lengths)
         elif int(sig_a[0]) == int(sig_b[0]) == COLLECTIVE_CODE["sparse"]:  # (CSC: sizes, a checksum)
             what = "the gradient or the CSC settings"
             said_a, said_b = (f"passed {', '.join(fields)}" for fields in _differing(words_a, words_b))

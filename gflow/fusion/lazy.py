@@ -172,8 +172,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         more until flush() raises `error`, whose first line the peers' MismatchError shows. The
         rejection is queued behind the segments already fired, where it meets the peers' next segment
         or final exchange, so their flush() fails too."""
-        if self._error is None:
-            self._check_cut()  # (a step cut short sends no rejection either: the peers' step is over)
+        self._check_cut()  # (a step cut short sends no rejection either: the peers' step is over)
         if self._error is None:
             self._stop_step(error)
             rejection = rejected_in_background(context(self._comm), "lazy", error, kind=engine.STEP_REJECTION)
