@@ -1,6 +1,7 @@
 """Helpers for tests that run on every rank at once: collective assertions and references."""
 
 import traceback
+import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -23,6 +24,17 @@ def on_all_ranks(fn, label: str = ""):
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         raise AssertionError(f"{label}: failed on ranks " + ", ".join(f"{r}:\n{e}" for r, e in failed))
+
+
+def without_warnings(fn, as_errors: bool = True):
+    """fn()'s result, asserting it warned of nothing; `as_errors`: with warnings turned into errors, as
+    a program may turn them (one raised inside a collective would stop it half way on one rank)."""
+    with warnings.catch_warnings(record=True) as raised:
+        if as_errors:
+            warnings.simplefilter("error")
+        result = fn()
+    assert not raised, [str(w.message) for w in raised]
+    return result
 
 
 def assert_same_on_all_ranks(y: np.ndarray) -> None:
