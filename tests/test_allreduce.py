@@ -402,12 +402,12 @@ def test_a_blocking_call_waits_for_the_duplicates_an_async_call_is_making(monkey
 
 @pytest.mark.parallel([2, 3, 4])
 def test_the_programs_own_calls_on_a_communicator_right_after_its_first_async_call():
-    """The engine thread makes gflow's duplicates of a fresh communicator when its first call is async,
-    at a moment that differs between ranks: none of them may be a collective on the program's own
-    communicator, whose Split or Dup right after the call would then meet it in a different order on
-    different ranks (helper-67). Under Open MPI 4.1 the pending duplicate of the communicator itself
-    met the Split out of order (ompi#2025), and both hung: there the caller's thread makes them
-    (CommContext.for_async). 20 fresh communicators, each split and duplicated at once."""
+    """A communicator's first call is async: the program's own communicators made right after it
+    must not meet a duplicate of gflow's still pending on the engine thread. Under Open MPI 4.1 the
+    pending duplicate met the program's Split out of order (ompi#2025), and both hung; under MPICH one
+    hung once beside mpi4py's duplicate for a fresh communicator's first lowercase collective. The
+    caller's thread makes them (CommContext.for_async): every one is made when the call returns.
+    20 fresh communicators, each split and duplicated at once."""
 
     def check():
         for i in range(20):
@@ -415,6 +415,8 @@ def test_the_programs_own_calls_on_a_communicator_right_after_its_first_async_ca
             x = random_array(rank_rng(960 + i), 33, np.float64)
             expected = mpi_allreduce(x)
             handle = gflow.allreduce_async(x, comm=comm)
+            made = context(comm)
+            assert made.monitor_comm is not None and made.background().monitor_comm is not None
             halves = comm.Split(comm.rank % 2, comm.rank)
             twin = comm.Dup()
             assert halves.allreduce(1) == len(range(comm.rank % 2, comm.size, 2))
@@ -431,7 +433,8 @@ def test_the_programs_own_calls_on_a_communicator_right_after_its_first_async_ca
 def test_the_programs_split_right_after_the_first_async_call_after_a_failed_one():
     """After a failed async call every rank makes a fresh background channel at its next async call:
     a duplicate of the program's communicator, which under Open MPI 4.1 met the program's Split
-    right after that call out of order and hung (CommContext.for_async). 5 communicators, each with
+    right after that call out of order and hung: the caller's thread makes it (CommContext.for_async),
+    and it is made when the call returns. 5 communicators, each with
     a mismatched async call (rank 0 passes 3 elements, the others 4), then an async call and a Split."""
 
     def check():
@@ -444,6 +447,7 @@ def test_the_programs_split_right_after_the_first_async_call_after_a_failed_one(
             x = random_array(rank_rng(990 + i), 33, np.float64)
             expected = mpi_allreduce(x)
             handle = gflow.allreduce_async(x, comm=comm)
+            assert context(comm).background().monitor_comm is not None  # (made on this thread)
             halves = comm.Split(comm.rank % 2, comm.rank)
             assert halves.allreduce(1) == len(range(comm.rank % 2, comm.size, 2))
             np.testing.assert_allclose(handle.wait(timeout=20), expected, rtol=1e-12)

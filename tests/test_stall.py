@@ -10,10 +10,8 @@ import time
 import numpy as np
 import pytest
 from helpers import WORLD, mpi_allreduce, on_all_ranks, random_array, rank_rng
-from mpi4py import MPI
 
 import gflow
-import gflow.runtime.context as context_module
 
 LAST = WORLD.size - 1
 
@@ -110,7 +108,7 @@ def test_a_rank_late_for_the_first_async_collective_is_named(monkeypatch, capsys
 
 
 @pytest.mark.parallel([2, 3])
-@pytest.mark.parametrize("mode", ["blocking", "engine"])
+@pytest.mark.parametrize("mode", ["blocking", "async"])
 def test_a_rank_late_for_the_first_collective_is_warned_of(monkeypatch, capsys, mode):
     """The first collective on a communicator: no channel to ask the peers on exists yet, so the
     warning says that some rank is late without naming it."""
@@ -129,13 +127,11 @@ def test_a_rank_late_for_the_first_collective_is_warned_of(monkeypatch, capsys, 
     err = capsys.readouterr().err
     if WORLD.rank != late:
         assert waited > 2.5, waited
-        # (under Open MPI the caller's thread makes the duplicates of an async call: CommContext.for_async)
-        caller = mode == "blocking" or "Open MPI" in MPI.Get_library_version()
-        thread = "MainThread" if caller else "gflow-engine"
-        assert f"gflow rank {WORLD.rank}: waited" in err and f"on thread {thread}" in err, err
+        # (the caller's thread makes the duplicates of an async call too: CommContext.for_async)
+        assert f"gflow rank {WORLD.rank}: waited" in err and "on thread MainThread" in err, err
         assert "some rank has not entered gflow's first collective on this communicator" in err, err
         assert "which one cannot be told yet" in err, err
-        if mode == "blocking" or not caller:
+        if mode == "blocking":
             assert "allreduce of 1024 float32 (host array), op=sum" in err, err
         else:  # (not entered yet: the call is named)
             assert "on thread MainThread (allreduce) in collective #1; on a communicator" in err, err
@@ -144,13 +140,10 @@ def test_a_rank_late_for_the_first_collective_is_warned_of(monkeypatch, capsys, 
 
 
 @pytest.mark.parallel([2, 3])
-@pytest.mark.parametrize("on_caller", [False, True])
-def test_a_rank_late_for_the_first_async_call_after_a_failed_one_is_named(monkeypatch, capsys, on_caller):
-    """After a failed async call every rank makes a fresh background channel at its next async call:
-    on the engine thread, or under Open MPI on the caller's (CommContext.for_async; forced here with
-    on_caller, on any MPI). Either way the peer late for that call is named: on the caller's thread
-    the warning said every rank had entered it (helper-69)."""
-    monkeypatch.setattr(context_module, "_DUPLICATES_BEFORE_ASYNC", on_caller)
+def test_a_rank_late_for_the_first_async_call_after_a_failed_one_is_named(monkeypatch, capsys):
+    """After a failed async call every rank makes a fresh background channel at its next async call,
+    on the caller's thread (CommContext.for_async): the peer late for that call is named (the
+    warning said every rank had entered it: helper-69)."""
     monkeypatch.setattr(gflow.config, "stall_warning_s", 1.0)
     comm = WORLD.Dup()
     x = random_array(rank_rng(70), 40, np.float64)

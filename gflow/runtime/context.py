@@ -37,10 +37,6 @@ TAG_ADASUM = 15
 # made in its parent's sequence (CommContext.make_duplicates)
 _NOT_POSTED = "not posted"
 
-# Open MPI (4.1 here) lets a pending duplicate of a communicator meet the program's next Split or Dup
-# of it out of order (ompi#2025): there the caller's thread makes them in an async call too (for_async)
-_DUPLICATES_BEFORE_ASYNC = MPI.get_vendor()[0] == "Open MPI"
-
 
 def rd_schedule(rank: int, size: int):
     """Recursive-doubling roles for `rank`, with the usual fold for sizes that are not powers of two.
@@ -122,7 +118,8 @@ class CommContext:
         # call on the background channel (collectives/recursive_doubling.end_where_a_step_met_strays):
         # like crossed waits, which of the ranks' steps pair next is unknown. Checked where a call starts.
         self.ended = None
-        # The LazyAllreduce kits that began a step here (in_a_step): weakly, a kit lives as the program's
+        # The LazyAllreduce kits whose step here has begun and not ended (in_a_step): weakly, a kit
+        # lives as the program's
         self.kits = weakref.WeakSet()
         # Background contexts made for this one so far; a background context's own number among them
         # (crossed waits name the one they are about: a peer's fresh one is not the one it was told of)
@@ -194,7 +191,7 @@ class CommContext:
         call queued now is one inside that step (engine.IN_A_STEP). Its mismatch with a peer's step
         ends the communicator; with a peer's rejection of a bad push in that step, it fails the step
         on every rank alike (recursive_doubling._steps_met_strays)."""
-        return any(kit.step_begun() for kit in list(self.kits))
+        return bool(self.kits)  # (asked by every async call: a kit leaves it as its step ends)
 
     def sendrecv(self, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:
         """Sendrecv, waiting the way this context waits (see waitall)."""
@@ -248,8 +245,8 @@ class CommContext:
         """The first background context, its duplicate made (before this context's monitor duplicate,
         on every rank); None where there is none to make (a later one, after a failure, is made at the
         next async call, as before). Duplicated from gflow's own duplicate, not the user's communicator:
-        this may run on the engine thread, whose order among the program's own calls on that
-        communicator (a Split right after an async call) would differ between ranks."""
+        this may run on the engine thread (join()'s), whose order among the program's own calls on
+        that communicator (a Split right after an async call) would differ between ranks."""
         if not self._eager_background or self._user_comm is None:
             return None
         if self._background is None and self.backgrounds_made > 0:
@@ -288,17 +285,19 @@ class CommContext:
             mark.making = None
 
     def for_async(self, collective: str) -> "CommContext":
-        """The background context an async collective is queued on. Under Open MPI the caller's thread
-        first finishes its duplicates, and this context's (so a communicator's first async call there
-        returns once every rank has made its first call on it, and the first after a failure once
-        every rank has made its next async call): a duplicate left pending on the engine thread would
-        meet the program's own Split or Dup of the communicator right after the call out of order.
-        What fails there is raised by the queued work, as where the engine thread makes them.
-        `collective` names the call in a stall warning meanwhile."""
+        """The background context an async collective is queued on. The caller's thread first finishes
+        its duplicates, and this context's (so a communicator's first async call returns once every
+        rank has made its first call on it, and the first after a failure once every rank has made
+        its next async call). A duplicate left pending on the engine thread met the program's own
+        communicators made right after the call: under Open MPI 4.1 its Split or Dup of the
+        communicator, out of order (ompi#2025); under MPICH the duplicate mpi4py makes at a
+        communicator's first lowercase collective (a hang, once: pmodels/mpich#2020, #3794). What
+        fails here is raised by the queued work. `collective` names the call in a stall warning
+        meanwhile."""
         if self.failed is not None or self.ended is not None:
             return self._refusing()
         background = self.background()
-        if not _DUPLICATES_BEFORE_ASYNC or (self._made and background._made) or background.failed is not None:
+        if (self._made and background._made) or background.failed is not None:
             return background  # (a failed one refuses its work: check_usable)
         mark = stall.mark()
         # (the wait is in none of this thread's collectives: an interrupt is not one left unfinished
