@@ -80,7 +80,7 @@ def join(comm=None, subsets=()) -> int:
     others = [context(sub) for sub in subsets]
     for ctx in others:
         ctx.check_usable()
-    background = parent.for_async("join")  # (its duplicates made here, as an async call's)
+    background = parent.background()
     # (the background channels once the async work queued before has run: on the engine thread)
     handle = engine.submit(
         "join",

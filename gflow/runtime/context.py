@@ -245,7 +245,7 @@ class CommContext:
         """The first background context, its duplicate made (before this context's monitor duplicate,
         on every rank); None where there is none to make (a later one, after a failure, is made at the
         next async call, as before). Duplicated from gflow's own duplicate, not the user's communicator:
-        this may run on the engine thread (join()'s), whose order among the program's own calls on
+        this may run on the engine thread (join() serving it), whose order among the program's own calls on
         that communicator (a Split right after an async call) would differ between ranks."""
         if not self._eager_background or self._user_comm is None:
             return None
