@@ -10,6 +10,7 @@ import pytest
 from helpers import WORLD, assert_close_to_reference, assert_same_on_all_ranks, on_all_ranks, rank_rng
 
 import gflow
+from gflow.runtime.context import context
 from gflow.training.data_parallel import DataParallel, broadcast_parameters
 
 # The layers above the collectives run at 1-3 ranks: the collectives under them are tested at 1-4
@@ -496,6 +497,8 @@ def test_argument_errors_up_front():
     dp = DataParallel([a, b])  # a list: keys are indices, buffers a list
     with pytest.raises(ValueError, match="no grad given and no gradient_buffers"):
         dp.push(0)
+    # (the step is unchanged: not begun, so the program's own async calls are not taken for its own)
+    assert not context().in_a_step()
     buffers = dp.gradient_buffers()
     assert isinstance(buffers, list) and [x.shape for x in buffers] == [(3,), (4,)]
     assert dp.gradient_buffers()[0] is buffers[0]  # the same arrays every time

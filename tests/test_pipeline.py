@@ -1,5 +1,7 @@
 """fp16 communication, LossScaler, allreduce_async and LazyAllreduce, at world sizes 1 to 4."""
 
+import copy
+import pickle
 import re
 
 import numpy as np
@@ -8,6 +10,7 @@ from helpers import (
     WORLD,
     assert_close_to_reference,
     assert_same_on_all_ranks,
+    mpi_allreduce,
     on_all_ranks,
     random_array,
     rank_rng,
@@ -16,6 +19,7 @@ from helpers import (
 from mpi4py import MPI
 
 import gflow
+from gflow.runtime.context import context
 
 SIZES = [1, 2, 3, 4]
 
@@ -445,3 +449,23 @@ def test_lazy_gradient_buffers_live_in_the_pool(reduce_in_place):
         gflow.LazyAllreduce(compression="fp16").gradient_buffers([(3,)])
     with pytest.raises(ValueError, match="dense segments"):
         gflow.LazyAllreduce(sparse={"density": 0.5}).gradient_buffers([(3,)], reduce_in_place=True)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_a_kit_copied_mid_step_and_its_step_leave_no_step_behind():
+    """A step holds its kit in its communicator's set of steps in flight (CommContext.in_a_step, asked
+    by every async call), not a reference the kit keeps: copying or pickling a kit mid-step works as
+    before (a first version kept the context, and deepcopy raised). The step ends as it began."""
+    rng = rank_rng(331)
+    lazy = gflow.LazyAllreduce(threshold_bytes=1 << 20, op="sum")  # (the world's: a kit on a
+    x = random_array(rng, 257, np.float64)  # communicator of its own is not copied, for the comm)
+    expected = mpi_allreduce(x)
+    steps = context().kits
+    assert lazy not in steps
+    lazy.push(x)
+    assert lazy in steps and context().in_a_step()
+    twin = pickle.loads(pickle.dumps(copy.deepcopy(lazy)))
+    assert twin not in steps
+    lazy.flush()
+    assert lazy not in steps
+    np.testing.assert_allclose(x, expected, rtol=1e-12)

@@ -118,8 +118,8 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, algorithm="auto", compr
 
     Arguments as for allreduce; they are checked now, in the caller's thread. Every rank must start
     its async collectives in the same order. Do not modify x (or read out) until the handle is done.
-    Under Open MPI a communicator's first call makes gflow's communicators there, an async one too:
-    it returns once every rank has made its first call on it (docs/cluster.md).
+    A communicator's first call makes gflow's communicators there, an async one too: it returns
+    once every rank has made its first call on it (docs/cluster.md).
     gflow.config is read when the operation runs, on the background thread: change a setting only
     while no async collective is in flight (else ranks may read it on either side of the change, and
     the call raises MismatchError on every rank).

@@ -27,6 +27,7 @@ together). Checkpoints are in lazy_state.py, the pool in pool.py, how a segment 
 strategies.py, threshold tuning in autotune.py.
 """
 
+import contextlib
 import functools
 import struct
 import sys
@@ -149,13 +150,13 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._follow = None  # after a join(): the rank whose tuning position to take (joined)
         if self._tuner is not None:
             tell_after_join(self, comm)
-        self._in_step_of = None  # the context whose `kits` hold this kit while its step runs
+        self._cuts_before = None  # (a step has not begun: _reset)
         self._reset()
 
     def _reset(self) -> None:
-        if self._in_step_of is not None:  # (the step ends: CommContext.in_a_step)
-            self._in_step_of.kits.discard(self)
-            self._in_step_of = None
+        if self._cuts_before is not None:  # the step ends: it leaves CommContext.in_a_step's kits
+            with contextlib.suppress(Exception):  # (no context: its communicator was freed since)
+                context(self._comm).kits.discard(self)
         self._members: list = []  # (flat view, kind, the array pushed) waiting for the next segment
         self._member_arrays: list = []  # the arrays pushed, for telling pool views apart
         self._member_scales: list = []  # what each pushed array is multiplied by on its way in
@@ -297,7 +298,6 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             except Exception:  # noqa: BLE001 - a bad comm: the full path reports it where it always did
                 return
             self._cuts_before, self._channel = ctx.steps_cut, ctx.channel_generation()
-            self._in_step_of = ctx
             ctx.kits.add(self)  # (CommContext.in_a_step; until _reset)
 
     def cut_short(self) -> str | None:

@@ -334,7 +334,6 @@ class DataParallel:
             )
         if self._ready[slot] is not None and self.cut_short() is not None:
             self._forget_cut_step()  # (the program began its next step: see cut_short)
-        self._lazy.mark_begun()  # (its pushes reach it in model order, maybe later)
         if self._ready[slot] is not None:
             raise ValueError(
                 f"DataParallel.push: parameter {key!r} was already pushed in this step; push each "
@@ -347,6 +346,8 @@ class DataParallel:
                     f"DataParallel.push({key!r}): no grad given and no gradient_buffers() to take it from"
                 )
             grad = self._buffers[slot]
+        # (after the refusals above, which leave the step unchanged: not begun by a refused push)
+        self._lazy.mark_begun()  # (its pushes reach it in model order, maybe later)
         if self._error is None:
             try:
                 if given:
