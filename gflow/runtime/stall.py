@@ -327,8 +327,9 @@ def _drop_background(ctx) -> None:
 
 _CROSSED_CAUSE = (
     "The ranks made different calls: a blocking collective on some ranks only while async work is in "
-    "flight (a metric reduced on rank 0 only, while the optimizer's segments are on their way?). Make "
-    "it on every rank: a collective some ranks do not make never completes"
+    "flight (a metric reduced on rank 0 only, while the optimizer's segments are on their way?), or "
+    "async and blocking calls in different orders. Make each call on every rank, in the same order: "
+    "a collective some ranks do not make never completes"
 )
 
 
