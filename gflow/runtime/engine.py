@@ -11,6 +11,7 @@ which mpi4py asks for by default; the engine checks it on first use.
 
 import queue
 import threading
+import weakref
 
 from mpi4py import MPI
 
@@ -45,6 +46,7 @@ class Handle:
         self._finished = threading.Event()
         self._result = None
         self._error = None
+        self._unseen = None  # (a failure no wait() has raised yet: Engine.shutdown says it)
 
     def done(self) -> bool:
         """True once the operation has finished (successfully or not); never blocks."""
@@ -67,6 +69,8 @@ class Handle:
                 raise TimeoutError(f"{self.description} did not finish within {timeout} s")
         self._keep = ()
         if self._error is not None:
+            if self._unseen is not None:
+                self._unseen.detach()  # (seen: the program has its error)
             if self._on_failure is not None:  # it acts only where the failure was collective
                 self._on_failure(self.context)
             raise self._error
@@ -87,6 +91,10 @@ class Engine:
         self._thread = None
         self._lock = threading.Lock()
         self._in_flight: dict = {}  # the handles of jobs queued or running, in submission order
+        # Failures no wait() has raised: a finalizer per handle still alive (it says the failure once
+        # the program drops the handle), and what the dropped ones said, for lost() at exit
+        self._unseen: list = []
+        self._dropped: list = []
 
     def idle(self) -> bool:
         return not self._in_flight
@@ -145,26 +153,34 @@ class Engine:
         mark.job, _running.kind = None, CALL
         with self._lock:
             self._in_flight.pop(handle, None)
+            if error is not None:
+                self._remember_unseen(handle, f"{handle.description}: {type(error).__name__}: {error}")
         handle._finish(result=result, error=error)
+
+    def _remember_unseen(self, handle: Handle, line: str) -> None:
+        """Keep `line` until a wait() raises handle's error: a failure the program never collects is
+        said at exit, whether the job ended before it (its peers had left already) or in it."""
+        unseen = weakref.finalize(handle, self._dropped.append, line)
+        unseen.atexit = False
+        handle._unseen = unseen
+        self._unseen = [f for f in self._unseen if f.alive] + [unseen]
 
     def shutdown(self, timeout: float = 10.0) -> list[str]:
         """Let queued work finish, then stop the thread (bounded: it is a daemon either way). Returns
-        what was lost: a line for each job in flight when called that failed (a peer left first)
-        or had not finished within `timeout`; no caller will wait for those any more."""
+        what was lost: a line for each job that failed, before or now (a peer left first), and that
+        no wait() raised, and for each job in flight that had not finished within `timeout`; no
+        caller will wait for those any more."""
         with self._lock:
             thread, self._thread = self._thread, None
             left = [h for h in self._in_flight if h.description != "drain"]
-        if thread is None:
-            return []
-        self._queue.put(self._STOP)
-        thread.join(timeout)
-        lost = []
-        for handle in left:
-            if not handle.done():
-                lost.append(f"{handle.description}: not finished after {timeout:g} s, dropped")
-            elif handle._error is not None:
-                lost.append(f"{handle.description}: {type(handle._error).__name__}: {handle._error}")
-        return lost
+        if thread is not None:
+            self._queue.put(self._STOP)
+            thread.join(timeout)
+        with self._lock:
+            alive = [unseen.detach() for unseen in self._unseen]  # (said once: here)
+            lost, self._dropped, self._unseen = self._dropped + [a[2][0] for a in alive if a], [], []
+        unfinished = [h.description for h in left if not h.done()]
+        return lost + [f"{job}: not finished after {timeout:g} s, dropped" for job in unfinished]
 
 
 _engine = Engine()  # stopped at exit by lifecycle.py, before MPI finalizes
