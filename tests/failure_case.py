@@ -121,6 +121,12 @@ elif mode == "exit-unwaited":  # an async allreduce on this rank alone, never wa
     if me == failing:
         gflow.allreduce_async(x[:1000])
     print(f"rank {me} finished", flush=True)
+elif mode == "exit-unwaited-failed":  # the same, failed before this rank's exit (the others left first)
+    if me == failing:
+        handle = gflow.allreduce_async(x[:1000])
+        while not handle.done():
+            time.sleep(0.01)
+    print(f"rank {me} finished", flush=True)
 elif mode in ("raise-lazy", "exit-lazy"):  # in the middle of a lazy step: half of it pushed
     for i, g in enumerate(grads):
         if me == failing and i == len(grads) // 2:

@@ -1,8 +1,10 @@
 """fp16 communication, LossScaler, allreduce_async and LazyAllreduce, at world sizes 1 to 4."""
 
 import copy
+import gc
 import pickle
 import re
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from helpers import (
 from mpi4py import MPI
 
 import gflow
+from gflow.runtime import engine
 from gflow.runtime.context import context
 
 SIZES = [1, 2, 3, 4]
@@ -469,3 +472,26 @@ def test_a_kit_copied_mid_step_and_its_step_leave_no_step_behind():
     lazy.flush()
     assert lazy not in steps
     np.testing.assert_allclose(x, expected, rtol=1e-12)
+
+
+def test_a_failure_no_wait_collected_is_said_at_exit_once():
+    """An async job that failed and whose error no wait() raised is lost to the program: exit says so
+    (lifecycle.at_exit prints what engine.shutdown returns), whether the handle is still held or was
+    dropped; one whose error a wait() raised is not said. Before, only a job still in flight at exit
+    was said."""
+    assert WORLD.size == 1
+    engine.shutdown()  # (what earlier tests in this process left: not this test's)
+    collected, dropped, kept = (gflow.allreduce_async(f"not an array {i}") for i in range(3))
+    with pytest.raises(TypeError, match="not an array|got str"):
+        collected.wait()
+    while not (dropped.done() and kept.done()):
+        time.sleep(0.01)
+    del dropped
+    gc.collect()
+    lost = engine.shutdown()
+    assert len(lost) == 2 and all(
+        line.startswith("allreduce (rejected arguments): TypeError") for line in lost
+    )
+    assert engine.shutdown() == []  # (said once)
+    with pytest.raises(TypeError):
+        kept.wait()  # (still the program's to collect)
