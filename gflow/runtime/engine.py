@@ -92,7 +92,7 @@ class Engine:
         self._lock = threading.Lock()
         self._in_flight: dict = {}  # the handles of jobs queued or running, in submission order
         # Failures no wait() has raised: a finalizer per handle still alive (it says the failure once
-        # the program drops the handle), and what the dropped ones said, for lost() at exit
+        # the program drops the handle), and what the dropped ones said: shutdown() returns them
         self._unseen: list = []
         self._dropped: list = []
 
