@@ -92,6 +92,7 @@ def join(comm=None, subsets=()) -> int:
         _serve_together([parent] + others)
         handle.wait()
     except BaseException as interrupted:
+        handle.error_said_elsewhere()  # (its failure, if any, follows from the one raised here)
         if not isinstance(interrupted, GflowError):  # (Ctrl-C: the other channels' serve would hold
             for ctx in [parent] + others:  # gflow's threads, and every async call, for ever)
                 stall.give_up(ctx.background())

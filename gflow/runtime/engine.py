@@ -47,6 +47,7 @@ class Handle:
         self._result = None
         self._error = None
         self._unseen = None  # (a failure no wait() has raised yet: Engine.shutdown says it)
+        self._said_elsewhere = False  # (error_said_elsewhere)
 
     def done(self) -> bool:
         """True once the operation has finished (successfully or not); never blocks."""
@@ -76,6 +77,14 @@ class Handle:
             raise self._error
         return self._result
 
+    def error_said_elsewhere(self) -> None:
+        """The caller raised another error for what failed in this job (join()): it is not one lost
+        at exit, though no wait() raises it."""
+        with _engine._lock:
+            self._said_elsewhere = True
+            if self._unseen is not None:
+                self._unseen.detach()
+
     def _finish(self, result=None, error=None) -> None:
         self._result, self._error = result, error
         self._finished.set()
@@ -94,7 +103,9 @@ class Engine:
         # Failures no wait() has raised: a finalizer per handle still alive (it says the failure once
         # the program drops the handle), and what the dropped ones said: shutdown() returns them
         self._unseen: list = []
-        self._dropped: list = []
+        self._prune_at = 64  # (finalizers detached or called are dropped from _unseen at this length)
+        self._dropped: list = []  # (the first _DROPPED_KEPT lines; the rest counted)
+        self._dropped_more = 0
 
     def idle(self) -> bool:
         return not self._in_flight
@@ -153,17 +164,28 @@ class Engine:
         mark.job, _running.kind = None, CALL
         with self._lock:
             self._in_flight.pop(handle, None)
-            if error is not None:
-                self._remember_unseen(handle, f"{handle.description}: {type(error).__name__}: {error}")
+            if error is not None and not handle._said_elsewhere:
+                first = (str(error).splitlines() or [""])[0]  # (a MismatchError's summary line)
+                self._remember_unseen(handle, f"{handle.description}: {type(error).__name__}: {first}")
         handle._finish(result=result, error=error)
 
     def _remember_unseen(self, handle: Handle, line: str) -> None:
         """Keep `line` until a wait() raises handle's error: a failure the program never collects is
         said at exit, whether the job ended before it (its peers had left already) or in it."""
-        unseen = weakref.finalize(handle, self._dropped.append, line)
+        unseen = weakref.finalize(handle, self._said_dropped, line)
         unseen.atexit = False
         handle._unseen = unseen
-        self._unseen = [f for f in self._unseen if f.alive] + [unseen]
+        self._unseen.append(unseen)
+        if len(self._unseen) >= self._prune_at:  # (amortised: a program may hold many failed handles)
+            self._unseen = [f for f in self._unseen if f.alive]
+            self._prune_at = 2 * len(self._unseen) + 64
+
+    def _said_dropped(self, line: str) -> None:
+        """A failed handle the program dropped unwaited: its line, kept for exit (a bounded number)."""
+        if len(self._dropped) < _DROPPED_KEPT:
+            self._dropped.append(line)
+        else:
+            self._dropped_more += 1
 
     def shutdown(self, timeout: float = 10.0) -> list[str]:
         """Let queued work finish, then stop the thread (bounded: it is a daemon either way). Returns
@@ -176,12 +198,18 @@ class Engine:
         if thread is not None:
             self._queue.put(self._STOP)
             thread.join(timeout)
+        # (before the failures: a job that fails in between is said twice rather than not at all)
+        unfinished = [h.description for h in left if not h.done()]
         with self._lock:
             alive = [unseen.detach() for unseen in self._unseen]  # (said once: here)
-            lost, self._dropped, self._unseen = self._dropped + [a[2][0] for a in alive if a], [], []
-        unfinished = [h.description for h in left if not h.done()]
+            lost = self._dropped + [a[2][0] for a in alive if a]
+            if self._dropped_more:
+                lost.append(f"{self._dropped_more} more failed jobs whose handles were dropped")
+            self._dropped, self._dropped_more, self._unseen = [], 0, []
         return lost + [f"{job}: not finished after {timeout:g} s, dropped" for job in unfinished]
 
+
+_DROPPED_KEPT = 100  # lines kept of failed handles dropped unwaited (at_exit shows 3, counts the rest)
 
 _engine = Engine()  # stopped at exit by lifecycle.py, before MPI finalizes
 stall.register_engine(_engine.idle)
