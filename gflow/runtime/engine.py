@@ -9,9 +9,9 @@ never meet the blocking calls the caller's thread makes meanwhile. That needs MP
 which mpi4py asks for by default; the engine checks it on first use.
 """
 
+import itertools
 import queue
 import threading
-import weakref
 
 from mpi4py import MPI
 
@@ -46,8 +46,8 @@ class Handle:
         self._finished = threading.Event()
         self._result = None
         self._error = None
-        self._unseen = None  # (a failure no wait() has raised yet: Engine.shutdown says it)
-        self._said_elsewhere = False  # (error_said_elsewhere)
+        self._unseen = None  # (its failure's number among those no wait() has raised: Engine.collected)
+        self._collected = False  # (its failure reached the program: not one lost at exit)
 
     def done(self) -> bool:
         """True once the operation has finished (successfully or not); never blocks."""
@@ -70,8 +70,7 @@ class Handle:
                 raise TimeoutError(f"{self.description} did not finish within {timeout} s")
         self._keep = ()
         if self._error is not None:
-            if self._unseen is not None:
-                self._unseen.detach()  # (seen: the program has its error)
+            _engine.collected(self)
             if self._on_failure is not None:  # it acts only where the failure was collective
                 self._on_failure(self.context)
             raise self._error
@@ -80,10 +79,7 @@ class Handle:
     def error_said_elsewhere(self) -> None:
         """The caller raised another error for what failed in this job (join()): it is not one lost
         at exit, though no wait() raises it."""
-        with _engine._lock:
-            self._said_elsewhere = True
-            if self._unseen is not None:
-                self._unseen.detach()
+        _engine.collected(self)
 
     def _finish(self, result=None, error=None) -> None:
         self._result, self._error = result, error
@@ -100,12 +96,10 @@ class Engine:
         self._thread = None
         self._lock = threading.Lock()
         self._in_flight: dict = {}  # the handles of jobs queued or running, in submission order
-        # Failures no wait() has raised: a finalizer per handle still alive (it says the failure once
-        # the program drops the handle), and what the dropped ones said: shutdown() returns them
-        self._unseen: list = []
-        self._prune_at = 64  # (finalizers detached or called are dropped from _unseen at this length)
-        self._dropped: list = []  # (the first _DROPPED_KEPT lines; the rest counted)
-        self._dropped_more = 0
+        # Failures no wait() has raised, held or dropped by the program, by number: their lines
+        # (None past _LINES_KEPT), which shutdown() returns
+        self._unseen: dict = {}
+        self._failures = itertools.count()
 
     def idle(self) -> bool:
         return not self._in_flight
@@ -164,28 +158,20 @@ class Engine:
         mark.job, _running.kind = None, CALL
         with self._lock:
             self._in_flight.pop(handle, None)
-            if error is not None and not handle._said_elsewhere:
+            if error is not None and not handle._collected:  # (kept until a wait() raises it)
                 first = (str(error).splitlines() or [""])[0]  # (a MismatchError's summary line)
-                self._remember_unseen(handle, f"{handle.description}: {type(error).__name__}: {first}")
+                line = f"{handle.description}: {type(error).__name__}: {first}"
+                handle._unseen = next(self._failures)
+                self._unseen[handle._unseen] = line if len(self._unseen) < _LINES_KEPT else None
         handle._finish(result=result, error=error)
 
-    def _remember_unseen(self, handle: Handle, line: str) -> None:
-        """Keep `line` until a wait() raises handle's error: a failure the program never collects is
-        said at exit, whether the job ended before it (its peers had left already) or in it."""
-        unseen = weakref.finalize(handle, self._said_dropped, line)
-        unseen.atexit = False
-        handle._unseen = unseen
-        self._unseen.append(unseen)
-        if len(self._unseen) >= self._prune_at:  # (amortised: a program may hold many failed handles)
-            self._unseen = [f for f in self._unseen if f.alive]
-            self._prune_at = 2 * len(self._unseen) + 64
-
-    def _said_dropped(self, line: str) -> None:
-        """A failed handle the program dropped unwaited: its line, kept for exit (a bounded number)."""
-        if len(self._dropped) < _DROPPED_KEPT:
-            self._dropped.append(line)
-        else:
-            self._dropped_more += 1
+    def collected(self, handle: Handle) -> None:
+        """handle's failure reached the program (its wait() raised it, or the caller another error for
+        it): not one lost at exit. A failure never collected is said at exit, whether the job ended
+        before it (its peers had left already) or in it."""
+        with self._lock:
+            handle._collected = True
+            self._unseen.pop(handle._unseen, None)
 
     def shutdown(self, timeout: float = 10.0) -> list[str]:
         """Let queued work finish, then stop the thread (bounded: it is a daemon either way). Returns
@@ -201,15 +187,14 @@ class Engine:
         # (before the failures: a job that fails in between is said twice rather than not at all)
         unfinished = [h.description for h in left if not h.done()]
         with self._lock:
-            alive = [unseen.detach() for unseen in self._unseen]  # (said once: here)
-            lost = self._dropped + [a[2][0] for a in alive if a]
-            if self._dropped_more:
-                lost.append(f"{self._dropped_more} more failed jobs whose handles were dropped")
-            self._dropped, self._dropped_more, self._unseen = [], 0, []
+            unseen, self._unseen = list(self._unseen.values()), {}  # (said once: here)
+        lost = [line for line in unseen if line is not None]
+        if len(lost) < len(unseen):
+            lost.append(f"{len(unseen) - len(lost)} more failed jobs that no wait() collected")
         return lost + [f"{job}: not finished after {timeout:g} s, dropped" for job in unfinished]
 
 
-_DROPPED_KEPT = 100  # lines kept of failed handles dropped unwaited (at_exit shows 3, counts the rest)
+_LINES_KEPT = 100  # lines kept of failures no wait() collected (at_exit shows 3, counts the rest)
 
 _engine = Engine()  # stopped at exit by lifecycle.py, before MPI finalizes
 stall.register_engine(_engine.idle)
