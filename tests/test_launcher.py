@@ -34,6 +34,17 @@ def test_several_ranks_launched_but_a_world_of_one_is_named(monkeypatch, variabl
     assert right in message, message  # the launcher to use instead, for the library mpi4py loaded
 
 
+def test_the_library_is_named_in_one_printable_line(monkeypatch):
+    # Open MPI ends its version string with the C string's NUL, which `gflow info` printed (bash then
+    # warned "ignored null byte" in .ci/openmpi); MPICH pads its line with spaces.
+    named = mpi_library()
+    assert named and named.isprintable() and named == named.strip(), repr(named)
+    for raw in ("Open MPI v4.1.4, package: Debian OpenMPI\0", "MPICH Version:      5.0.2   \nMPICH Release"):
+        monkeypatch.setattr("mpi4py.MPI.Get_library_version", lambda raw=raw: raw)
+        named = mpi_library()
+        assert named.isprintable() and "  " not in named and named == named.strip(), repr(named)
+
+
 def test_a_slurm_batch_script_is_no_launch(monkeypatch):
     # sbatch -n 4 sets the job's SLURM_NTASKS and SLURM_PROCID in the batch script itself: a process
     # started there alone (data preparation, `gflow info`) is not a rank of a step.

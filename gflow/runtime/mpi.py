@@ -9,7 +9,8 @@ from mpi4py import MPI
 
 def mpi_library() -> str:
     """The MPI library mpi4py runs on, in a line ("MPICH Version: 5.0.2", "Open MPI v4.1.4, ...")."""
-    return " ".join(MPI.Get_library_version().splitlines()[0].split())  # (MPICH pads with spaces)
+    # MPICH pads the line with spaces; Open MPI ends it with its C string's NUL.
+    return " ".join(MPI.Get_library_version().replace("\0", " ").splitlines()[0].split())
 
 
 def thread_level_name(level: int) -> str:
