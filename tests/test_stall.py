@@ -71,6 +71,36 @@ def test_a_stall_is_reported_whatever_the_lowest_ranks_settings(monkeypatch, cap
 
 
 @pytest.mark.parallel([2, 3])
+def test_the_wait_named_is_timed_when_the_peers_have_answered(monkeypatch):
+    # The peers' answers may take seconds (a loaded machine: seen once in a batch of the torch files,
+    # "waited 1 s ... every rank has entered it" while the late rank slept 3.5 s: the facts were those
+    # of the answers, the time that of the first question). Rank 0 reports a wait begun 1 s ago, and its
+    # question takes 2 s to go out: the line names a wait of 3 s.
+    from gflow.runtime import stall
+    from gflow.runtime.context import context
+
+    x = np.ones(1 << 10, np.float32)
+    gflow.allreduce(x)  # the communicators exist
+    WORLD.barrier()
+    ask = stall._ask
+
+    def slow_ask(*args):
+        time.sleep(2.0)
+        return ask(*args)
+
+    def report_on_rank_0():
+        if WORLD.rank == 0:
+            monkeypatch.setattr(stall, "_ask", slow_ask)
+            text, _ = stall._report(context(), stall.mark(), time.monotonic() - 1.0)
+            waited = int(re.search(r": waited (\d+) s", text).group(1))
+            assert waited == 3 and "did not answer" not in text, text
+        else:
+            time.sleep(3.5)  # (the monitor thread answers meanwhile)
+
+    on_all_ranks(report_on_rank_0)
+
+
+@pytest.mark.parallel([2, 3])
 def test_without_validation_the_message_says_what_it_cannot_tell(monkeypatch, capsys):
     monkeypatch.setattr(gflow.config, "stall_warning_s", 1.0)
     x = np.ones(1 << 16, np.float32)

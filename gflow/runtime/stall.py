@@ -515,13 +515,13 @@ def _inspect(m: _Mark) -> None:
     m.warned_at = float("inf")  # once per wait (the abort, if set, still comes)
     ctx.stall_report = (number, _ABOUT_TO_REPORT)  # (peers that ask meanwhile leave it to this rank)
     with _lock:
-        text, reporter = _report(ctx, m, waited)
+        text, reporter = _report(ctx, m, since)
     for _ in range(_DECIDE_TRIES):  # a higher-ranked peer about to report may yet leave it to this one
         if reporter is not _UNDECIDED or due_abort:
             break
         _answer_for(_DECIDE_PAUSE_S)
         with _lock:
-            text, reporter = _report(ctx, m, waited)
+            text, reporter = _report(ctx, m, since)
     if due_abort:
         from .failures import end_job
 
@@ -545,21 +545,27 @@ def _channel(ctx):
     return None, None
 
 
-def _report(ctx, m: _Mark, waited: float) -> tuple:
+def _report(ctx, m: _Mark, since: float) -> tuple:
     """(the stall message: this rank, the collective and where every other rank of ctx is; who
     reports it: the peer in it too that does instead, None where this rank does, or _UNDECIDED while
-    a higher-ranked peer about to report has not chosen)."""
+    a higher-ranked peer about to report has not chosen). The wait it names (since `since`) is timed
+    when the peers have answered, which may take seconds: the two then describe the same moment."""
     job = f" ({m.job})" if m.job else ""
     if not config.validate:
         return (
-            f"gflow rank {ctx.rank}: waited {waited:.0f} s on thread {m.thread}{job} in a collective (with "
-            "GFLOW_VALIDATE=0 gflow counts no collectives, so it cannot tell which ranks are late)"
+            f"gflow rank {ctx.rank}: waited {time.monotonic() - since:.0f} s on thread {m.thread}{job} in a "
+            "collective (with GFLOW_VALIDATE=0 gflow counts no collectives, so it cannot tell which ranks "
+            "are late)"
         ), None
     asked, about = _channel(ctx)
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
     world = world_ranks(ctx)
     me_named = f"gflow rank {ctx.rank}{world(None)}"
     number = _collective_of(ctx, m)
+    me, mine = ctx.rank, number
+    peers = [r for r in range(ctx.size) if r != me]
+    answers = _ask(asked, about, peers) if asked is not None else {}
+    waited = time.monotonic() - since
     parts = [f"{me_named}: waited {waited:.0f} s on thread {m.thread}{job} in collective #{number}"]
     parts.append(f"on a communicator of {ctx.size} ranks: {what}")
     if asked is None:  # the duplicates the peers would be asked on are made in this very collective
@@ -568,9 +574,6 @@ def _report(ctx, m: _Mark, waited: float) -> tuple:
             "cannot be told yet (the channel gflow asks its peers on is made in that collective)"
         )
         return "; ".join(parts), None
-    me, mine = ctx.rank, number
-    peers = [r for r in range(ctx.size) if r != me]
-    answers = _ask(asked, about, peers)
     late = sorted(r for r, (count, *_) in answers.items() if count < mine)
     waiting = sorted(r for r, (count, seconds, *_) in answers.items() if count >= mine and seconds >= 0)
     gone = sorted(r for r in peers if r in asked.departed and r not in answers)
