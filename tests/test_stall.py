@@ -91,9 +91,10 @@ def test_the_wait_named_is_timed_when_the_peers_have_answered(monkeypatch):
     def report_on_rank_0():
         if WORLD.rank == 0:
             monkeypatch.setattr(stall, "_ask", slow_ask)
-            text, _ = stall._report(context(), stall.mark(), time.monotonic() - 1.0)
+            with stall._lock:  # (as the inspector holds it)
+                text, _ = stall._report(context(), stall.mark(), time.monotonic() - 1.0)
             waited = int(re.search(r": waited (\d+) s", text).group(1))
-            assert waited == 3 and "did not answer" not in text, text
+            assert 3 <= waited <= 5 and "did not answer" not in text, text  # (1 s + 2 s + the answers)
         else:
             time.sleep(3.5)  # (the monitor thread answers meanwhile)
 
@@ -214,8 +215,12 @@ def test_stall_abort_ends_the_job_with_the_message(mode):
     assert "ending the job (GFLOW_STALL_ABORT_S=3)" in output, output
     assert "finished" not in output, output
     # helper-56: MPI_Abort returned before the launcher's kill, and the line came again, as a warning
-    aborting = [line for line in output.splitlines() if "waited 3 s" in line]
-    assert all(line.endswith("ending the job (GFLOW_STALL_ABORT_S=3)") for line in aborting), output
+    # (its wait's seconds, timed when the peers have answered, may differ: matched by the rank)
+    lines = output.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.endswith("ending the job (GFLOW_STALL_ABORT_S=3)"))
+    teller = re.match(r"gflow rank \d+:", lines[first]).group(0)
+    again = [line for line in lines[first + 1 :] if line.startswith(teller) and ": waited" in line]
+    assert not again, output
 
 
 def test_stall_abort_ends_a_job_late_for_its_first_collective():
