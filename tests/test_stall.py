@@ -163,9 +163,8 @@ def test_a_rank_late_for_the_first_collective_is_warned_of(monkeypatch, capsys, 
         assert f"gflow rank {WORLD.rank}: waited" in err and "on thread MainThread" in err, err
         assert "some rank has not entered gflow's first collective on this communicator" in err, err
         assert "which one cannot be told yet" in err, err
-        if mode == "blocking":
-            assert "allreduce of 1024 float32 (host array), op=sum" in err, err
-        else:  # (not entered yet: the call is named)
+        assert "allreduce of 1024 float32 (host array), op=sum" in err, err
+        if mode == "async":  # (not entered yet: said as the call that makes the duplicates)
             assert "on thread MainThread (allreduce) in collective #1; on a communicator" in err, err
     else:
         assert "waited" not in err, err
@@ -194,6 +193,7 @@ def test_a_rank_late_for_the_first_async_call_after_a_failed_one_is_named(monkey
     line = only_stall_line(capsys.readouterr().err)  # (from whichever waiting rank was due first)
     assert f"rank {late} has not entered it yet" in line, line
     assert "every rank has entered it" not in line, line
+    assert f"of {WORLD.size} ranks: allreduce of 40 float64 (host array), op=sum" in line, line
 
 
 def run_stall_case(mode: str, seconds: int):

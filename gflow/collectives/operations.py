@@ -142,12 +142,16 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
     the ranks agree on in place of x's shape, and how this rank's call reads in a MismatchError)."""
     try:
         if op.__class__ is str and op == ADASUM:
-            kind = check_array(x)[0]
+            (kind, dtype), name = check_array(x), ADASUM
         else:
-            kind = check_allreduce(x, op, out, algorithm, compression, ranks=parent.size, need_out=False)[0]
+            kind, dtype, name = check_allreduce(
+                x, op, out, algorithm, compression, ranks=parent.size, need_out=False
+            )[:3]
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
-    ctx = parent.for_async("allreduce")
+    ctx = parent.for_async(
+        "allreduce", f"allreduce of {kind.size(x)} {dtype.name} ({kind.memory} array), op={name}"
+    )
     run = lambda: allreduce_on(  # noqa: E731
         ctx, x, op, out=out, algorithm=algorithm, compression=compression, tag=tag, about=about
     )

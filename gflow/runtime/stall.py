@@ -75,8 +75,8 @@ class _Mark:
     """What one thread is doing: the context of its last collective, since when it waits, and the
     context whose duplicates it waits for (`making`: that is a wait in the context's first collective)."""
 
-    __slots__ = ("thread", "ctx", "since", "warned_at", "warned_since", "job", "making", "blocked_on",
-                 "crossed_at")  # fmt: skip
+    __slots__ = ("thread", "ctx", "since", "warned_at", "warned_since", "job", "about", "making",
+                 "blocked_on", "crossed_at")  # fmt: skip
 
     def __init__(self):
         self.thread = threading.current_thread().name
@@ -85,6 +85,7 @@ class _Mark:
         self.warned_at = None
         self.warned_since = None  # the wait warned_at belongs to
         self.job = None
+        self.about = None  # the call this thread makes the duplicates for, in words (not entered yet)
         self.making = None
         self.blocked_on = None  # the background context whose work this thread waits for (Handle.wait)
         self.crossed_at = None  # how long into the current wait it was last checked for crossed waits
@@ -558,10 +559,13 @@ def _report(ctx, m: _Mark, since: float) -> tuple:
             "are late)"
         ), None
     asked, about = _channel(ctx)
-    what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
+    number = _collective_of(ctx, m)
+    if number == ctx.entered and ctx.last_sig is not None:
+        what = _brief(ctx.last_sig)
+    else:  # (not entered yet: the duplicates it waits for are made first, CommContext.for_async)
+        what = m.about or "a collective"
     world = world_ranks(ctx)
     me_named = f"gflow rank {ctx.rank}{world(None)}"
-    number = _collective_of(ctx, m)
     me, mine = ctx.rank, number
     peers = [r for r in range(ctx.size) if r != me]
     answers = _ask(asked, about, peers) if asked is not None else {}
