@@ -7,7 +7,14 @@ MPI's own allgather.
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import WORLD, assert_close_to_reference, assert_same_on_all_ranks, on_all_ranks, rank_rng
+from helpers import (
+    WORLD,
+    assert_close_to_reference,
+    assert_same_on_all_ranks,
+    on_all_ranks,
+    random_array,
+    rank_rng,
+)
 
 import gflow
 from gflow.runtime.context import context
@@ -644,6 +651,47 @@ def test_broadcast_parameters_with_bad_params_on_one_rank_fails_every_rank(case)
     x = np.full(5, float(WORLD.rank), np.float32)
     broadcast_parameters([x], root=0)  # the ranks are still in step
     assert (x == 0).all()
+
+
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("case", ["extra", "missing", "renamed", "unnamed"])
+def test_broadcast_parameters_with_other_keys_on_one_rank_fails_every_rank(case):
+    """helper-83 (found in gflow.torch's): a parameter one rank has past the others' last was broadcast
+    on that rank alone, into the peers' next collective; a name that differs swapped values silently
+    (each broadcast agreed on sizes only). The ranks agree on the count and names first."""
+    last = WORLD.size - 1
+    rng = rank_rng(640)
+    mine = {"a": random_array(rng, 5, np.float32), "b": random_array(rng, 3, np.float64)}
+    if WORLD.rank == last and case == "extra":
+        mine["zz"] = random_array(rng, 2, np.float32)
+    if WORLD.rank == last and case == "missing":
+        del mine["b"]
+    if WORLD.rank == last and case == "renamed":
+        mine = {"a": mine["a"], "c": mine["b"]}
+    before = {key: a.copy() for key, a in mine.items()}
+    params = list(mine.values()) + ([random_array(rng, 2, np.float32)] if WORLD.rank == last else [])
+    shown = "2 parameters" + ("" if case == "unnamed" else " named 'a', 'b'")
+    first_line = {
+        "extra": f"ranks disagree on the number of elements: rank 0 passed 2, rank {last} passed 3",
+        "missing": f"ranks disagree on the number of elements: rank 0 passed 2, rank {last} passed 1",
+        "renamed": f"ranks disagree on what it passed: rank 0 passed 'b', rank {last} passed 'c'",
+        "unnamed": f"ranks disagree on the number of elements: rank 0 passed 2, rank {last} passed 3",
+    }[case]
+
+    def call():
+        with pytest.raises(gflow.MismatchError) as info:
+            broadcast_parameters(params if case == "unnamed" else mine)
+        assert str(info.value).startswith(first_line), info.value
+        assert "rank 0 called broadcast with 2 int32 elements" in str(info.value), info.value
+        assert f"it passed broadcast_parameters with {shown}" in str(info.value), info.value
+
+    on_all_ranks(call, case)
+    for key, a in mine.items():  # (nothing moved)
+        np.testing.assert_array_equal(a, before[key])
+    same = {"a": random_array(rng, 5, np.float32), "b": random_array(rng, 3, np.float64)}
+    broadcast_parameters(same, root=last)  # the ranks are in step
+    for a in same.values():
+        assert_same_on_all_ranks(a)
 
 
 @pytest.mark.parallel([2, 3])

@@ -738,12 +738,55 @@ def test_broadcast_parameters_sends_each_tensor_under_its_name():
     keys = ["0.weight", "1.weight"] if WORLD.rank == LAST else ["encoder.weight", "decoder.weight"]
     state = {key: torch.full((3,), float(i + 10 * WORLD.rank)) for i, key in enumerate(keys)}
     before = {key: t.clone() for key, t in state.items()}
-    on_all_ranks(lambda: mismatch_everywhere(lambda: hvd.broadcast_parameters(state, 0), "name="), "keys")
+    named = f"rank {LAST} has keys root rank 0 has not: '0.weight', '1.weight'; root rank 0 has keys rank "
+    named += f"{LAST} has not: 'decoder.weight', 'encoder.weight'"
+    on_all_ranks(lambda: mismatch_everywhere(lambda: hvd.broadcast_parameters(state, 0), named), "keys")
     for key, t in state.items():
         assert torch.equal(t, before[key]), key
     same = {key: torch.full((3,), float(i + 10 * WORLD.rank)) for i, key in enumerate(["a", "b"])}
     hvd.broadcast_parameters(same, LAST)
     assert [t.tolist() for t in same.values()] == [[10.0 * LAST] * 3, [10.0 * LAST + 1] * 3]
+
+
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("case", ["extra", "missing", "unnamed"])
+def test_broadcast_parameters_with_a_key_more_or_less_on_one_rank_fails_every_rank(case):
+    """helper-83: a key one rank has past the others' last (a buffer registered on that rank only) was
+    broadcast on that rank alone: the others returned, and their next step met it (crossed waits);
+    one missing there left that rank's tensor unbroadcast while the others went on. The ranks agree
+    on the keys first: MismatchError on every rank, naming the key, before any tensor moves."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(WORLD.rank)))
+    state = dict(model.state_dict())
+    if WORLD.rank == LAST and case == "extra":
+        state["zz_running"] = torch.zeros(3)
+    if WORLD.rank == LAST and case == "missing":
+        del state["1.weight"]
+    params = list(model.parameters()) + ([torch.zeros(2)] if WORLD.rank == LAST else [])
+    before = {key: t.clone() for key, t in state.items()}
+    named = {
+        "extra": f"rank {LAST} has keys root rank 0 has not: 'zz_running'$",
+        "missing": f"root rank 0 has keys rank {LAST} has not: '1.weight'$",
+        "unnamed": f"rank {LAST} passed 5 tensors, root rank 0 4$",
+    }[case]
+    call = (
+        (lambda: hvd.broadcast_parameters(params, 0))
+        if case == "unnamed"
+        else (lambda: hvd.broadcast_parameters(state, 0))
+    )
+    on_all_ranks(
+        lambda: mismatch_everywhere(
+            call, "^broadcast_parameters: the ranks passed different parameters: " + named
+        ),
+        case,
+    )
+    for key, t in state.items():  # (nothing moved)
+        assert torch.equal(t, before[key]), key
+    hvd.broadcast_parameters(model.state_dict(), LAST)  # the ranks are in step
+    for p in model.parameters():
+        assert_same_on_all_ranks(p.detach().numpy())
 
 
 @pytest.mark.parallel([2, 3])

@@ -9,6 +9,7 @@ and MismatchError on the others.
 
 import pickle
 import warnings
+import zlib
 from collections.abc import Mapping
 
 import torch
@@ -16,9 +17,10 @@ import torch
 import gflow
 
 from . import _basics
-from ._basics import refused_in_join_as
+from ._basics import as_horovod_error, refused_in_join_as
 from ._common import reject_blocking, set_comm
 from ._gather import allgather, broadcast_, broadcast_into
+from .process_sets import global_process_set
 
 try:
     import cloudpickle as _pickler
@@ -100,6 +102,7 @@ def broadcast_parameters(params, root_rank=0, process_set=None) -> None:
         raise ValueError(f"broadcast_parameters: invalid params of type {type(params).__name__}")
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    _agree_on_keys([name for name, _ in items], root_rank, process_set)
     for name, tensor in items:  # (named, as Horovod does: keys that differ fail on every rank, not swap)
         # (a channels_last model: through a contiguous copy, where Horovod's raises; other layouts, an
         # expanded tensor, are refused before anything moves, as Horovod's)
@@ -109,6 +112,52 @@ def broadcast_parameters(params, root_rank=0, process_set=None) -> None:
         if copied:
             with torch.no_grad():
                 tensor.copy_(work)
+
+
+def _agree_on_keys(names: list, root_rank: int, process_set) -> None:
+    """Raise MismatchError on every rank, before any parameter moves, where the ranks' lists of
+    names (of tensors, for an unnamed list) differ. Each tensor's broadcast agrees on its name, but a
+    key one rank has past the others' last was broadcast on that rank alone: it met the peers' next
+    collective (crossed waits, or a hang), and a missing one left that rank's tensor as it was while
+    its peers went on (helper-83). One small broadcast agrees on the count and a checksum of the
+    names; only where they differ are the lists gathered, to name the keys."""
+    words = "\0".join("" if name is None else str(name) for name in names)
+    label = f"broadcast_parameters: the list of {len(names)} keys (checksum {zlib.crc32(words.encode()):08x})"
+    try:
+        broadcast_(torch.zeros(len(names), dtype=torch.int32), root_rank, name=label, process_set=process_set)
+    except gflow.MismatchError as exc:  # (or another disagreement, root_rank's: raised as it is)
+        lists = allgather_object([str(name) for name in names], process_set=process_set)
+        ranks = (global_process_set if process_set is None else process_set).ranks
+        apart = _keys_apart(dict(zip(ranks, lists, strict=True)), root_rank)
+        if apart is None:
+            raise
+        raise as_horovod_error(gflow.MismatchError(apart)) from exc
+
+
+def _keys_apart(lists: dict, root_rank: int) -> str | None:
+    """The first rank whose list of keys differs from root_rank's, and how (None where none does):
+    for a MismatchError. `lists`: each rank's (hvd.rank()'s numbering)."""
+    root = lists[root_rank]
+    root_keys = set(root)
+    for rank, keys in lists.items():
+        if keys == root:
+            continue
+        own = set(keys)
+        extra = [key for key in keys if key not in root_keys]
+        missing = [key for key in root if key not in own]
+        if extra or missing:
+            text = "; ".join(
+                f"{what} {', '.join(map(repr, found[:8]))}{' and more' if len(found) > 8 else ''}"
+                for what, found in ((f"rank {rank} has keys root rank {root_rank} has not:", extra),
+                                    (f"root rank {root_rank} has keys rank {rank} has not:", missing))
+                if found
+            )  # fmt: skip
+        elif len(keys) != len(root):
+            text = f"rank {rank} passed {len(keys)} tensors, root rank {root_rank} {len(root)}"
+        else:
+            text = f"rank {rank} passed root rank {root_rank}'s keys in another order"
+        return f"broadcast_parameters: the ranks passed different parameters: {text}"
+    return None
 
 
 def _dense_permuted(tensor) -> bool:

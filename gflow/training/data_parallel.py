@@ -22,13 +22,15 @@ gradient reached in a step (unused on this rank) is pushed as zeros at synchroni
 commit, and its checkpoint are one contract, read together.)
 """
 
+import zlib
 from collections.abc import Mapping
 
 import numpy as np
 
 from ..arrays.codecs import check_compression
 from ..arrays.kinds import check_array, check_writable
-from ..collectives.exchange import broadcast
+from ..collectives.checks import FINGERPRINT_BITS
+from ..collectives.exchange import broadcast, broadcast_on
 from ..collectives.join import join
 from ..collectives.operations import reject
 from ..errors import GflowError, NonFiniteError
@@ -138,12 +140,28 @@ def broadcast_parameters(params, root: int = 0, *, comm=None) -> None:
         MismatchError: the ranks passed different parameters.
     """
     try:
-        _, arrays, _ = _named(params, "broadcast_parameters")
+        keys, arrays, named = _named(params, "broadcast_parameters")
     except Exception:
         reject(context(comm), "broadcast")  # the peers wait in their first broadcast: fail them too
         raise
+    _agree_on_keys(context(comm), keys if named else None, len(arrays), root)
     for a in arrays:
         broadcast(a, root, comm=comm, out=a)
+
+
+def _agree_on_keys(ctx, keys: list | None, count: int, root: int) -> None:
+    """MismatchError on every rank, before any parameter moves, where the ranks pass different numbers
+    of parameters or different names (None: an unnamed list). Each broadcast agrees on its array's
+    size and shape only: a parameter more on one rank was broadcast on that rank alone, into the
+    peers' next collective, and names that differ swapped values silently (helper-83). One small
+    broadcast agrees on the count (its size) and a checksum of the names (its fingerprint)."""
+    words = "\0".join(keys) if keys is not None else ""
+    fingerprint = zlib.crc32(words.encode()) & ((1 << FINGERPRINT_BITS) - 1)
+    shown = (
+        "" if keys is None else f" named {', '.join(map(repr, keys[:6]))}{', ...' if len(keys) > 6 else ''}"
+    )
+    broadcast_on(ctx, np.zeros(count, np.int32), root=root, fingerprint=fingerprint,
+                 about=f"broadcast_parameters with {count} parameters{shown}")  # fmt: skip
 
 
 class _Absent:
