@@ -481,6 +481,41 @@ def test_gradient_clipping_and_grad_scaler_patterns():
     on_all_ranks(grad_scaler_fp16_overflow, "GradScaler, fp16 overflow")
 
 
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("who", ["every rank", "the last rank"])
+def test_step_again_without_a_backward_applies_the_reduced_gradients_on_its_own(who):
+    """helper-83: step() once more with no backward since (on one rank: its program's bug) pushed the
+    gradients the last step reduced into the peers' next step; that rank's steps then paired with the
+    others' next ones, mixing two steps' gradients silently (0.25 off the global batch's mean), and
+    its last one never ended. It applies them again without communicating, as DDP's optimizer would,
+    and warns; the steps after it reduce each step's own gradients."""
+    model, ref, opt, ref_opt = sgd_and_reference()
+    twice = who == "every rank" or WORLD.rank == WORLD.size - 1
+    for step, (x, y) in enumerate(batches(3)):
+        opt.zero_grad()
+        rank_loss(model, x, y, WORLD.rank)
+        local = [
+            torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double()
+            for p in model.parameters()
+        ]
+        opt.synchronize()
+        for p, mine in zip(model.parameters(), local, strict=True):  # each step's own gradients
+            mean = np.mean(WORLD.allgather(mine.numpy()), axis=0)  # (None where no rank used it)
+            if p.grad is not None:
+                np.testing.assert_allclose(p.grad.double().numpy(), mean, rtol=1e-5, atol=1e-7)
+        with opt.skip_synchronize():
+            opt.step()
+        reference_step(ref, ref_opt, x, y)
+        if step == 1 and twice:
+            with pytest.warns(UserWarning, match="again without a backward pass"):
+                opt.step()
+            ref_opt.step()
+        if step == 1 or who == "every rank":
+            assert_close_to(model, ref, atol=1e-5)
+    if who == "every rank":
+        assert_identical(model)
+
+
 def a_step_on_a_new_communicator(model, ref, batch, r, momentum=0.0, **kw):
     """After a communicator ended: hvd.init() on a new one, where one SGD(lr=0.1, momentum) step,
     DistributedOptimizer with `kw`, gives identical replicas equal to the float64 reference's."""

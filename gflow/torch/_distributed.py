@@ -72,6 +72,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._reduced = False  # synchronize() ended this step: p.grad holds the reduced gradients
         self._reduced_grads: list = []  # (each p.grad then, its version, its memory), for _still_reduced
         self._user_synchronized = False  # ... and the program called it (Horovod's warning in step)
+        self._applied = None  # (each p.grad, its version, its memory) as the last step() applied them
         self._overflow = None
         self._touched = False
         self._no_sync = False  # inside no_sync(): gradients accumulate locally
@@ -251,6 +252,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._gflow_take_momentum()
         self._touched = True
         self._reduced = self._user_synchronized = False
+        self._applied = None
         self._overflow = None
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -758,7 +760,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._check_synced("step()")
         if closure is not None:
             return super().step(self._synchronized_closure(closure))
-        if self._should_synchronize:
+        if self._should_synchronize and self._applied_again():
+            warnings.warn(
+                "optimizer.step() again without a backward pass or zero_grad() since the last step(): it "
+                "applies the gradients that step reduced once more, on this rank, without communicating "
+                "(as DDP's optimizer would). Where the other ranks do not make this step, their replicas "
+                "differ from this rank's from now on.",
+                stacklevel=2,
+            )
+        elif self._should_synchronize:
             if self._user_synchronized:
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -776,7 +786,25 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._reduced = self._user_synchronized = False
         self._raise_overflow()
         self._gflow_take_momentum()  # a schedule that set it between backward and step: CSC's next
-        return super().step()
+        result = super().step()
+        self._applied = [
+            (g, g._version, _memory(g)) for g in (p.grad for p in self._gflow_params) if g is not None
+        ]
+        return result
+
+    def _applied_again(self) -> bool:
+        """Whether this step's gradients are the very ones the last step() applied, unchanged: no
+        backward, zero_grad() or write since. Reduced again, they went into the peers' next step on
+        a rank that steps twice (a bug of its program's), and that rank's steps paired with the
+        others' next ones from then on, mixing two steps' gradients silently (helper-83). A rank
+        whose gradients are all None (no data this step) takes part as ever."""
+        if not self._applied or self._touched:
+            return False
+        live = [p.grad for p in self._gflow_params if p.grad is not None]
+        return len(live) == len(self._applied) and all(
+            g is was and g._version == version and _memory(g) == memory
+            for g, (was, version, memory) in zip(live, self._applied, strict=True)
+        )
 
     def _synchronized_closure(self, closure):
         def synchronized():
@@ -850,6 +878,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 "optimizer.synchronize() on every rank, then zero_grad().)"
             )
         self._reduced = self._user_synchronized = False  # a new step's gradients come next
+        self._applied = None
         return super().zero_grad(set_to_none)
 
     def _drop_partial_step(self) -> None:
