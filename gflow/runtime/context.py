@@ -369,13 +369,10 @@ class CommContext:
         instead, they made that call wait for every rank's next async call: a rank whose step's
         segments fired during its pushes waited there, while a peer whose segments fire only at
         synchronize() went into a blocking call between (a metric), and the two found crossed waits
-        in a program without any (helper-84). Not where no collective follows on this communicator
-        (crossed waits, a step that met another kind of call, a collective interrupted here or on a
-        peer), nor where a peer has left (made at the next async call, as before, that one raises it)."""
-        if not self.reset_background(failed):
-            return
-        refused = self.failed or self.ended or self.abandoned is not None or self.interrupted
-        if not (refused or self.gone or self.departed):
+        in a program without any (helper-84). Not after crossed waits or a step that met another
+        kind of call (no collective follows there), nor where a peer has left (made at the next
+        async call, as before, that one raises it)."""
+        if self.reset_background(failed) and self.failed is None and self.ended is None and not self.gone:
             self.for_async("after a failure", "a fresh background channel after a failed call")
 
     def reset_background(self, failed: "CommContext") -> bool:
