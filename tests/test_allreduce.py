@@ -434,7 +434,7 @@ def test_the_programs_own_calls_on_a_communicator_right_after_its_first_async_ca
 
 @pytest.mark.parallel([2, 3])
 def test_the_programs_split_right_after_the_first_async_call_after_a_failed_one():
-    """After a failed async call every rank makes a fresh background channel where its wait() sees it:
+    """After a failed async call every rank makes a fresh background channel at its next async call:
     a duplicate of the program's communicator, which under Open MPI 4.1 met the program's Split
     right after that call out of order and hung: the caller's thread makes it (CommContext.for_async),
     and it is made when the call returns. 5 communicators, each with

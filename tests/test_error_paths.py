@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import WORLD, assert_close_to_reference, mpi_allreduce, on_all_ranks, random_array, rank_rng
+from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
 from mpi4py import MPI
 from numba import cuda
 
@@ -96,76 +96,6 @@ def test_a_rejection_met_by_a_metric_inside_the_step_fails_that_step_alone(thres
             np.testing.assert_allclose(g, want, rtol=1e-12, err_msg=f"step {step}, push {i}")
     assert failed == [1], failed
     WORLD.Barrier()
-
-
-@pytest.mark.parallel([2, 3, 4])
-def test_after_a_failed_step_a_metric_meets_ranks_whose_segments_fire_at_different_times():
-    """helper-84: after a failed step, each rank made the fresh background channel at its next async
-    call, which waited there for every rank's. In the next step the first ranks' segments fired
-    during their pushes, and they waited there, while the last rank (whose first parameter in push
-    order is unused this step, so nothing of its fires before synchronize()) reduced a metric between
-    push and synchronize(), a valid program: it found crossed waits, and the communicator ended on
-    every rank (with the program's own mpi4py metric, both waited for ever). The fresh channel is
-    made where every rank sees the failure now: the step after it works."""
-    comm = WORLD.Dup()
-    rng = rank_rng(84)
-    shapes = {"w": (64, 64), "b": (64,)}
-    dp = gflow.DataParallel(
-        {k: np.zeros(s, np.float32) for k, s in shapes.items()}, threshold_bytes=64, comm=comm
-    )
-    gflow.broadcast_parameters({"x": random_array(rng, 3, np.float32)}, comm=comm)  # (a trainer's first call)
-    for key in ("b", "w"):  # a failed step: the last rank pushes a wrong shape
-        grad = random_array(rng, shapes[key], np.float32)
-        dp.push(key, grad[:3].copy() if (WORLD.rank == LAST and key == "w") else grad)
-    on_all_ranks(lambda: expect((ValueError, gflow.MismatchError), dp.synchronize), "the failed step")
-    grads = {key: random_array(rng, shape, np.float32) for key, shape in shapes.items()}
-    if WORLD.rank == LAST:
-        grads["b"][:] = 0  # (unused on this rank: counted as zeros at synchronize())
-    want = {key: mpi_allreduce(g.astype(np.float64), comm=comm) / WORLD.size for key, g in grads.items()}
-    loss = random_array(rng, 1, np.float64)
-    want_loss = mpi_allreduce(loss, comm=comm)
-
-    def next_step():
-        for key in ("b", "w"):
-            if not (WORLD.rank == LAST and key == "b"):
-                dp.push(key, grads[key])
-        got_loss = gflow.allreduce(loss, comm=comm)  # the metric, between push and synchronize
-        assert dp.synchronize()
-        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-12)
-        for key in shapes:
-            np.testing.assert_allclose(dp.gradients()[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
-
-    on_all_ranks(next_step, "the next step")
-    comm.Free()
-
-
-@pytest.mark.parallel([2, 3, 4])
-def test_after_a_failed_async_call_async_and_blocking_calls_go_in_either_order():
-    """helper-84: rank 0 starts an async allreduce and then a blocking one, the others the blocking one
-    first (valid: they run on two channels). After a failed async call rank 0's async call waited
-    for the others' next async call, which they made after the blocking one: crossed waits, and the
-    communicator ended. The fresh channel is made where every rank's wait() sees the failure."""
-    comm = WORLD.Dup()
-    rng = rank_rng(85)
-    gflow.allreduce(random_array(rng, 2, np.float64), comm=comm)
-    wrong = random_array(rng, 3 if WORLD.rank == 0 else 4, np.float64)
-    handle = gflow.allreduce_async(wrong, comm=comm)
-    on_all_ranks(lambda: expect(gflow.MismatchError, lambda: handle.wait(timeout=20)), "the failed call")
-    x, y = random_array(rng, 100, np.float64), random_array(rng, 1, np.float64)
-    want_x, want_y = mpi_allreduce(x, comm=comm), mpi_allreduce(y, comm=comm)
-
-    def either_order():
-        if WORLD.rank == 0:
-            handle = gflow.allreduce_async(x, comm=comm)
-            got_y = gflow.allreduce(y, comm=comm)
-        else:
-            got_y = gflow.allreduce(y, comm=comm)
-            handle = gflow.allreduce_async(x, comm=comm)
-        np.testing.assert_allclose(handle.wait(timeout=20), want_x, rtol=1e-12)
-        np.testing.assert_allclose(got_y, want_y, rtol=1e-12)
-
-    on_all_ranks(either_order, "after the failed call")
-    comm.Free()
 
 
 @pytest.mark.parallel([2, 3])

@@ -171,34 +171,29 @@ def test_a_rank_late_for_the_first_collective_is_warned_of(monkeypatch, capsys, 
 
 
 @pytest.mark.parallel([2, 3])
-def test_a_rank_late_to_see_a_failed_async_call_is_named(monkeypatch, capsys):
-    """Every rank makes a fresh background channel where its wait() sees a failed async call
-    (CommContext.after_failure): the peer late there is named (the warning said every rank had
-    entered it: helper-69), and the next async call does not wait."""
+def test_a_rank_late_for_the_first_async_call_after_a_failed_one_is_named(monkeypatch, capsys):
+    """After a failed async call every rank makes a fresh background channel at its next async call,
+    on the caller's thread (CommContext.for_async): the peer late for that call is named (the
+    warning said every rank had entered it: helper-69)."""
     monkeypatch.setattr(gflow.config, "stall_warning_s", 1.0)
     comm = WORLD.Dup()
     x = random_array(rank_rng(70), 40, np.float64)
     expected = mpi_allreduce(x)
     gflow.allreduce(x, comm=comm)
     wrong = random_array(rank_rng(71), 3 if WORLD.rank == 0 else 4, np.float64)
-    handle = gflow.allreduce_async(wrong, comm=comm)
+    with pytest.raises(gflow.MismatchError):
+        gflow.allreduce_async(wrong, comm=comm).wait(timeout=20)
     capsys.readouterr()
     late = WORLD.size - 1
     if WORLD.rank == late:
         time.sleep(3.5)
-    with pytest.raises(gflow.MismatchError):
-        handle.wait(timeout=20)
-    start = time.monotonic()
     got = gflow.allreduce_async(x, comm=comm).wait(timeout=20)
-    waited = time.monotonic() - start
     comm.Free()
     np.testing.assert_allclose(got, expected, rtol=1e-12)
     line = only_stall_line(capsys.readouterr().err)  # (from whichever waiting rank was due first)
     assert f"rank {late} has not entered it yet" in line, line
     assert "every rank has entered it" not in line, line
-    assert "on thread MainThread (after a failure)" in line, line
-    assert f"of {WORLD.size} ranks: a fresh background channel after a failed call" in line, line
-    assert waited < 2.0, waited
+    assert f"of {WORLD.size} ranks: allreduce of 40 float64 (host array), op=sum" in line, line
 
 
 def run_stall_case(mode: str, seconds: int):

@@ -143,8 +143,8 @@ def _last_of_each(parent: CommContext, subsets: list, times) -> list:
 def _serve_backgrounds(parents: list) -> None:
     """Serve the background channels of `parents` together, as they are once the async work queued
     before join() has run. Where that work failed, the channel is left for a fresh one, as the others
-    leave it where they see the failure (CommContext.after_failure; served as it was, it met none of
-    their calls again: a hang, helper-72)."""
+    leave it at their next async call (served as it was, it met none of their calls again: a hang,
+    helper-72)."""
     channels = []
     for parent in parents:
         background = parent.background()
@@ -268,7 +268,7 @@ def _serve(ctx: CommContext) -> None:
 
 def _after_failure(ctx: CommContext, why: str) -> CommContext:
     """The context to serve next after a call that fails on the callers with a GflowError: the same
-    one, or for a background context a fresh one, as the callers make where they see the failure (a
+    one, or for a background context a fresh one, as the callers make at their next async call (a
     failed background collective makes every rank leave its channel: CommContext.check_usable;
     serving the old one, this rank would never meet them again)."""
     if not ctx.is_background:

@@ -109,7 +109,7 @@ def rejected_in_background(parent: CommContext, collective: str, error: Exceptio
         raise error
 
     return engine.submit(
-        f"{collective} (rejected arguments)", run, ctx=ctx, on_failure=parent.after_failure, kind=kind
+        f"{collective} (rejected arguments)", run, ctx=ctx, on_failure=parent.reset_background, kind=kind
     )
 
 
@@ -156,7 +156,7 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
         ctx, x, op, out=out, algorithm=algorithm, compression=compression, tag=tag, about=about
     )
     run = kind.in_background(run, x, *([] if out is None else [out]))
-    return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.after_failure)
+    return engine.submit("allreduce", run, keep=(x, out), ctx=ctx, on_failure=parent.reset_background)
 
 
 def background_on(parent: CommContext, collective: str, call, *arrays):
@@ -166,7 +166,7 @@ def background_on(parent: CommContext, collective: str, call, *arrays):
     arguments must have been checked: a rank that refuses its own calls rejected_in_background."""
     ctx = parent.for_async(collective)
     run = kind_of(arrays[0]).in_background(lambda: call(ctx), *arrays)
-    return engine.submit(collective, run, keep=arrays, ctx=ctx, on_failure=parent.after_failure)
+    return engine.submit(collective, run, keep=arrays, ctx=ctx, on_failure=parent.reset_background)
 
 
 def annotated(call, about):

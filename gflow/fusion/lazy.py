@@ -541,7 +541,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
             for handle, _, csc in fired:
                 if csc is not None:
                     csc.discard()
-                parent.after_failure(handle.context)
+                parent.reset_background(handle.context)
             raise error
         if refuse is not None and step_agreed is not None:
             try:

@@ -80,7 +80,7 @@ def pool_memory(parent, shapes, dtype: np.dtype, memory: str = "host"):
             agreed(ctx)
         return hierarchical.shared_pool(ctx, nbytes, memory)
 
-    handle = engine.submit("gradient_buffers", allocate, ctx=ctx, on_failure=parent.after_failure)
+    handle = engine.submit("gradient_buffers", allocate, ctx=ctx, on_failure=parent.reset_background)
     pool, why_not = handle.wait()
     if why_not:
         warnings.warn(

@@ -243,11 +243,10 @@ class CommContext:
 
     def _first_background(self, wait):
         """The first background context, its duplicate made (before this context's monitor duplicate,
-        on every rank); None where there is none to make (a later one, after a failure, is made where
-        the failure is seen: after_failure). Duplicated from gflow's own duplicate, not the user's
-        communicator: this may run on the engine thread (join() serving it), whose order among the
-        program's own calls on that communicator (a Split right after an async call) would differ
-        between ranks."""
+        on every rank); None where there is none to make (a later one, after a failure, is made at the
+        next async call, as before). Duplicated from gflow's own duplicate, not the user's communicator:
+        this may run on the engine thread (join() serving it), whose order among the program's own calls on
+        that communicator (a Split right after an async call) would differ between ranks."""
         if not self._eager_background or self._user_comm is None:
             return None
         if self._background is None and self.backgrounds_made > 0:
@@ -288,8 +287,8 @@ class CommContext:
     def for_async(self, collective: str, about: str | None = None) -> "CommContext":
         """The background context an async collective is queued on. The caller's thread first finishes
         its duplicates, and this context's (so a communicator's first async call returns once every
-        rank has made its first call on it; after a failure they are made already, where each rank
-        saw it: after_failure). A duplicate left pending on the engine thread met the program's own
+        rank has made its first call on it, and the first after a failure once every rank has made
+        its next async call). A duplicate left pending on the engine thread met the program's own
         communicators made right after the call: under Open MPI 4.1 its Split or Dup of the
         communicator, out of order (ompi#2025); under MPICH the duplicate mpi4py makes at a
         communicator's first lowercase collective (a hang, once: pmodels/mpich#2020, #3794). What
@@ -331,7 +330,7 @@ class CommContext:
         """A second context, on its own duplicate, for the engine thread's collectives: they run
         while the caller's thread may run blocking ones on this context, and must not meet them.
         Its duplicates are made with this context's, in the first collective of either kind
-        (make_duplicates); after a failure, a fresh one's where the failure is seen (after_failure)."""
+        (make_duplicates); after a failure, a fresh one's at the next async call, as every rank's is."""
         background = self._background
         if background is not None:  # (every async call asks: no lock once made)
             return background
@@ -361,23 +360,9 @@ class CommContext:
             self._scratch[key] = buf
         return buf[:nbytes].view(ops.storage(dtype))
 
-    def after_failure(self, failed: "CommContext") -> None:
-        """What a failure of async work on this context's background channel leaves, where the
-        caller's thread observes it (Handle.wait, LazyAllreduce's step): the channel is dropped
-        (reset_background) and the fresh one's duplicates are made at once, here. Every rank observes
-        the failure at the same call, so every rank makes them there. Made at the next async call
-        instead, they made that call wait for every rank's next async call: a rank whose step's
-        segments fired during its pushes waited there, while a peer whose segments fire only at
-        synchronize() went into a blocking call between (a metric), and the two found crossed waits
-        in a program without any (helper-84). Not after crossed waits or a step that met another
-        kind of call (no collective follows there), nor where a peer has left (made at the next
-        async call, as before, that one raises it)."""
-        if self.reset_background(failed) and self.failed is None and self.ended is None and not self.gone:
-            self.for_async("after a failure", "a fresh background channel after a failed call")
-
-    def reset_background(self, failed: "CommContext") -> bool:
-        """Drop the background context `failed` if it is still the current one and did fail (then
-        True), so that a fresh one is made. Called from the caller's thread where a failure on it is
+    def reset_background(self, failed: "CommContext") -> None:
+        """Drop the background context `failed` if it is still the current one and did fail, so the
+        next async call makes a fresh one. Called from the caller's thread where a failure on it is
         observed (Handle.wait, LazyAllreduce.flush): every rank observes it at the same call, so the
         fresh duplicate is made collectively. Only the context the failed work ran on is dropped:
         a newer one may be failing too, but whether it is marked yet depends on timing."""
@@ -391,8 +376,6 @@ class CommContext:
             if self._retired is not None:
                 self._retired.free_monitor()
             self._retired, self._background = failed, None
-            return True
-        return False
 
     def free(self, keep_monitor: bool = False):
         if self._user_comm is None:  # already freed

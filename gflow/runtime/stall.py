@@ -23,10 +23,9 @@ Every collective is inspected, a communicator's first included. That one makes g
 (a collective itself: both channels' at once, context.CommContext.make_duplicates), and the wait for
 them is marked like any other (Mark.making), so it is warned of and aborted alike. No channel to ask
 the peers on exists yet: the message says that some rank has not entered it and that which one
-cannot be told yet. A fresh background context after a failure is made where each rank's wait sees
-the failure (CommContext.after_failure): its peers are asked on the caller's context's duplicate
-about their background context (a rank that has not made it, or has entered fewer collectives there,
-is late).
+cannot be told yet. A fresh background context after a failure is made at the next async call: its
+peers are asked on the caller's context's duplicate about their background context (a rank that has
+not made it, or has entered fewer collectives there, is late).
 
 The same monitor learns which ranks have left (gflow/runtime/failures.py): a rank whose interpreter exits
 says goodbye on every watched duplicate, with the number of collectives it completed there. A peer
@@ -200,10 +199,6 @@ def _answer(ctx) -> None:
         question = np.empty(2, np.int64)
         comm.Recv(question, status.Get_source(), TAG_QUESTION)
         about = (ctx, ctx._background, ctx.parent)[int(question[1])]
-        if question[1] == ABOUT_BACKGROUND and about is not None and about.failed is not None:
-            # (asked by a peer making a fresh one: this rank makes its own where it sees the failure,
-            # and has entered none of its collectives; its count on the failed one said it had)
-            about = None
         entered, seconds = _where(about)
         needs, background_seconds, blocked = _background_wait(ctx if ctx.is_background else ctx._background)
         number, report = (-1, _SILENT) if about is None else about.stall_report
