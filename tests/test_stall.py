@@ -196,6 +196,42 @@ def test_a_rank_late_for_the_first_async_call_after_a_failed_one_is_named(monkey
     assert f"of {WORLD.size} ranks: allreduce of 40 float64 (host array), op=sum" in line, line
 
 
+@pytest.mark.parallel([2, 3])
+def test_crossed_waits_over_the_fresh_channel_after_a_failure_say_why():
+    """helper-84: after a failed async call each rank makes a fresh background channel at its next
+    async call, which waits for every rank's. Rank 0 starts an async call and then a blocking one,
+    the others the blocking one first (an order that works at any other time): crossed waits, as
+    before, but the error said "The ranks made different calls", which they had not. It says why."""
+    comm = WORLD.Dup()
+    rng = rank_rng(86)
+    gflow.allreduce(random_array(rng, 2, np.float64), comm=comm)
+    wrong = random_array(rng, 3 if WORLD.rank == 0 else 4, np.float64)
+    handle = gflow.allreduce_async(wrong, comm=comm)
+    on_all_ranks(lambda: pytest.raises(gflow.MismatchError, handle.wait, 20))
+    x, y = random_array(rng, 10, np.float64), random_array(rng, 1, np.float64)
+    errors = []
+
+    def expect_error(call):
+        try:
+            call()
+        except gflow.GflowError as exc:
+            errors.append(str(exc))
+
+    if WORLD.rank == 0:
+        late = gflow.allreduce_async(x, comm=comm)
+        expect_error(lambda: gflow.allreduce(y, comm=comm))
+        expect_error(lambda: late.wait(timeout=20))
+    else:
+        expect_error(lambda: gflow.allreduce(y, comm=comm))
+        expect_error(lambda: gflow.allreduce_async(x, comm=comm).wait(timeout=20))
+    everyone = WORLD.allgather(errors)
+    comm.Free()
+    assert all(len(mine) == 2 for mine in everyone), everyone  # (every call of every rank raised)
+    texts = [text for mine in everyone for text in mine]
+    assert any("crossed waits" in t and "This follows a failed async call or step" in t for t in texts), texts
+    assert not any("The ranks made different calls" in t for t in texts), texts
+
+
 def run_stall_case(mode: str, seconds: int):
     env = dict(os.environ, GFLOW_STALL_WARNING_S="1", GFLOW_STALL_ABORT_S="3")
     start = time.monotonic()

@@ -300,10 +300,12 @@ def raise_crossed(ctx, number: int) -> None:
             del ctx.crossed[rank]
         elif position < number:
             del ctx.crossed[rank]
+            fresh = _after_a_failure(position >= 0, generation, _making(ctx))
             text = (
                 f"crossed waits: rank {rank} waits in a blocking collective (#{theirs} on this communicator) "
                 f"that gflow rank {ctx.rank} has not entered, and cannot start the async collective "
-                f"#{number} this rank waits for before that call returns. {_CROSSED_CAUSE}"
+                f"#{number} this rank waits for before that call returns. "
+                f"{_FRESH_CHANNEL_CAUSE if fresh else _CROSSED_CAUSE}"
             )
             cut_steps(ctx.parent, text)  # (the step this wait belongs to fails; one begun beside it too)
             raise MismatchError(text)
@@ -332,6 +334,27 @@ _CROSSED_CAUSE = (
     "async and blocking calls in different orders. Make each call on every rank, in the same order: "
     "a collective some ranks do not make never completes"
 )
+# Where the async side waits for a fresh background channel after a failure (helper-84): the calls
+# may well be the same on every rank, and the order that fails is one that works at any other time.
+_FRESH_CHANNEL_CAUSE = (
+    "This follows a failed async call or step on this communicator: every rank makes a fresh "
+    "background channel at its next async call, which returns only once every rank has made its own "
+    "(docs/cluster.md), and here some rank's next async call comes after this blocking call (a step "
+    "whose segments fire during the pushes on some ranks and only at synchronize() on others, with a "
+    "metric between?). After a failure, make the next async call before any blocking one on every rank"
+)
+
+
+def _making(ctx) -> bool:
+    """Whether this thread waits while it makes ctx's duplicates."""
+    mark = getattr(_local, "mark", None)
+    return mark is not None and mark.making is ctx
+
+
+def _after_a_failure(background_made: bool, generation: int, waits_to_make: bool) -> bool:
+    """Whether crossed waits are over a fresh background channel after a failure: the waiting rank
+    makes its duplicates (`waits_to_make`) and the other has dropped its failed one, making none yet."""
+    return waits_to_make and not background_made and generation > 1
 
 
 def _raise_departed(ctx, number: int, sig) -> None:
@@ -701,12 +724,18 @@ def _check_crossed(ctx, number: int) -> None:
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
     verb = "waits" if len(crossed) == 1 else "wait"
     peers = f"{ranks_text(crossed)}{world(crossed)}"
+    making = all(answers[r][2] == 0 for r in crossed)  # (their `needs`: 0 while making duplicates)
+    cause = (
+        _FRESH_CHANNEL_CAUSE
+        if _after_a_failure(background is not None, generation, making)
+        else _CROSSED_CAUSE
+    )
     ctx.crossed_here = (
         f"crossed waits: gflow rank {ctx.rank}{world(None)} waits in a blocking collective "
         f"(#{number} on a communicator of {ctx.size} ranks: {what}) that {peers} "
         f"{'has' if len(crossed) == 1 else 'have'} not entered, and {ranks_text(crossed)} {verb} instead "
         "for async work of this rank's (gflow's background channel) that this rank cannot start before "
-        f"this call returns. {_CROSSED_CAUSE}"
+        f"this call returns. {cause}"
     )
     departures.append((ctx, None))
 
