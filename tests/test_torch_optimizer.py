@@ -574,6 +574,43 @@ def test_a_stray_call_inside_a_step_fails_it_on_every_rank_and_ends_the_communic
         hvd.init()
 
 
+@pytest.mark.parallel([2, 3])
+def test_a_synchronize_on_one_rank_only_is_named_in_the_error():
+    """helper-83: rank 0 alone calls optimizer.synchronize() (to log a norm), then step() without
+    skip_synchronize(). Its step's check whether a rank set a gradient anew met the others' next step,
+    and the error named only gflow's internal allreduce. Every rank's error now says what rank 0's
+    call was."""
+    r = WORLD.rank
+    data = batches(3)
+    hvd.init(comm=WORLD.Dup())
+
+    def check():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        errors = []
+        for step, (x, y) in enumerate(data):
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            try:
+                if step == 1 and r == 0:
+                    opt.synchronize()
+                    with warnings.catch_warnings():  # (Horovod's warning: step() after synchronize())
+                        warnings.simplefilter("ignore")
+                        opt.step()
+                else:
+                    opt.step()
+            except hvd.HorovodInternalError as exc:
+                errors.append(str(exc))
+        assert errors, "no rank's step failed"
+        named = "it passed step() after its own optimizer.synchronize() (did some rank set a gradient anew?)"
+        assert named in errors[0], errors[0]
+
+    try:
+        on_all_ranks(check)
+    finally:
+        hvd.init()
+
+
 CROSSED_CASES = [  # (where the last rank's metric is, how every rank zeroes, threshold_bytes)
     *[("between", zero, threshold) for zero in ("optimizer", "model") for threshold in (300, None)],
     ("after", "optimizer", 300),  # (segments sent during backward, or all at step())

@@ -16,6 +16,8 @@ from mpi4py import MPI
 
 import gflow
 
+from ..collectives.operations import allreduce_async_on
+from ..runtime.context import context
 from ..training.data_parallel import DataParallel
 from ..training.loss_scaler import bounds, value_range
 from ._basics import OP_NAMES, Average, as_horovod_error
@@ -358,7 +360,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         every rank; step() raises CompressionOverflowError / NonFiniteError instead of applying them.
         """
         self._check_synced("synchronize()")
-        if self._user_synchronized and not self._touched and not self._set_anew_anywhere(unchanged=False):
+        if (
+            self._user_synchronized
+            and not self._touched
+            and not self._set_anew_anywhere(False, "synchronize()")
+        ):
             return  # a second call (a framework's and the user's): reducing again would multiply a Sum
         self._gflow_synchronize()
         self._user_synchronized = True
@@ -428,18 +434,22 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._reduced = True
         self._reduced_grads = [(g, g._version, _memory(g)) for g in (p.grad for p in params) if g is not None]
 
-    def _set_anew_anywhere(self, unchanged: bool) -> bool:
+    def _set_anew_anywhere(self, unchanged: bool, after: str) -> bool:
         """Whether on some rank the gradients are no longer those the last synchronize() reduced
         (_still_reduced, with `unchanged`): agreed over the ranks, so that every rank reduces them
-        again or none does (a gradient set anew on one rank, p.grad = ..., is that rank's alone)."""
+        again or none does (a gradient set anew on one rank, p.grad = ..., is that rank's alone).
+        `after`: the call that asks, after this rank's own synchronize() (for a MismatchError: where
+        the other ranks made no such synchronize(), it meets their next step, helper-83)."""
         mine = np.array([0 if self._still_reduced(unchanged) else 1], np.int64)
-        return bool(self._over_ranks(mine, "max")[0])
+        about = f"{after} after its own optimizer.synchronize() (did some rank set a gradient anew?)"
+        return bool(self._over_ranks(mine, "max", about)[0])
 
-    def _over_ranks(self, mine, op: str):
+    def _over_ranks(self, mine, op: str, about: str | None = None):
         """mine reduced elementwise with `op` over the ranks, on the background channel (behind the
-        step's segments, as every rank queues it), gflow's errors raised as Horovod's."""
+        step's segments, as every rank queues it), gflow's errors raised as Horovod's. `about`: how
+        this rank's call reads in a MismatchError."""
         try:
-            return gflow.allreduce_async(mine, op, comm=self._gflow_comm).wait()
+            return allreduce_async_on(context(self._gflow_comm), mine, op, about=about).wait()
         except gflow.GflowError as exc:
             raise as_horovod_error(exc).with_traceback(exc.__traceback__) from None
 
@@ -779,7 +789,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     "optimizer.synchronize() in your code.",
                     stacklevel=2,
                 )
-                if self._set_anew_anywhere(unchanged=False):
+                if self._set_anew_anywhere(False, "step()"):
                     self._gflow_synchronize()
             elif not self._still_reduced(unchanged=False):  # (GradScaler's reduced them, unscaled in place)
                 self.synchronize()
