@@ -1386,16 +1386,17 @@ def test_the_steps_agreement_rides_in_the_fused_steps_final_exchange(monkeypatch
     own, on every rank alike (here with that bound lowered); both give the reference's parameters,
     bitwise alike on every rank."""
     from gflow.fusion import lazy
+    from gflow.torch import _distributed
 
     r = WORLD.rank
     calls = []
-    real = gflow.allreduce_async
+    real = _distributed.allreduce_async_on  # (the optimizer's own collectives: _over_ranks)
 
-    def counted(x, op="sum", **kwargs):
+    def counted(parent, x, op, **kwargs):
         calls.append(op)
-        return real(x, op, **kwargs)
+        return real(parent, x, op, **kwargs)
 
-    monkeypatch.setattr(gflow, "allreduce_async", counted)
+    monkeypatch.setattr(_distributed, "allreduce_async_on", counted)
     data = batches(3)
     for case in ("in the final exchange", "on its own"):
         if case == "on its own":  # (the model's agreement is 3 x 4 + 8 int64 words)
