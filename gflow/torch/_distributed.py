@@ -432,7 +432,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             self._gflow_reset_step()
         self._refused = []
         self._reduced = True
-        self._reduced_grads = [(g, g._version, _memory(g)) for g in (p.grad for p in params) if g is not None]
+        self._reduced_grads = _grads_now(params)
 
     def _set_anew_anywhere(self, unchanged: bool, after: str) -> bool:
         """Whether on some rank the gradients are no longer those the last synchronize() reduced
@@ -461,11 +461,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         reduced."""
         if not self._reduced:
             return False
-        live = [p.grad for p in self._gflow_params if p.grad is not None]
-        still = len(live) == len(self._reduced_grads) and all(
-            g is was and _memory(g) == memory and (not unchanged or g._version == version)
-            for g, (was, version, memory) in zip(live, self._reduced_grads, strict=True)
-        )
+        still = _grads_as_recorded(self._gflow_params, self._reduced_grads, unchanged)
         self._reduced = still
         return still
 
@@ -797,9 +793,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._raise_overflow()
         self._gflow_take_momentum()  # a schedule that set it between backward and step: CSC's next
         result = super().step()
-        self._applied = [
-            (g, g._version, _memory(g)) for g in (p.grad for p in self._gflow_params) if g is not None
-        ]
+        self._applied = _grads_now(self._gflow_params)
         return result
 
     def _applied_again(self) -> bool:
@@ -810,11 +804,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         whose gradients are all None (no data this step) takes part as ever."""
         if not self._applied or self._touched:
             return False
-        live = [p.grad for p in self._gflow_params if p.grad is not None]
-        return len(live) == len(self._applied) and all(
-            g is was and g._version == version and _memory(g) == memory
-            for g, (was, version, memory) in zip(live, self._applied, strict=True)
-        )
+        return _grads_as_recorded(self._gflow_params, self._applied, unchanged=True)
 
     def _synchronized_closure(self, closure):
         def synchronized():
@@ -936,6 +926,22 @@ def drop_partial_steps() -> None:
 
 
 BEFORE_JOIN.append(drop_partial_steps)
+
+
+def _grads_now(params) -> list:
+    """(each gradient, its version, its memory) of the parameters that have one: what
+    _grads_as_recorded compares with later."""
+    return [(g, g._version, _memory(g)) for g in (p.grad for p in params) if g is not None]
+
+
+def _grads_as_recorded(params, recorded: list, unchanged: bool) -> bool:
+    """Whether the parameters' gradients are the very tensors _grads_now recorded, over the same
+    memory (p.grad.data = ... sets a gradient anew too), and with `unchanged`, unwritten since."""
+    live = [p.grad for p in params if p.grad is not None]
+    return len(live) == len(recorded) and all(
+        g is was and _memory(g) == memory and (not unchanged or g._version == version)
+        for g, (was, version, memory) in zip(live, recorded, strict=True)
+    )
 
 
 def _memory(grad):
