@@ -149,8 +149,9 @@ def allreduce_async_on(parent: CommContext, x, op, *, out=None, algorithm="auto"
             )[:3]
     except Exception as exc:
         return rejected_in_background(parent, "allreduce", exc)
+    # (the call in words only where a stall line needs them: not formatted on every call)
     ctx = parent.for_async(
-        "allreduce", f"allreduce of {kind.size(x)} {dtype.name} ({kind.memory} array), op={name}"
+        "allreduce", lambda: f"allreduce of {kind.size(x)} {dtype.name} ({kind.memory} array), op={name}"
     )
     run = lambda: allreduce_on(  # noqa: E731
         ctx, x, op, out=out, algorithm=algorithm, compression=compression, tag=tag, about=about

@@ -284,7 +284,7 @@ class CommContext:
         finally:
             mark.making = None
 
-    def for_async(self, collective: str, about: str | None = None) -> "CommContext":
+    def for_async(self, collective: str, about=None) -> "CommContext":
         """The background context an async collective is queued on. The caller's thread first finishes
         its duplicates, and this context's (so a communicator's first async call returns once every
         rank has made its first call on it, and the first after a failure once every rank has made
@@ -293,7 +293,7 @@ class CommContext:
         communicator, out of order (ompi#2025); under MPICH the duplicate mpi4py makes at a
         communicator's first lowercase collective (a hang, once: pmodels/mpich#2020, #3794). What
         fails here is raised by the queued work. `collective` names the call in a stall warning
-        meanwhile, and `about` says what it reduces ("allreduce of 1024 float32 (host array), op=sum")."""
+        meanwhile, and `about()` says what it reduces ("allreduce of 1024 float32 (host array), op=sum")."""
         if self.failed is not None or self.ended is not None:
             return self._refusing()
         background = self.background()

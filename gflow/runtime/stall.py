@@ -85,7 +85,7 @@ class _Mark:
         self.warned_at = None
         self.warned_since = None  # the wait warned_at belongs to
         self.job = None
-        self.about = None  # the call this thread makes the duplicates for, in words (not entered yet)
+        self.about = None  # () -> the call this thread makes the duplicates for, in words (not entered yet)
         self.making = None
         self.blocked_on = None  # the background context whose work this thread waits for (Handle.wait)
         self.crossed_at = None  # how long into the current wait it was last checked for crossed waits
@@ -586,7 +586,8 @@ def _report(ctx, m: _Mark, since: float) -> tuple:
     if number == ctx.entered and ctx.last_sig is not None:
         what = _brief(ctx.last_sig)
     else:  # (not entered yet: the duplicates it waits for are made first, CommContext.for_async)
-        what = m.about or "a collective"
+        about_call = m.about  # (read once: the caller's thread clears it when its duplicates are made)
+        what = about_call() if about_call is not None else "a collective"
     world = world_ranks(ctx)
     me_named = f"gflow rank {ctx.rank}{world(None)}"
     me, mine = ctx.rank, number
