@@ -6,10 +6,12 @@ saved files (as a new process would) ends bitwise where the uninterrupted run do
 """
 
 import pickle
+import warnings
 
 import numpy as np
 import pytest
 from helpers import WORLD, assert_same_on_all_ranks, on_all_ranks, rank_rng
+from mpi4py import MPI
 from numba import cuda
 
 import gflow
@@ -198,7 +200,7 @@ def test_a_state_saved_in_one_memory_resumes_with_gradients_in_the_other():
 
 
 @pytest.mark.parallel([1, 2])
-def test_loading_another_world_size_or_other_settings_names_what_differs():
+def test_loading_residuals_at_another_world_size_or_other_settings_names_what_differs():
     size = WORLD.size
     csc = gflow.SparseAllreduce(density=0.5, chunk_elems=4)
     csc(np.ones(10, np.float32))
@@ -215,10 +217,13 @@ def test_loading_another_world_size_or_other_settings_names_what_differs():
     def check():
         for name, obj in objects.items():
             edited = dict(states[name], world_size=size + 1)
-            with pytest.raises(
-                ValueError, match=f"{name}.load_state_dict: world size differs: expected {size}"
-            ):
+            if name == "LossScaler":  # (nothing per rank: it loads at any world size)
                 obj.load_state_dict(edited)
+            else:
+                with pytest.raises(
+                    ValueError, match=f"{name}.load_state_dict: world size differs: expected {size}"
+                ):
+                    obj.load_state_dict(edited)
             with pytest.raises(ValueError, match="version 99"):
                 obj.load_state_dict(dict(states[name], version=99))
             with pytest.raises(ValueError, match=f"format 'gflow.{name}', got format 'gflow.LossScaler'"):
@@ -255,6 +260,56 @@ def test_loading_another_world_size_or_other_settings_names_what_differs():
                 obj.load_state_dict(states[name])
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("threshold", [64, "auto"])
+def test_a_dense_state_saved_by_a_smaller_job_resumes_in_a_larger_one(threshold):
+    """helper-84: a dense DataParallel checkpoint saved at 2 ranks was refused at 3, though it holds
+    nothing per rank. Saved here by the job's first size - 1 ranks (a communicator of their own) and
+    loaded on all of them: the step count and the loss scale carry over, "auto" tunes again (saying
+    so), and the next step's result is MPI's own allreduce of the gradients."""
+    smaller = WORLD.Split(0 if WORLD.rank < WORLD.size - 1 else MPI.UNDEFINED, WORLD.rank)
+    state = None
+    if smaller != MPI.COMM_NULL:
+        scaler = gflow.LossScaler(init_scale=2.0**3, growth_interval=2, comm=smaller)
+        saver = DataParallel(make_params(0), threshold_bytes=threshold, loss_scaler=scaler, comm=smaller)
+        for _ in range(3):
+            for key, buf in saver.gradient_buffers().items():
+                buf[...] = rank_rng(1).standard_normal(buf.shape)
+                saver.push(key)
+            saver.synchronize()
+        state = pickle.loads(pickle.dumps(saver.state_dict()))
+        smaller.Free()
+    state = WORLD.bcast(state, root=0)  # (the file the smaller job left, read by every rank of this one)
+    comm = WORLD.Dup()
+    scaler = gflow.LossScaler(init_scale=2.0**3, growth_interval=2, comm=comm)
+    dp = DataParallel(make_params(0), threshold_bytes=threshold, loss_scaler=scaler, comm=comm)
+
+    def check():
+        assert state["world_size"] == WORLD.size - 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dp.load_state_dict(state)
+        retuned = [w for w in caught if "tuned again from the start" in str(w.message)]
+        assert len(retuned) == (threshold == "auto"), [str(w.message) for w in caught]
+        assert dp.step_count == state["step_count"] and dp.loss_scale == state["loss_scaler"]["scale"]
+        grads = {key: rank_rng(2).standard_normal(buf.shape).astype(np.float32)
+                 for key, buf in dp.gradient_buffers().items()}  # fmt: skip
+        for key, buf in dp.gradient_buffers().items():
+            buf[...] = grads[key] * np.float32(dp.loss_scale)
+            dp.push(key)
+        assert dp.synchronize()
+        for key, buf in dp.gradient_buffers().items():
+            expected = np.empty_like(grads[key], np.float64)
+            comm.Allreduce(grads[key].astype(np.float64), expected)
+            np.testing.assert_allclose(buf, expected / WORLD.size, rtol=1e-5, atol=1e-6)
+        assert dp.state_dict()["world_size"] == WORLD.size
+
+    try:
+        on_all_ranks(check, f"threshold={threshold}")
+    finally:
+        comm.Free()
 
 
 @pytest.mark.parallel([2, 3])

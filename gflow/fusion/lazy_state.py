@@ -3,6 +3,7 @@ next (the settings, the threshold tuner's position, each sparse segment's residu
 loaded, and undone for a caller whose own load failed."""
 
 import pickle
+import warnings
 
 import numpy as np
 
@@ -116,9 +117,12 @@ class LazyCheckpoint:
     def load_state_dict(self, state: dict) -> None:
         """Restore a state_dict() of this rank.
 
+        A dense state loads at another world size (the job resumed on fewer or more ranks): it holds
+        nothing per rank; with threshold_bytes="auto" the tuning starts again there, with a warning.
+
         Raises:
-            ValueError: the state was saved with other settings, at another world size or (sparse)
-                on another rank, or is malformed. Nothing is changed then.
+            ValueError: the state was saved with other settings, with sparse= at another world size
+                or on another rank, or is malformed. Nothing is changed then.
             RuntimeError: a step is in flight (pushed, not flushed).
         """
         who = "LazyAllreduce.load_state_dict"
@@ -126,7 +130,10 @@ class LazyCheckpoint:
             raise RuntimeError(f"{who}: a step is in flight (pushed, not flushed); load between steps")
         st.check_header(state, "LazyAllreduce", who)
         st.check_equal(state, self._settings(), who)
-        st.check_world_size(state, st.world(self._comm)[1], who)
+        size = st.world(self._comm)[1]
+        if self.sparse is not None:  # (CSC's residuals are per rank: a job of another size has others)
+            st.check_world_size(state, size, who)
+        resized = st.get(state, "world_size", who) != size
         segments = st.get(state, "segments", who)
         if not isinstance(segments, dict):
             raise ValueError(f"{who}: segments must be a dict, got {type(segments).__name__}")
@@ -144,6 +151,13 @@ class LazyCheckpoint:
         if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
             raise ValueError(f"{who}: tuned_threshold_bytes must be an int >= 1 or None, got {tuned!r}")
         tuner = self._load_tuner(state, tuned, who)
+        if resized and self._tuner is not None:  # (timed at another world size: they say little here)
+            warnings.warn(
+                f"{who}: saved at {st.get(state, 'world_size', who)} ranks, loaded at {size}: the fusion "
+                "threshold is tuned again from the start (its tuning timed steps at the other size)",
+                stacklevel=2,
+            )
+            tuner = tuned = None
         if isinstance(self._strategy, Sparse):
             self._strategy.segments = loaded
         if tuner is None:  # a state without the tuner's position (older gflow): tune again unless settled

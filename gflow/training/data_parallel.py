@@ -659,19 +659,21 @@ class DataParallel:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a state_dict() (this rank's own, with sparse communication).
+        """Restore a state_dict() (this rank's own, with sparse communication). A dense one loads at
+        another world size too (LazyAllreduce.load_state_dict): it holds nothing per rank.
 
         Raises:
-            ValueError: the state was saved for other parameters, with other settings, at another
-                world size, on another rank (sparse), or with(out) a loss scaler where this object has
-                none (one); the message names what differs. Nothing is changed then.
+            ValueError: the state was saved for other parameters, with other settings, with sparse= at
+                another world size or on another rank, or with(out) a loss scaler where this object
+                has none (one); the message names what differs. Nothing is changed then.
             RuntimeError: a step is in flight (pushed, not synchronized).
         """
         who = "DataParallel.load_state_dict"
         if self._in_step():
             raise RuntimeError(f"{who}: a step is in flight (pushed, not synchronized); load between steps")
         st.check_header(state, "DataParallel", who)
-        st.check_world_size(state, st.world(self._comm)[1], who)
+        if self.sparse is not None:  # (CSC's residuals are per rank; a dense state holds nothing per rank)
+            st.check_world_size(state, st.world(self._comm)[1], who)
         mine = {
             "names": list(self._keys),
             "shapes": [tuple(s) for s in self._slot_shapes[::-1]],

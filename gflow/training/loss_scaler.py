@@ -171,7 +171,7 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         """The scale and its counters, with the settings and world size, for a checkpoint (the same
-        on every rank: the scale is agreed by all of them)."""
+        on every rank: the scale is agreed by all of them; it loads at any world size)."""
         state = st.header("LossScaler")
         state.update(self._settings())
         state.update(
@@ -186,14 +186,13 @@ class LossScaler:
         """Restore a state_dict().
 
         Raises:
-            ValueError: the state was saved with other settings or at another world size, or is
-                malformed. Nothing is changed then.
+            ValueError: the state was saved with other settings, or is malformed. Nothing is
+                changed then.
         """
         who = "LossScaler.load_state_dict"
         st.check_header(state, "LossScaler", who)
         st.check_equal(state, self._settings(), who)
-        st.check_world_size(state, st.world(self._comm)[1], who)
-        scale = st.get(state, "scale", who)
+        scale = st.get(state, "scale", who)  # (at any world size: the scale is about the values' range)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < np.inf:
             raise ValueError(f"{who}: scale must be a positive finite number, got {scale!r}")
         scale = min(scale, MAX_SCALE)  # (gflow before 2**64 was the cap let a scale grow past it)
