@@ -10,6 +10,10 @@ partial sum is bounded by the sum of the magnitudes S = sum_r |x_r|; so |result 
 (over p for a mean), plus the smallest subnormal bfloat16 per rounding for values that underflow.
 """
 
+import os
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -423,3 +427,35 @@ def test_torch_bfloat16_tensors_and_bf16_compression():
     compressed, ctx = hvd.Compression.bf16.compress(w32)
     assert compressed.dtype == torch.bfloat16
     assert hvd.Compression.bf16.decompress(compressed, ctx).dtype == torch.float32
+
+
+def test_import_and_a_float32_step_leave_ml_dtypes_unimported_and_bfloat16_works_after():
+    """ml_dtypes 0.7 takes about 0.9 s to import, most of gflow's import, on every rank of every job:
+    gflow imports it only where a bfloat16 is made. A program that passes bfloat16 arrays imported it."""
+    code = (
+        "import sys, numpy as np, gflow\n"
+        "x = np.arange(5, dtype=np.float32)\n"
+        "assert (gflow.allreduce(x, compression='fp16') == x).all()\n"
+        "lazy = gflow.LazyAllreduce(threshold_bytes=8); lazy.push(x); lazy.flush()\n"
+        "assert 'ml_dtypes' not in sys.modules, 'imported'\n"
+        "import ml_dtypes\n"
+        "b = np.arange(5).astype(ml_dtypes.bfloat16)\n"
+        "assert (gflow.allreduce(b) == b).all() and gflow.allreduce(b).dtype == b.dtype\n"
+        "assert gflow.allreduce(x, compression='bf16').dtype == np.float32\n"
+    )
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)  # (numba.cuda imports ml_dtypes itself; gflow's host path does not)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+    bench = [sys.executable, "-m", "gflow", "bench", "--dtype", "bfloat16", "-b", "4K", "-e", "8K"]
+    bench += ["-n", "2", "-w", "1"]
+    done = subprocess.run([*bench, "--check"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "bfloat16" in done.stdout, done.stdout + done.stderr  # (helper-86)
+
+
+def test_a_byte_swapped_bfloat16_is_refused():
+    """helper-86: bfloat16 told by its name let a big-endian one through, reduced as little-endian bits."""
+    swapped = np.arange(4).astype(BF16).astype(BF16.newbyteorder(">"))
+    with pytest.raises(TypeError, match="unsupported dtype >V2: expected one of .*bfloat16"):
+        gflow.allreduce(swapped)
+    with pytest.raises(TypeError, match="unsupported dtype >V2"):
+        gflow.LossScaler().unscale(swapped)

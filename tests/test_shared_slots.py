@@ -26,8 +26,9 @@ from gflow.collectives.recursive_doubling import (
 )
 from gflow.runtime.config import MAX_SMALL_MESSAGE_BYTES, TWO_RANKS_FACTOR
 from gflow.runtime.context import context
-from gflow.runtime.signature import BFLOAT16
+from gflow.runtime.signature import bfloat16
 
+BFLOAT16 = bfloat16()
 SEED = WORLD.bcast(int(np.random.SeedSequence().entropy % 2**32))  # new inputs every run
 
 

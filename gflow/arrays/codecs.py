@@ -17,16 +17,15 @@ land one unit in the last place from a direct rounding.
 import numpy as np
 
 from ..runtime import timeline
-from ..runtime.signature import BFLOAT16, holds, is_floating
+from ..runtime.signature import bfloat16, holds, is_bfloat16, is_floating
 
 COMPRESSIONS = (None, "fp16", "bf16")
-WIRE_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}
-WIRE_DTYPE = WIRE_DTYPES["fp16"]
+WIRE_DTYPE = np.dtype(np.float16)
 _RANGE = {"fp16": "+-65504", "bf16": "+-3.39e38"}
 
 
 def wire_dtype(codec: str) -> np.dtype:
-    return WIRE_DTYPES[codec]
+    return WIRE_DTYPE if codec == "fp16" else bfloat16()
 
 
 def check_compression(compression, dtype: np.dtype):
@@ -34,15 +33,14 @@ def check_compression(compression, dtype: np.dtype):
     non-floats and for a 16-bit input sent as the other 16-bit type (it would lose range or digits)."""
     if compression is None or compression == "none":
         return None
-    if compression.__class__ is not str or compression not in WIRE_DTYPES:
+    if compression.__class__ is not str or compression not in _RANGE:
         raise ValueError(f"compression: expected None, 'fp16' or 'bf16', got {compression!r}")
     if not is_floating(dtype):
         raise TypeError(f"compression={compression!r} needs a floating dtype, got {dtype}")
-    other = {"fp16": BFLOAT16, "bf16": np.dtype(np.float16)}[compression]
-    if dtype == other:
+    if is_bfloat16(dtype) if compression == "fp16" else dtype == np.float16:
         raise TypeError(
             f"compression={compression!r} on a {dtype} input: {dtype} is already 2 bytes on the wire, and "
-            f"as {WIRE_DTYPES[compression]} it would lose {'range' if compression == 'fp16' else 'digits'}; "
+            f"as {wire_dtype(compression)} it would lose {'range' if compression == 'fp16' else 'digits'}; "
             f"pass compression=None (or {'bf16' if compression == 'fp16' else 'fp16'!r})"
         )
     return compression
@@ -52,7 +50,7 @@ def overflow_message(who: str, codec: str) -> str:
     """What CompressionOverflowError says: why the reduced 2-byte result is not finite."""
     remedy = "scale the values down (gflow.LossScaler) or " if codec == "fp16" else ""
     return (
-        f"{who} with compression={codec!r}: the {WIRE_DTYPES[codec]} result holds inf or NaN (a value or a "
+        f"{who} with compression={codec!r}: the {wire_dtype(codec)} result holds inf or NaN (a value or a "
         f"sum beyond {_RANGE[codec]}, or a NaN/inf input on some rank); {remedy}use compression=None"
     )
 
@@ -70,4 +68,4 @@ def decode(ops, dst, wire) -> bool:
 
 
 def _name(wire) -> str:
-    return "bf16" if holds(wire.dtype) == BFLOAT16 else "fp16"
+    return "bf16" if is_bfloat16(holds(wire.dtype)) else "fp16"

@@ -4,10 +4,9 @@ The CUDA twins live in gflow/cuda/kernels.py with the same names and meaning; gf
 one set per array, so the collectives are written once and never ask what kind of array they hold.
 """
 
-import ml_dtypes
 import numpy as np
 
-from ..runtime.signature import BFLOAT16
+from ..runtime.signature import is_bfloat16
 from .fp_errors import quiet, unquiet
 
 memory = "host"
@@ -18,7 +17,7 @@ _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 def buffer(a: np.ndarray) -> np.ndarray:
     """What MPI is handed for a: the array itself; bfloat16 as its bits (NumPy cannot export a
     buffer of ml_dtypes' type, and gflow's traffic is bytes anyway)."""
-    return a.view(_U16) if a.dtype == BFLOAT16 else a
+    return a.view(_U16) if is_bfloat16(a.dtype) else a
 
 
 def fence() -> None:
@@ -63,7 +62,7 @@ def reduce(out: np.ndarray, low: np.ndarray, high: np.ndarray, op: str) -> None:
         from .half_kernels import reduce_half
 
         reduce_half(out.view(_U16), low.view(_U16), high.view(_U16), _HALF_OP[op])
-    elif out.dtype == BFLOAT16:
+    elif is_bfloat16(out.dtype):
         from .half_kernels import reduce_bf16
 
         reduce_bf16(out.view(_U16), low.view(_U16), high.view(_U16), _HALF_OP[op])
@@ -95,7 +94,7 @@ def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
         op == "sum"
         and out.nbytes >= _FUSED_MIN_BYTES
         and out.dtype.char != "e"
-        and out.dtype != BFLOAT16
+        and not is_bfloat16(out.dtype)
         and all(part.flags.writeable for part in parts)
     ):
         # (Numba types a read-only array apart from a writable one, and indexes only uniform tuples.)
@@ -110,7 +109,7 @@ def reduce_many(out: np.ndarray, parts: list, op: str) -> None:
 
 def divide(x: np.ndarray, divisor: int) -> None:
     """x /= divisor in place (op='mean', floating dtypes only)."""
-    if x.dtype == BFLOAT16:
+    if is_bfloat16(x.dtype):
         from .half_kernels import divide_bf16
 
         divide_bf16(x.view(_U16), np.float32(divisor))
@@ -129,15 +128,15 @@ def cast_scaled(dst: np.ndarray, src: np.ndarray, scale: float) -> bool:
         from .half_kernels import decode_half
 
         return bool(decode_half(dst, src.view(_U16), np.float32(scale)))
-    if dst.dtype == BFLOAT16 and src.dtype.char in "fd":
+    if is_bfloat16(dst.dtype) and src.dtype.char in "fd":
         from .half_kernels import encode_bf16
 
         return bool(encode_bf16(dst.view(_U16), src, np.float32(scale)))
-    if src.dtype == BFLOAT16 and dst.dtype.char in "fd":
+    if is_bfloat16(src.dtype) and dst.dtype.char in "fd":
         from .half_kernels import decode_bf16
 
         return bool(decode_bf16(dst, src.view(_U16), np.float32(scale)))
-    if src.dtype == BFLOAT16 and dst.dtype == BFLOAT16:
+    if is_bfloat16(src.dtype) and is_bfloat16(dst.dtype):
         # LossScaler.unscale: through float32, one rounding, as the device's rescale_bf16; only a
         # result stored as inf or NaN counts (a product that rounds down to bfloat16's max does not)
         from .half_kernels import decode_bf16, encode_bf16
@@ -146,7 +145,7 @@ def cast_scaled(dst: np.ndarray, src: np.ndarray, scale: float) -> bool:
         bad_in = decode_bf16(wide, src.view(_U16), np.float32(scale))
         bad_out = encode_bf16(dst.view(_U16), wide, np.float32(1.0))
         return bool(bad_in or bad_out)
-    limit = ml_dtypes.finfo(dst.dtype).max  # (NumPy's finfo refuses bfloat16 under ml_dtypes 0.4)
+    limit = _largest(dst.dtype)
     with np.errstate(over="ignore", invalid="ignore"):  # (reported in the result: fp_errors.py)
         scaled = np.multiply(src, np.float32(scale), dtype=np.result_type(src.dtype, np.float32))
         overflow = not bool(np.all(np.abs(scaled) <= limit))
@@ -262,3 +261,14 @@ def accumulate_norms(u_out, v_out, u, v, g, momentum: float, chunk: int) -> np.n
     norms = np.empty((v.size + chunk - 1) // chunk, dtype=np.float32)
     fused(u_out, v_out, u, v, g, v.dtype.type(momentum), chunk, norms)
     return norms
+
+
+def _largest(dtype: np.dtype):
+    """The largest finite value of a floating dtype, as a NumPy scalar of it (a Python float would
+    compare in the array's dtype: float64's max is inf in float32). NumPy's finfo refuses bfloat16
+    under ml_dtypes 0.4."""
+    if is_bfloat16(dtype):
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype).max
+    return np.finfo(dtype).max

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.autograd.graph import increment_version
 
-from ..runtime.signature import BFLOAT16
+from ..runtime.signature import bfloat16, is_bfloat16
 from .numpy_arrays import HOST
 
 _NUMPY_OF = {
@@ -21,9 +21,18 @@ _NUMPY_OF = {
     torch.float64: np.dtype(np.float64),
     torch.int32: np.dtype(np.int32),
     torch.int64: np.dtype(np.int64),
-    torch.bfloat16: BFLOAT16,
+    torch.bfloat16: None,  # (ml_dtypes' bfloat16, imported where one is met: _numpy_of)
 }
-_TORCH_OF = {dtype: t for t, dtype in _NUMPY_OF.items()}
+_TORCH_OF = {dtype: t for t, dtype in _NUMPY_OF.items() if dtype is not None}
+
+
+def _numpy_of(dtype) -> np.dtype | None:
+    """The NumPy dtype of a torch dtype gflow reduces (None for another)."""
+    return bfloat16() if dtype == torch.bfloat16 else _NUMPY_OF.get(dtype)
+
+
+def _torch_of(dtype: np.dtype):
+    return torch.bfloat16 if is_bfloat16(dtype) else _TORCH_OF[dtype]
 
 
 def _written(x) -> None:
@@ -36,7 +45,7 @@ def _written(x) -> None:
 def _check_tensor(x, name: str) -> np.dtype:
     if x.layout != torch.strided:
         raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
-    dtype = _NUMPY_OF.get(x.dtype)
+    dtype = _numpy_of(x.dtype)
     if dtype is None:
         supported = ", ".join(str(t) for t in _NUMPY_OF)
         raise TypeError(f"{name}: unsupported dtype {x.dtype}; supported: {supported}")
@@ -60,12 +69,12 @@ class TorchCPU:
     def _np(x):
         """A NumPy view of x's storage; bfloat16 through its bits (torch has no NumPy bfloat16)."""
         if x.dtype == torch.bfloat16:
-            return x.detach().view(torch.int16).numpy().view(BFLOAT16)
+            return x.detach().view(torch.int16).numpy().view(bfloat16())
         return x.detach().numpy()
 
     @staticmethod
     def _tensor(flat):
-        if flat.dtype == BFLOAT16:
+        if is_bfloat16(flat.dtype):
             return torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(flat)
 
@@ -94,7 +103,7 @@ class TorchCPU:
         return True
 
     def new(self, x, shape, dtype):
-        return torch.empty(tuple(shape), dtype=_TORCH_OF[np.dtype(dtype)])
+        return torch.empty(tuple(shape), dtype=_torch_of(np.dtype(dtype)))
 
     def adopt(self, x, flat, shape, dtype):
         return self._tensor(flat.reshape(shape))
@@ -181,7 +190,7 @@ class TorchCUDA:
         return True
 
     def new(self, x, shape, dtype):
-        return torch.empty(tuple(shape), dtype=_TORCH_OF[np.dtype(dtype)], device=x.device)
+        return torch.empty(tuple(shape), dtype=_torch_of(np.dtype(dtype)), device=x.device)
 
     def adopt(self, x, flat, shape, dtype):
         result = self.new(x, shape, dtype)
@@ -195,7 +204,7 @@ class TorchCUDA:
         if out is None:
             return self.new(x, x.shape, dtype)
         _check_out_tensor(x, out, name)
-        if _NUMPY_OF.get(out.dtype) != np.dtype(dtype):
+        if _numpy_of(out.dtype) != np.dtype(dtype):
             raise TypeError(f"{name}: expected dtype {dtype}, got {out.dtype}")
         view_dtype = np.dtype(np.int16) if x.dtype == torch.bfloat16 else dtype
         self._device.prepare_out(_cuda_view(x), _cuda_view(out), view_dtype, count, name)

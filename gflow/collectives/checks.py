@@ -6,7 +6,7 @@ import zlib
 
 from ..arrays.codecs import COMPRESSIONS, check_compression
 from ..arrays.kinds import check_array, kind_of
-from ..runtime.signature import DTYPE_CODE, check_op
+from ..runtime.signature import check_op, dtype_code
 from .dispatch import choose
 
 
@@ -37,7 +37,7 @@ def shape_fingerprint(shape, dtype=None, codec=None) -> int:
     (3, 2) fails as Horovod's shape check does instead of reducing or reshaping. 0 for (). With
     compression, also the input's dtype and the codec: the ranks compare the wire buffer, the same
     for float32 and float64 sent as bf16, or for a bfloat16 array sent as it is."""
-    fields = (*shape, DTYPE_CODE[dtype], COMPRESSIONS.index(codec)) if codec else tuple(shape)
+    fields = (*shape, dtype_code(dtype), COMPRESSIONS.index(codec)) if codec else tuple(shape)
     if not len(fields):
         return 0
     return zlib.crc32(struct.pack(f"<{len(fields)}q", *fields)) & ((1 << FINGERPRINT_BITS) - 1)

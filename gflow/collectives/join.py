@@ -32,7 +32,7 @@ from ..errors import GflowError
 from ..runtime import engine, stall
 from ..runtime.config import MAX_SMALL_MESSAGE_BYTES
 from ..runtime.context import TAG_AGREE, CommContext, context
-from ..runtime.signature import CODE_ALGORITHM, CODE_DTYPE, CODE_OP, SIG_REJECTED
+from ..runtime.signature import CODE_ALGORITHM, CODE_OP, SIG_REJECTED, code_dtype
 from ..runtime.waiting import polite_wait_until, polite_waitall, watched
 from . import hierarchical, ring
 from .dispatch import settle_auto
@@ -250,7 +250,7 @@ def _serve(ctx: CommContext) -> None:
         algorithm = CODE_ALGORITHM.get(int(sig[1]) & 0xFF)
         if complete or algorithm == "recursive_doubling":
             continue  # (complete: its payload travelled in the exchange)
-        dtype, count = CODE_DTYPE[int(sig[3])], int(sig[2])
+        dtype, count = code_dtype(sig[3]), int(sig[2])
         # The op as the others run it: the owner of a chunk divides a mean (this rank owns some),
         # but 2-byte floats were divided first and are summed (dispatch._predivided).
         op = CODE_OP.get(int(sig[4]), "sum")
@@ -313,7 +313,7 @@ def _payload_spec(header):
     """(dtype, op) of the call a header names."""
     sig = header[_SIG_A]
     op = CODE_OP.get(int(sig[4]), "sum")
-    return CODE_DTYPE[int(sig[3])], "sum" if op == "mean" else op
+    return code_dtype(sig[3]), "sum" if op == "mean" else op
 
 
 def _exchange(ctx: CommContext):

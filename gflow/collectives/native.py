@@ -41,14 +41,20 @@ from ..errors import GflowError
 from ..runtime import stall
 from ..runtime.config import config
 from ..runtime.context import TAG_RING_AG, TAG_RING_RS, CommContext
-from ..runtime.signature import BFLOAT16
+from ..runtime.signature import is_bfloat16
 
 # What a compiled loop returns (a negative number: -(the MPI error code)); ASK_PYTHON: recursive
 # doubling met a header that is not this rank's
 DONE, _PENDING, ASK_PYTHON = 0, 1, 2
 POLLS_PER_VISIT = 2000  # polls between visits to Python, yielding (a few ms: departures, Ctrl-C)
 SLEEPING_VISIT_S = 0.005  # ... and, sleeping between polls (the engine thread), at most this long
-_HALVES = {np.dtype(np.float16): 1, BFLOAT16: 2}  # 2-byte floats, reduced as their bits
+
+
+def _half(dtype) -> int:
+    """Which 2-byte float a dtype is (1: float16, 2: bfloat16, reduced as their bits), else 0."""
+    return 1 if dtype == np.float16 else 2 if is_bfloat16(dtype) else 0
+
+
 _OPS = {"sum": 0, "max": 1, "min": 2}
 _ENTRY_POINTS = ("MPI_Irecv", "MPI_Isend", "MPI_Testall", "MPI_Startall")
 
@@ -199,7 +205,7 @@ def _drive(ctx: CommContext, loop, args) -> None:
 
 def reduce_scatter(ctx: CommContext, src, buf, landing, bounds, seg: int, widest: int, op: str) -> None:
     """ring.reduce_scatter's steps, compiled (see there for the schedule)."""
-    half = _HALVES.get(buf.dtype, 0)
+    half = _half(buf.dtype)
     phases = _phases(ctx)
     ints = phases.start(TAG_RING_RS, bounds, seg, widest, _OPS[op], half)
     args = (_plain(src, half), _plain(buf, half), _plain(landing, half), ints, phases.space)
@@ -209,7 +215,7 @@ def reduce_scatter(ctx: CommContext, src, buf, landing, bounds, seg: int, widest
 def allreduce(ctx: CommContext, src, buf, landing, bounds, seg: int, widest: int, op: str) -> None:
     """ring.allreduce's two phases in one compiled call: its reduce-scatter, then (op "mean", float32
     or float64 only: the caller checks) this rank's chunk divided by p, then its allgather."""
-    half = _HALVES.get(buf.dtype, 0)
+    half = _half(buf.dtype)
     phases = _phases(ctx)
     mean = op == "mean"
     reduce_op = _OPS["sum" if mean else op]
@@ -223,7 +229,7 @@ def allgather(ctx: CommContext, buf, bounds) -> None:
     """ring.allgather's steps, compiled, for chunks of at most ring.MAX_MESSAGE_BYTES."""
     phases = _phases(ctx)
     ints = phases.start(TAG_RING_AG, bounds)
-    _drive(ctx, _compiled.allgather, (_plain(buf, _HALVES.get(buf.dtype, 0)), ints, phases.space))
+    _drive(ctx, _compiled.allgather, (_plain(buf, _half(buf.dtype)), ints, phases.space))
 
 
 class RecursiveDoubling:
@@ -266,7 +272,7 @@ def recursive_doubling(ctx: CommContext, rd: RecursiveDoubling, acc, incoming, d
     -(an MPI error code) of that step."""
     loops = _compiled
     ints = rd.ints
-    half = _HALVES.get(acc.dtype, 0) if acc is not None else 0
+    half = _half(acc.dtype) if acc is not None else 0
     ints[loops.RD_OP], ints[loops.RD_HALF] = _OPS[op] if op is not None else 0, half
     ints[loops.RD_BUDGET], ints[loops.RD_SLEEP] = _budget(ctx)
     ints[loops.RD_PARAMS :] = 0
@@ -292,7 +298,7 @@ class SlotsStep:
 
     def __init__(self, ctx: CommContext, header: bytes, layout, op: str, dtype, bounds=None):
         loops = _compiled
-        self.half = _HALVES.get(np.dtype(dtype), 0)
+        self.half = _half(np.dtype(dtype))
         self.ints = np.zeros(loops.SLOT_PARAMS + len(header) // 8, np.int64)
         self.ints[loops.SLOT_PARAMS :] = np.frombuffer(header, np.int64)
         self.ints[: loops.SLOT_PARAMS] = (

@@ -22,7 +22,7 @@ from numba import cuda
 
 from ..arrays import host_ops
 from ..arrays.numpy_arrays import is_device
-from ..runtime.signature import BFLOAT16, holds
+from ..runtime.signature import holds, is_bfloat16
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
@@ -77,7 +77,7 @@ def flat_view(x, name: str = "x"):
             f"{name}: device arrays must be C-contiguous; got one with shape {shape} and other strides"
         )
     view = device_view(x)
-    if view.dtype == BFLOAT16:  # (only the simulator's arrays can be bfloat16)
+    if is_bfloat16(view.dtype):  # (only the simulator's arrays can be bfloat16)
         view = view.view(np.uint16)  # the kernels take bfloat16 as its bits (gflow/cuda/ops.py)
     if len(shape) == 1:
         return view

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 from numba import cuda
 
-from ..runtime.signature import BFLOAT16
+from ..runtime.signature import is_bfloat16
 from . import kernels
 from .memory import SIMULATED, mpi_buffer
 
@@ -32,7 +32,7 @@ _local = threading.local()  # per thread: the engine's background thread casts t
 def storage(dtype) -> np.dtype:
     """The dtype device memory of `dtype` is held in: bfloat16 as its uint16 bits."""
     dtype = np.dtype(dtype)
-    return _BITS if dtype == BFLOAT16 else dtype
+    return _BITS if is_bfloat16(dtype) else dtype
 
 
 def _grid(n: int) -> tuple[int, int]:

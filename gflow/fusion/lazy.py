@@ -46,7 +46,7 @@ from ..errors import CompressionOverflowError, MismatchError
 from ..runtime import engine, timeline
 from ..runtime.config import DEFAULT_SMALL_MESSAGE_BYTES, config
 from ..runtime.context import context
-from ..runtime.signature import DTYPE_CODE, Words, check_op, holds, pushes_in_words, signature
+from ..runtime.signature import Words, check_op, dtype_code, holds, pushes_in_words, signature
 from .autotune import ThresholdTuner
 from .lazy_state import LazyCheckpoint
 from .pool import GradientPool, PooledGradients, shape_bytes
@@ -240,7 +240,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 self.fail_step(exc)
                 return
             self._checked_dtype = dtype if kind is HOST else None
-        pushed = _SIZE_AND_TYPE.pack(flat.size, DTYPE_CODE[dtype], len(shape)) + shape_bytes(shape)
+        pushed = _SIZE_AND_TYPE.pack(flat.size, dtype_code(dtype), len(shape)) + shape_bytes(shape)
         if name is not None:
             pushed += str(name).encode()
         self._pushes += 1

@@ -44,7 +44,7 @@ from ..collectives.operations import allreduce_on, reject
 from ..errors import CompressionOverflowError, MismatchError, NonFiniteError
 from ..runtime import timeline
 from ..runtime.context import CommContext, context
-from ..runtime.signature import DTYPE_CODE, Words, check_op
+from ..runtime.signature import Words, check_op, dtype_code
 
 # 1024 float32 per chunk: the norms then add 1/1024 (0.1%) of the dense bytes, so CSC at 1% sends
 # about 1.1% of what a dense allreduce sends (bench/RESULTS.md).
@@ -194,7 +194,7 @@ class SparseAllreduce:
         the settings, the density of this step, and the caller's `extra`."""
         flags = (self.op == "mean") + 2 * (self.compression == "fp16") + 4 * (self.compression == "bf16")
         fields = (self.density, self.momentum, density, self.chunk_elems, self.warmup_steps, flags,
-                  zlib.crc32(repr(tuple(shape)).encode()), DTYPE_CODE[np.dtype(dtype)], extra)  # fmt: skip
+                  zlib.crc32(repr(tuple(shape)).encode()), dtype_code(np.dtype(dtype)), extra)  # fmt: skip
         return zlib.crc32(struct.pack("<dddqqqqqq", *fields))
 
     def _describe(self, shape: tuple, dtype, density: float) -> str:

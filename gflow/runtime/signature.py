@@ -6,21 +6,54 @@ in collectives/recursive_doubling.py compares it across ranks, so that ranks tha
 all raise MismatchError instead of hanging or returning garbage.
 """
 
+import functools
 import struct
 import zlib
 
-import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
 from .config import config
 
-# bfloat16 is ml_dtypes' (what JAX uses; NumPy has none): its str is '<V2', like any 2-byte void.
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-# Codes are part of the wire format: append, never renumber.
-DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64, BFLOAT16)
-DTYPE_CODE = {np.dtype(t): i + 1 for i, t in enumerate(DTYPES)}
-CODE_DTYPE = {code: dt for dt, code in DTYPE_CODE.items()}
+# Codes are part of the wire format: append, never renumber. bfloat16 is ml_dtypes' (what JAX uses; NumPy
+# has none): its kind is 'V', as a 2-byte void's; its name tells it apart. ml_dtypes is imported only
+# where a bfloat16 dtype is made (bfloat16()): from version 0.7 its import takes about 0.9 s here, most of
+# gflow's, on every rank of every job, and an array of bfloat16 comes from a program that imported it.
+DTYPE_NAMES = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+_BFLOAT16_CODE = DTYPE_NAMES.index("bfloat16") + 1
+_NUMPY_CODE = {np.dtype(name): i + 1 for i, name in enumerate(DTYPE_NAMES) if name != "bfloat16"}
+CODE_DTYPE_NAME = {i + 1: name for i, name in enumerate(DTYPE_NAMES)}
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether an np.dtype is ml_dtypes' bfloat16 (told without importing ml_dtypes)."""
+    return dtype.kind == "V" and dtype.name == "bfloat16"
+
+
+@functools.cache
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16, imported on first use."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def dtype_code(dtype) -> int:
+    """A supported dtype's code in a signature (KeyError for another)."""
+    code = _NUMPY_CODE.get(dtype)
+    if code is not None:
+        return code
+    dtype = np.dtype(dtype)
+    if is_bfloat16(dtype):
+        return _BFLOAT16_CODE
+    return _NUMPY_CODE[dtype]
+
+
+def code_dtype(code) -> np.dtype:
+    """The dtype of a signature's code (KeyError for a code gflow does not know)."""
+    name = CODE_DTYPE_NAME[int(code)]
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
+
 
 OPS = ("sum", "mean", "max", "min")
 OP_CODE = {name: i + 1 for i, name in enumerate(OPS)}
@@ -130,21 +163,20 @@ def holds(dtype) -> np.dtype:
     """The dtype one of gflow's flat buffers holds: on the device bfloat16 is uint16 bits (Numba has
     no bfloat16 type; gflow reduces no uint16), everywhere else the buffer's own dtype."""
     dtype = np.dtype(dtype)
-    return BFLOAT16 if dtype == np.uint16 else dtype
+    return bfloat16() if dtype == np.uint16 else dtype
 
 
 def is_floating(dtype: np.dtype) -> bool:
     """float16/32/64 or bfloat16 (whose NumPy kind is 'V')."""
-    return dtype.kind == "f" or dtype == BFLOAT16
+    return dtype.kind == "f" or is_bfloat16(dtype)
 
 
-_SUPPORTED_STR = {np.dtype(t).str for t in DTYPES}  # '<f4' etc.: hashing strings is cheap
+_SUPPORTED_STR = {dtype.str for dtype in _NUMPY_CODE}  # '<f4' etc.: hashing strings is cheap
 
 
 def check_dtype(dtype) -> np.dtype:
-    if dtype.str not in _SUPPORTED_STR or (dtype.kind == "V" and dtype != BFLOAT16):
-        supported = ", ".join(np.dtype(t).name for t in DTYPES)
-        raise TypeError(f"unsupported dtype {dtype}: expected one of {supported}")
+    if dtype.str not in _SUPPORTED_STR and not (is_bfloat16(dtype) and dtype.isnative):
+        raise TypeError(f"unsupported dtype {dtype}: expected one of {', '.join(DTYPE_NAMES)}")
     return dtype
 
 
@@ -165,7 +197,7 @@ def signature(
         COLLECTIVE_CODE[collective],
         code,
         count,
-        DTYPE_CODE[dtype],
+        dtype_code(dtype),
         OP_CODE[op] if op else 0,
         extra,
         MEMORY_CODE[memory],
@@ -190,9 +222,8 @@ def describe(sig, other=None) -> str:
     collective = CODE_COLLECTIVE.get(int(sig[0]), f"<collective {int(sig[0])}>")
     if int(sig[7]) == SIG_REJECTED:
         return f"called {collective_in_words(sig[0])} with arguments it rejected (see the error raised there)"
-    dtype = CODE_DTYPE.get(int(sig[3]))
     memory = CODE_MEMORY.get(int(sig[6]), "?")
-    elements = f"{int(sig[2])} {dtype.name if dtype else '?'} elements"
+    elements = f"{int(sig[2])} {CODE_DTYPE_NAME.get(int(sig[3]), '?')} elements"
     if collective in ("allgather", "alltoall"):
         elements = f"rows of {elements}"
     if collective == "lazy" and _final_exchange([int(v) for v in sig]) and not int(sig[4]):
@@ -238,7 +269,8 @@ _EXTRA_MEANS = {
     "alltoall": "the trailing axes (or, in gflow.torch, the dtype or name=)",
     "reduce_scatter": "the shape or rows= (or, in gflow.torch, the op, scale factors or name=)",
     "broadcast": "the shape (with the same number of elements), or in gflow.torch the dtype or name=",
-    "lazy": "the tensors pushed so far (their order or sizes), the fusion threshold, or its tuning",
+    "lazy": "the tensors pushed so far (their order or sizes: a parameter frozen on some ranks only?), "
+    "the fusion threshold, or its tuning",
     "sparse": "the gradient size or the CSC settings",
     "gradient_buffers": "the parameters' shapes (their number, order or sizes)",
 }
@@ -250,7 +282,7 @@ _AS_WORDS = ("allgather", "broadcast", "alltoall")  # (gflow.torch moves other d
 def _final_exchange(sig) -> bool:
     """Whether a "lazy" signature may be a step's final exchange (LazyAllreduce's flush: the segment
     count as int64, no op, or max with agree=); int64 and max may also be a segment of int64s."""
-    return sig[3] == DTYPE_CODE[np.dtype(np.int64)] and sig[4] in (0, OP_CODE["max"])
+    return sig[3] == _NUMPY_CODE[np.dtype(np.int64)] and sig[4] in (0, OP_CODE["max"])
 
 
 def _one_step_ended(a, b) -> bool:
@@ -263,7 +295,7 @@ def _one_step_ended(a, b) -> bool:
 def _segment_or_end(sig) -> str:
     if _final_exchange(sig):
         return f"ended its step after {sig[2]} segment{'s' * (sig[2] != 1)}"
-    return f"sent a segment of {sig[2]} {getattr(CODE_DTYPE.get(sig[3]), 'name', '?')} elements"
+    return f"sent a segment of {sig[2]} {CODE_DTYPE_NAME.get(int(sig[3]), '?')} elements"
 
 
 PASSED_BYTES = 512  # each rank's words for its call, shared after a mismatch, are cut there
@@ -338,12 +370,13 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
         return what, *(_segment_or_end(s) for s in (a, b))
     if a[3] != b[3]:
         words = " (or a dtype gflow.torch moves as int32 words)" if collective in _AS_WORDS else ""
-        names = [getattr(CODE_DTYPE.get(s[3]), "name", "?") for s in (a, b)]
+        names = [CODE_DTYPE_NAME.get(s[3], "?") for s in (a, b)]
         return "the dtype", *(f"passed {n}{words if n == 'int32' else ''}" for n in names)
     if a[2] != b[2]:
         unit = {"allgather": "elements per row", "alltoall": "elements per row"}.get(collective, "elements")
         if collective == "lazy":
-            unit = "elements in a fused segment (a different model, or fusion threshold)"
+            unit = "elements in a fused segment (a different model, a parameter frozen on some ranks only, "
+            unit += "or another fusion threshold)"
         return f"the number of {unit}", *(f"passed {s[2]}" for s in (a, b))
     if a[4] != b[4]:
         if collective == "lazy" and 0 in (a[4], b[4]):  # (a step's final exchange: op max with agree=)
@@ -359,6 +392,6 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
     if collective == "broadcast" and a[5] & 0xFFFFFFFF != b[5] & 0xFFFFFFFF:
         return "the root", *(f"root={s[5] & 0xFFFFFFFF}{world([s[5] & 0xFFFFFFFF])}" for s in (a, b))
     means = _EXTRA_MEANS.get(collective, "the call's extra field")
-    if collective == "lazy" and a[4] == OP_CODE["max"] and a[3] == DTYPE_CODE[np.dtype(np.int64)]:
+    if collective == "lazy" and a[4] == OP_CODE["max"] and a[3] == _NUMPY_CODE[np.dtype(np.int64)]:
         means += ", or the length of the agree= vector in the step's final exchange"
     return means, "passed one", "another"

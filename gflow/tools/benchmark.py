@@ -19,10 +19,16 @@ import os
 import sys
 import time
 
-import ml_dtypes
 import numpy as np
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def _dtype(name: str) -> np.dtype:
+    """--dtype's dtype: NumPy knows the name bfloat16 only once ml_dtypes is imported (gflow.signature)."""
+    from ..runtime.signature import bfloat16
+
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 MAX_SIZE = 2**40  # (1 TiB: past anything one rank's memory holds, and still an exact float)
@@ -92,6 +98,8 @@ def _wrong_elements(comm, x, y, op: str, dtype, compression) -> int:
     if np.dtype(dtype).kind in "iu" and not compression:
         wrong = int(np.count_nonzero(y != exact.astype(dtype)))
     else:
+        import ml_dtypes  # (its finfo knows bfloat16; imported here: gflow's import leaves it out)
+
         from ..arrays.codecs import wire_dtype
 
         eps = ml_dtypes.finfo(wire_dtype(compression) if compression else dtype).eps
@@ -123,7 +131,7 @@ def check_arguments(args) -> None:
         if path and not_a_new_file(path):
             raise ValueError(f"{option} {path!r}: expected a file in an existing folder")
     sizes_from(args.begin, args.end, args.factor)
-    dtype = np.dtype(args.dtype)
+    dtype = _dtype(args.dtype)
     try:
         check_op(args.op, dtype)
         if args.compression != "none":
@@ -148,7 +156,7 @@ def run(args, out=sys.stdout) -> int:
 
     comm = MPI.COMM_WORLD
     p, rank = comm.size, comm.rank
-    dtype = np.dtype(args.dtype)
+    dtype = _dtype(args.dtype)
     compression = None if args.compression == "none" else args.compression
     sizes = sizes_from(args.begin, args.end, args.factor)
     tty = rank == 0 and out.isatty()
