@@ -312,6 +312,38 @@ def test_a_dense_state_saved_by_a_smaller_job_resumes_in_a_larger_one(threshold)
         comm.Free()
 
 
+@pytest.mark.parallel([1, 2])
+def test_a_state_still_says_its_world_size_and_warns_only_once_it_has_loaded():
+    """helper-86: once a dense state loaded at any world size, a malformed world_size ("four", None)
+    loaded silently; and "tuned again" was warned of before a load that then failed on the loss
+    scaler's settings (and changed nothing)."""
+    scaler = gflow.LossScaler(growth_interval=100)
+    dp = DataParallel(make_params(0), threshold_bytes="auto", loss_scaler=scaler)
+    lazy = gflow.LazyAllreduce(threshold_bytes=64)
+    states = {"DataParallel": dp.state_dict(), "LazyAllreduce": lazy.state_dict()}
+    states["LossScaler"] = scaler.state_dict()
+    objects = {"DataParallel": dp, "LazyAllreduce": lazy, "LossScaler": scaler}
+    other = DataParallel(make_params(0), threshold_bytes="auto", loss_scaler=gflow.LossScaler())
+
+    def check():
+        for name, obj in objects.items():
+            for bad in ("four", None, -3, 1.5, True):
+                match = f"{name}.load_state_dict: world_size must be an int >= 1"
+                with pytest.raises(ValueError, match=match):
+                    obj.load_state_dict(dict(states[name], world_size=bad))
+        resized = dict(states["DataParallel"], world_size=WORLD.size + 1)
+        resized["lazy"] = dict(resized["lazy"], world_size=WORLD.size + 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError, match="growth_interval differs"):
+                other.load_state_dict(resized)
+        assert not caught, [str(w.message) for w in caught]
+        with pytest.warns(UserWarning, match=f"saved at {WORLD.size + 1} ranks, loaded at {WORLD.size}"):
+            dp.load_state_dict(resized)
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([2, 3])
 def test_sparse_state_loaded_on_another_rank_is_refused():
     size, rank = WORLD.size, WORLD.rank

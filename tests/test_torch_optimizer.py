@@ -1626,8 +1626,10 @@ def test_synchronize_twice_a_checkpoint_at_another_world_size_and_a_dtype_change
             with pytest.raises(ValueError, match="world size differs"):
                 fresh.load_state_dict(state)
             return
-        with pytest.warns(UserWarning, match=f"saved at {WORLD.size + 1} ranks, loaded at {WORLD.size}"):
+        with warnings.catch_warnings():  # (a fixed threshold: gflow's state holds nothing per rank)
+            warnings.simplefilter("error")
             fresh.load_state_dict(state)
+        assert fresh._dp.step_count == opt._dp.step_count
         assert len(opt.state) >= 3
         for p, saved in opt.state.items():
             assert torch.equal(fresh.state[p]["momentum_buffer"], saved["momentum_buffer"])

@@ -133,7 +133,7 @@ class LazyCheckpoint:
         size = st.world(self._comm)[1]
         if self.sparse is not None:  # (CSC's residuals are per rank: a job of another size has others)
             st.check_world_size(state, size, who)
-        resized = st.get(state, "world_size", who) != size
+        saved_at = st.saved_world_size(state, who)
         segments = st.get(state, "segments", who)
         if not isinstance(segments, dict):
             raise ValueError(f"{who}: segments must be a dict, got {type(segments).__name__}")
@@ -151,10 +151,10 @@ class LazyCheckpoint:
         if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
             raise ValueError(f"{who}: tuned_threshold_bytes must be an int >= 1 or None, got {tuned!r}")
         tuner = self._load_tuner(state, tuned, who)
-        if resized and self._tuner is not None:  # (timed at another world size: they say little here)
+        if saved_at != size and self._tuner is not None:  # (its timings, of the other size, say little)
             warnings.warn(
-                f"{who}: saved at {st.get(state, 'world_size', who)} ranks, loaded at {size}: the fusion "
-                "threshold is tuned again from the start (its tuning timed steps at the other size)",
+                f"{who}: saved at {saved_at} ranks, loaded at {size}: the fusion threshold is tuned "
+                "again from the start (its tuning timed steps at the other size)",
                 stacklevel=2,
             )
             tuner = tuned = None

@@ -58,8 +58,18 @@ def check_equal(state: dict, expected: dict, who: str) -> None:
             )
 
 
+def saved_world_size(state: dict, who: str) -> int:
+    """The world size a state was saved at (an int >= 1: a state that loads at another size still
+    says at which)."""
+    value = get(state, "world_size", who)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{who}: world_size must be an int >= 1, got {value!r}")
+    return value
+
+
 def check_world_size(state: dict, size: int, who: str) -> None:
-    theirs = get(state, "world_size", who)
+    """A state that holds something per rank (CSC's residuals) loads at its own world size only."""
+    theirs = saved_world_size(state, who)
     if theirs != size:
         raise ValueError(
             f"{who}: world size differs: expected {size} (this run), got {theirs!r} (the state dict was "

@@ -1,8 +1,6 @@
 """DistributedOptimizer's checkpoints (a mixin of its class, _distributed.py): the wrapped optimizer's
 state dict plus this rank's gflow state under "gflow", as tensors so torch.save/torch.load take it."""
 
-import warnings
-
 import numpy as np
 import torch
 
@@ -22,20 +20,12 @@ class OptimizerCheckpoint:
     def load_state_dict(self, state_dict):
         """Load a state_dict(); a plain optimizer state dict (without "gflow") loads too, leaving
         gflow's state as it is. One saved at another world size loads as Horovod's does (the job
-        resumed on fewer or more ranks), gflow's own state starting afresh, unless it holds sparse=
-        residuals: those are per rank, and refused."""
+        resumed on fewer or more ranks): gflow's own state holds nothing per rank (with
+        threshold_bytes="auto" the tuning starts again, with a warning), unless it holds sparse=
+        residuals: those are per rank, and refused (DataParallel.load_state_dict)."""
         self._check_between_steps("load_state_dict")
         state_dict = dict(state_dict)
         kit_state = _as_arrays(state_dict.pop("gflow", None))
-        saved_at = _saved_world_size(kit_state)
-        if saved_at not in (None, self._gflow_comm.Get_size()) and not _holds_residuals(kit_state):
-            warnings.warn(
-                f"DistributedOptimizer.load_state_dict: saved at {saved_at} ranks, loaded at "
-                f"{self._gflow_comm.Get_size()}: the wrapped optimizer's state is loaded; gflow's own (its "
-                "step count, the fusion threshold it tuned) starts afresh",
-                stacklevel=2,
-            )
-            kit_state = None
         kit = (
             self._dp,
             self._gflow_params,
@@ -87,23 +77,6 @@ class OptimizerCheckpoint:
 
     def _wrapped_load_state_dict(self, state_dict):
         return super().load_state_dict(state_dict)
-
-
-def _saved_world_size(kit_state) -> int | None:
-    """The world size a kit's state was saved at; None where it says none (the kit's load reports
-    what is wrong with it)."""
-    try:
-        return int(np.asarray(kit_state["world_size"]))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _holds_residuals(kit_state) -> bool:
-    """Whether a kit's state holds CSC's per-rank residuals (DistributedOptimizer(sparse=...))."""
-    try:
-        return bool(kit_state["lazy"]["segments"]) or bool(kit_state["lazy"]["sparse"])
-    except (KeyError, TypeError):
-        return True  # (unreadable: the kit's own load says how)
 
 
 def _saved_momentum(kit_state) -> float:

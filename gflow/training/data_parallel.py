@@ -22,6 +22,7 @@ gradient reached in a step (unused on this rank) is pushed as zeros at synchroni
 commit, and its checkpoint are one contract, read together.)
 """
 
+import warnings
 import zlib
 from collections.abc import Mapping
 
@@ -674,6 +675,8 @@ class DataParallel:
         st.check_header(state, "DataParallel", who)
         if self.sparse is not None:  # (CSC's residuals are per rank; a dense state holds nothing per rank)
             st.check_world_size(state, st.world(self._comm)[1], who)
+        else:
+            st.saved_world_size(state, who)
         mine = {
             "names": list(self._keys),
             "shapes": [tuple(s) for s in self._slot_shapes[::-1]],
@@ -703,14 +706,18 @@ class DataParallel:
             )
         lazy_state = st.get(state, "lazy", who)
         before = self._lazy.snapshot()
-        self._lazy.load_state_dict(lazy_state)
-        if self._scaler is not None:
-            try:
-                self._scaler.load_state_dict(scaler_state)
-            except Exception:
-                self._lazy.restore(before)
-                raise
+        with warnings.catch_warnings(record=True) as held:  # (said once the whole load succeeded)
+            warnings.simplefilter("always")
+            self._lazy.load_state_dict(lazy_state)
+            if self._scaler is not None:
+                try:
+                    self._scaler.load_state_dict(scaler_state)
+                except Exception:
+                    self._lazy.restore(before)
+                    raise
         self.step_count = step_count
+        for warning in held:
+            warnings.warn(warning.message, warning.category, stacklevel=2)
 
 
 def _scalar(value):

@@ -192,7 +192,8 @@ class LossScaler:
         who = "LossScaler.load_state_dict"
         st.check_header(state, "LossScaler", who)
         st.check_equal(state, self._settings(), who)
-        scale = st.get(state, "scale", who)  # (at any world size: the scale is about the values' range)
+        st.saved_world_size(state, who)  # (checked, not compared: the scale is about the values' range)
+        scale = st.get(state, "scale", who)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < np.inf:
             raise ValueError(f"{who}: scale must be a positive finite number, got {scale!r}")
         scale = min(scale, MAX_SCALE)  # (gflow before 2**64 was the cap let a scale grow past it)
