@@ -135,6 +135,12 @@ class CommContext:
         self.small_calls = {}  # collectives/latency.py's fast lane, by (dtype, shape, op, ...)
         self.native_phases = None  # collectives/native.py's arrays for the compiled ring loops
         self._background = None
+        # The background context the first failure's replaces, its duplicates made with the first's
+        # (make_duplicates): no rank then waits for the others' next async call to make one (helper-84)
+        self._spare = None
+        if self._eager_background:
+            self._spare = CommContext(comm, background=True, by_parent=True)
+            self._spare.parent, self._spare.gone, self._spare.crossed = self, self.gone, self.crossed
         self._retired = None  # the last background context dropped after a failure (reset_background)
         self.topology = None  # collectives/topology.py, found on first use
         self.hierarchy = None  # collectives/hierarchical.py's communicators and window
@@ -214,7 +220,8 @@ class CommContext:
     def make_duplicates(self, wait) -> bool:
         """Finish this context's duplicates (gflow's and the stall inspector's), in one sequence that is
         the same on every rank whichever thread gets there first. A user communicator's context makes
-        its first background context's with them, at its first collective of either kind: Open MPI
+        its first background context's with them, and the spare's that replaces it after a failure,
+        at its first collective of either kind: Open MPI
         4.1 makes no other communicator on a rank while a duplicate is pending that its peers have
         not started, as a rank's background one was where join() was its first call on the
         communicator and the others' first calls were blocking (the slots' and the node phase's
@@ -236,17 +243,20 @@ class CommContext:
             self._monitor_pending = None
             self.monitor_comm = monitor  # (only once made: the inspector asks on it when set)
             stall.watch(self)
-        if background is not None and not background._made and not background.make_duplicates(wait):
-            return False
+        if background is not None:  # (the spare first: a background context made implies its spare)
+            for child in (self._spare, background):
+                if child is not None and not child._made and not child.make_duplicates(wait):
+                    return False
         self._made = True
         return True
 
     def _first_background(self, wait):
-        """The first background context, its duplicate made (before this context's monitor duplicate,
-        on every rank); None where there is none to make (a later one, after a failure, is made at the
-        next async call, as before). Duplicated from gflow's own duplicate, not the user's communicator:
-        this may run on the engine thread (join() serving it), whose order among the program's own calls on
-        that communicator (a Split right after an async call) would differ between ranks."""
+        """The first background context, its duplicate and the spare's made (before this context's
+        monitor duplicate, on every rank); None where there is none to make (the spare replaces the
+        first after a failure; after a second failure a fresh one is made at the next async call).
+        Duplicated from gflow's own duplicate, not the user's communicator: this may run on the engine
+        thread (join() serving it), whose order among the program's own calls on that communicator (a
+        Split right after an async call) would differ between ranks."""
         if not self._eager_background or self._user_comm is None:
             return None
         if self._background is None and self.backgrounds_made > 0:
@@ -254,13 +264,16 @@ class CommContext:
         background = self.background()
         if not background.by_parent:
             return None
-        if background._pending is _NOT_POSTED:
-            background._comm, background._pending = self._comm.Idup()
-        # (waited for before the monitor's Idup of the same communicator: Open MPI 4.1 can hang with
-        # two outstanding, ompi#2025)
-        if background._pending is not None and not wait(background._pending):
-            return False
-        background._pending = None
+        for child in (background, self._spare):
+            if child is None:  # (the spare was promoted: a failure before this sequence ended)
+                continue
+            if child._pending is _NOT_POSTED:
+                child._comm, child._pending = self._comm.Idup()
+            # (each waited for before the next Idup of the same communicator: Open MPI 4.1 can hang
+            # with two outstanding, ompi#2025)
+            if child._pending is not None and not wait(child._pending):
+                return False
+            child._pending = None
         return background
 
     def _wait_for(self, request) -> None:
@@ -330,21 +343,26 @@ class CommContext:
         """A second context, on its own duplicate, for the engine thread's collectives: they run
         while the caller's thread may run blocking ones on this context, and must not meet them.
         Its duplicates are made with this context's, in the first collective of either kind
-        (make_duplicates); after a failure, a fresh one's at the next async call, as every rank's is."""
+        (make_duplicates), and so are the spare's that the first failure's next async call takes,
+        talking to no one (in the order the ranks' calls come: an async call before a blocking one
+        on some ranks, after it on others). After a second failure a fresh one's duplicates are
+        made at the next async call, which returns once every rank has made its own."""
         background = self._background
         if background is not None:  # (every async call asks: no lock once made)
             return background
         with self._background_lock:
             if self._background is None:
-                # The first one is made with this context's duplicates (make_duplicates); a later one
-                # (after a failure) at the first async call after it, as every rank makes it
                 first = self._eager_background and self.backgrounds_made == 0
-                self._background = CommContext(self._user_comm, background=True, by_parent=first)
+                # (a spare whose Idup was never posted: the first collective's sequence broke off)
+                if not first and self._spare is not None and self._spare._pending is not _NOT_POSTED:
+                    self._background, self._spare = self._spare, None
+                else:
+                    self._background = CommContext(self._user_comm, background=True, by_parent=first)
+                    self._background.parent = self
+                    self._background.gone = self.gone
+                    self._background.crossed = self.crossed
                 self.backgrounds_made += 1
                 self._background.generation = self.backgrounds_made
-                self._background.parent = self
-                self._background.gone = self.gone
-                self._background.crossed = self.crossed
             return self._background
 
     def scratch(self, name: str, count: int, dtype, ops):
@@ -384,8 +402,9 @@ class CommContext:
         # attribute callback (_delete_context) calls this again, inside MPI; it must then do nothing.
         self._user_comm = None
         self._wants_monitor = False  # (completing a pending duplicate below must not start another)
-        if self._background is not None:
-            self._background.free()
+        for child in (self._background, self._spare):
+            if child is not None:
+                child.free()
         if self._retired is not None:
             self._retired.free_monitor()
             self._retired = None

@@ -337,11 +337,12 @@ _CROSSED_CAUSE = (
 # Where the async side waits for a fresh background channel after a failure (helper-84): the calls
 # may well be the same on every rank, and the order that fails is one that works at any other time.
 _FRESH_CHANNEL_CAUSE = (
-    "This follows a failed async call or step on this communicator: every rank makes a fresh "
-    "background channel at its next async call, which returns only once every rank has made its own "
-    "(docs/cluster.md), and here some rank's next async call comes after this blocking call (a step "
-    "whose segments fire during the pushes on some ranks and only at synchronize() on others, with a "
-    "metric between?). After a failure, make the next async call before any blocking one on every rank"
+    "This follows a second failed async call or step on this communicator: the first failure's "
+    "channel was made with the first, but after a second every rank makes a fresh background channel "
+    "at its next async call, which returns only once every rank has made its own (docs/cluster.md), "
+    "and here some rank's next async call comes after this blocking call (a step whose segments fire "
+    "during the pushes on some ranks and only at synchronize() on others, with a metric between?). "
+    "After a second failure, make the next async call before any blocking one on every rank"
 )
 
 
@@ -761,14 +762,13 @@ def world_ranks(ctx):
 
 def _brief(sig) -> str:
     """'allreduce of 1048576 float32 (host array), op=sum': what the waiting rank called."""
-    from .signature import CODE_DTYPE, CODE_MEMORY, CODE_OP, SIG_REJECTED, collective_in_words
+    from .signature import CODE_DTYPE_NAME, CODE_MEMORY, CODE_OP, SIG_REJECTED, collective_in_words
 
     collective = collective_in_words(sig[0])
     if int(sig[7]) == SIG_REJECTED:
         return f"{collective} (its arguments were rejected here)"
-    dtype = CODE_DTYPE.get(int(sig[3]))
     memory = CODE_MEMORY.get(int(sig[6]), "?")
-    text = f"{collective} of {int(sig[2])} {dtype.name if dtype else '?'} ({memory} array)"
+    text = f"{collective} of {int(sig[2])} {CODE_DTYPE_NAME.get(int(sig[3]), '?')} ({memory} array)"
     return text + (f", op={CODE_OP.get(int(sig[4]), '?')}" if int(sig[4]) else "")
 
 
