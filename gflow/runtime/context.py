@@ -36,6 +36,8 @@ TAG_ADASUM = 15
 # A context's duplicate whose Idup is not posted yet: a user communicator's first background context,
 # made in its parent's sequence (CommContext.make_duplicates)
 _NOT_POSTED = "not posted"
+# ... and one whose Idup MPI failed (out of communicators, say): nothing to wait for or free
+_REFUSED = "refused by MPI"
 
 
 def rd_schedule(rank: int, size: int):
@@ -110,9 +112,11 @@ class CommContext:
         self.heard_departures = 0  # (stall.hear_elsewhere: the news it looked at)
         # Crossed waits (stall._check_crossed), shared the same way: peers that said they wait in a
         # blocking collective here that this rank has not entered ({rank: (its place on its background
-        # context, its collective here)}), the error of one this rank found itself; and how many cut
+        # context, which one, its collective here, whether over a fresh one after a failure)}), the
+        # error of one this rank found itself; and how many cut
         # this rank's steps short here, with the last one's error (stall.cut_steps, LazyAllreduce)
         self.crossed, self.crossed_here = {}, None
+        self.crossed_cause = None  # (why, as the peer that told this rank of them found: stall._answer)
         self.steps_cut, self.cut_why = 0, None
         # Why no rank makes another collective on this communicator, where a step met another kind of
         # call on the background channel (collectives/recursive_doubling.end_where_a_step_met_strays):
@@ -227,10 +231,8 @@ class CommContext:
         communicator and the others' first calls were blocking (the slots' and the node phase's
         communicators were then never made). wait(request) -> whether it completed (finish_duplicates gives
         up at a deadline); returns whether all did."""
-        if self._pending is not None:
-            if not wait(self._pending):
-                return False
-            self._pending = None
+        if not _finished(self, wait):
+            return False
         background = self._first_background(wait)
         if background is False:
             return False
@@ -271,9 +273,8 @@ class CommContext:
                 child._comm, child._pending = self._comm.Idup()
             # (each waited for before the next Idup of the same communicator: Open MPI 4.1 can hang
             # with two outstanding, ompi#2025)
-            if child._pending is not None and not wait(child._pending):
+            if not _finished(child, wait):
                 return False
-            child._pending = None
         return background
 
     def _wait_for(self, request) -> None:
@@ -289,7 +290,7 @@ class CommContext:
                 self.waitall([request])
             else:
                 watched(lambda requests: wait_for_duplicates(requests, self))([request])
-        except GflowError:
+        except (GflowError, MPI.Exception):  # (MPI's own: out of communicators, say; not an interrupt)
             raise
         except BaseException:  # (Ctrl-C, a signal handler's exception: finish_duplicates, at exit)
             self.making_interrupted = True
@@ -419,7 +420,7 @@ class CommContext:
             self.slots = None
             self.rd_plans.clear()
             self.small_calls.clear()
-            if self._pending is _NOT_POSTED:  # (never made: nothing to free)
+            if self._pending is _NOT_POSTED or self._pending is _REFUSED:  # (nothing to free)
                 self._pending = None
             elif self._pending is None or (
                 self.failed is None and _done_by(self._pending, time.monotonic() + FREE_PENDING_S)
@@ -475,7 +476,27 @@ def finish_duplicates(seconds: float = FINISH_DUPLICATES_S) -> None:
         maker = ctx.parent if ctx.by_parent else ctx
         if not ctx.making_interrupted or ctx._user_comm is None or maker._made:
             continue
-        maker.make_duplicates(lambda request: _done_by(request, deadline))
+        try:
+            maker.make_duplicates(lambda request: _done_by(request, deadline))
+        except MPI.Exception:  # (MPI refused one: left to MPI_Finalize, the exit goes on)
+            continue
+
+
+def _finished(ctx, wait) -> bool:
+    """Wait for ctx's own duplicate, where it is pending: whether it is made. An MPI error in the wait
+    (MPI could make no more communicators) is raised, here and at every later use of ctx."""
+    if ctx._pending is _REFUSED:
+        raise GflowError("MPI refused to make gflow's duplicate of this communicator (see the first error)")
+    if ctx._pending is None:
+        return True
+    try:
+        if not wait(ctx._pending):
+            return False
+    except MPI.Exception:
+        ctx._pending = _REFUSED  # (its request is gone: the handle it would have made is no communicator)
+        raise
+    ctx._pending = None
+    return True
 
 
 def _done_by(request, deadline: float) -> bool:

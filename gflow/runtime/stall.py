@@ -177,12 +177,16 @@ def _answer(ctx) -> None:
         return
     status = MPI.Status()
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_CROSSED, status):  # (before goodbyes: a teller says it first)
-        told = np.empty(3, np.int64)  # the teller's place on its background context, which one, and here
+        # the teller's place on its background context, which one, here, and whether the waits crossed
+        # over a fresh background channel after a failure (its error's cause: each rank's says the same)
+        told = np.empty(4, np.int64)
         comm.Recv(told, status.Get_source(), TAG_CROSSED)
-        ctx.crossed[status.Get_source()] = (int(told[0]), int(told[1]), int(told[2]))
+        ctx.crossed[status.Get_source()] = (int(told[0]), int(told[1]), int(told[2]), bool(told[3]))
         departures.append((ctx, status.Get_source()))
         caller = ctx.parent or ctx  # the teller left a collective unfinished there: its messages stay
-        caller.failed = caller.failed or f"crossed waits with rank {status.Get_source()} (see its error)"
+        if caller.failed is None:
+            caller.failed = f"crossed waits with rank {status.Get_source()} (see its error)"
+            caller.crossed_cause = _FRESH_CHANNEL_CAUSE if told[3] else _CROSSED_CAUSE
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_ABANDONED, status):
         number = np.empty(1, np.int64)
         comm.Recv(number, status.Get_source(), TAG_ABANDONED)
@@ -261,7 +265,7 @@ def check_waiting() -> None:
             _drop_background(ctx)
         raise MismatchError(
             f"{ctx.failed}: the blocking collective #{ctx.entered} gflow rank {ctx.rank} waits in cannot "
-            f"finish. {_CROSSED_CAUSE}"
+            f"finish. {ctx.crossed_cause or _CROSSED_CAUSE}"
         )
     if ctx.departed:
         _raise_departed(ctx, ctx.entered, ctx.last_sig)
@@ -295,12 +299,12 @@ def raise_crossed(ctx, number: int) -> None:
         raise MismatchError(text)
     if not ctx.is_background:
         return
-    for rank, (position, generation, theirs) in list(ctx.crossed.items()):
+    for rank, (position, generation, theirs, fresh) in list(ctx.crossed.items()):
         if generation < ctx.generation:  # about a background context this rank has dropped since
             del ctx.crossed[rank]
         elif position < number:
             del ctx.crossed[rank]
-            fresh = _after_a_failure(position >= 0, generation, _making(ctx))
+            fresh = fresh or _after_a_failure(position >= 0, generation, _making(ctx))
             text = (
                 f"crossed waits: rank {rank} waits in a blocking collective (#{theirs} on this communicator) "
                 f"that gflow rank {ctx.rank} has not entered, and cannot start the async collective "
@@ -719,19 +723,16 @@ def _check_crossed(ctx, number: int) -> None:
     # place a moment later, and none can finish what this rank now leaves unfinished.
     # (which background context: the current one, or the first one made from now where none is)
     generation = ctx.backgrounds_made + (background is None)
-    told = np.array([position, generation, number], np.int64)
+    making = all(answers[r][2] == 0 for r in crossed)  # (their `needs`: 0 while making duplicates)
+    fresh = _after_a_failure(background is not None, generation, making)
+    cause = _FRESH_CHANNEL_CAUSE if fresh else _CROSSED_CAUSE
+    told = np.array([position, generation, number, fresh], np.int64)
     peers = [r for r in range(ctx.size) if r != ctx.rank]
     MPI.Request.Waitall([asked.monitor_comm.Isend(told, r, TAG_CROSSED) for r in peers])
     world = world_ranks(ctx)
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
     verb = "waits" if len(crossed) == 1 else "wait"
     peers = f"{ranks_text(crossed)}{world(crossed)}"
-    making = all(answers[r][2] == 0 for r in crossed)  # (their `needs`: 0 while making duplicates)
-    cause = (
-        _FRESH_CHANNEL_CAUSE
-        if _after_a_failure(background is not None, generation, making)
-        else _CROSSED_CAUSE
-    )
     ctx.crossed_here = (
         f"crossed waits: gflow rank {ctx.rank}{world(None)} waits in a blocking collective "
         f"(#{number} on a communicator of {ctx.size} ranks: {what}) that {peers} "
