@@ -122,8 +122,8 @@ def test_ranks_that_disagree_all_raise():
 
 
 _PUSHES_DIFFER = (
-    "the tensors pushed so far (their order or sizes: a parameter frozen on some ranks only?), the fusion "
-    "threshold, or its tuning"
+    "the tensors pushed so far (their order or sizes: a parameter frozen or set_absent() on some ranks "
+    "only?), the fusion threshold, or its tuning"
 )
 FIRST_LINES = {
     "count": (lambda: gflow.allreduce(np.ones(10)), lambda: gflow.allreduce(np.ones(11)),
@@ -152,9 +152,9 @@ FIRST_LINES = {
                        "flushed a step the others did not: compare the push-order checksums below): rank {a} "
                        "sent a segment of 13 float32 elements, rank {last} ended its step after 1 segment"),
     "int64 segments": (lambda: _lazy_step([10], np.int64, "max"), lambda: _lazy_step([12], np.int64, "max"),
-                       "the number of elements in a fused segment (a different model, a parameter frozen on "
-                       "some ranks only, or another fusion threshold): rank {a} passed 10, rank {last} "
-                       "passed 12"),
+                       "the number of elements in a fused segment (a different model, a parameter frozen or "
+                       "set_absent() on some ranks only, or another fusion threshold): rank {a} passed 10, "
+                       "rank {last} passed 12"),
     "CSC settings": (lambda: gflow.SparseAllreduce(density=0.1, chunk_elems=16)(np.ones(1000, np.float32)),
                      lambda: gflow.SparseAllreduce(density=0.1, chunk_elems=17)(np.ones(1000, np.float32)),
                      "the gradient or the CSC settings: rank {a} passed chunk_elems=16, rank {last} passed "

@@ -269,8 +269,8 @@ _EXTRA_MEANS = {
     "alltoall": "the trailing axes (or, in gflow.torch, the dtype or name=)",
     "reduce_scatter": "the shape or rows= (or, in gflow.torch, the op, scale factors or name=)",
     "broadcast": "the shape (with the same number of elements), or in gflow.torch the dtype or name=",
-    "lazy": "the tensors pushed so far (their order or sizes: a parameter frozen on some ranks only?), "
-    "the fusion threshold, or its tuning",
+    "lazy": "the tensors pushed so far (their order or sizes: a parameter frozen or set_absent() on some "
+    "ranks only?), the fusion threshold, or its tuning",
     "sparse": "the gradient size or the CSC settings",
     "gradient_buffers": "the parameters' shapes (their number, order or sizes)",
 }
@@ -375,8 +375,8 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
     if a[2] != b[2]:
         unit = {"allgather": "elements per row", "alltoall": "elements per row"}.get(collective, "elements")
         if collective == "lazy":
-            unit = "elements in a fused segment (a different model, a parameter frozen on some ranks only, "
-            unit += "or another fusion threshold)"
+            unit = "elements in a fused segment (a different model, a parameter frozen or set_absent() on "
+            unit += "some ranks only, or another fusion threshold)"
         return f"the number of {unit}", *(f"passed {s[2]}" for s in (a, b))
     if a[4] != b[4]:
         if collective == "lazy" and 0 in (a[4], b[4]):  # (a step's final exchange: op max with agree=)
