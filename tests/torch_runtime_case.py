@@ -71,6 +71,7 @@ elif mode == "barrier-exit":  # rank 1 ends its program cleanly; the others call
         named = "rank 1 has left the job" in str(exc)
         horovod = isinstance(exc, hvd.HorovodInternalError)
         say(f"barrier raised after {time.monotonic() - start:.1f} s, named {named}, horovod {horovod}")
+        say(f"its error: {str(exc).splitlines()[0][:400]}")  # (what a failure shows: CI, stop 66)
     else:
         say("barrier returned")
 elif mode == "barrier-late":  # the last rank comes to barrier() long after the others
