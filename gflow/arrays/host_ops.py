@@ -6,7 +6,7 @@ one set per array, so the collectives are written once and never ask what kind o
 
 import numpy as np
 
-from ..runtime.signature import is_bfloat16
+from ..runtime.signature import finfo, is_bfloat16
 from .fp_errors import quiet, unquiet
 
 memory = "host"
@@ -145,7 +145,7 @@ def cast_scaled(dst: np.ndarray, src: np.ndarray, scale: float) -> bool:
         bad_in = decode_bf16(wide, src.view(_U16), np.float32(scale))
         bad_out = encode_bf16(dst.view(_U16), wide, np.float32(1.0))
         return bool(bad_in or bad_out)
-    limit = _largest(dst.dtype)
+    limit = finfo(dst.dtype).max  # (a NumPy scalar: a Python float would compare in src's precision)
     with np.errstate(over="ignore", invalid="ignore"):  # (reported in the result: fp_errors.py)
         scaled = np.multiply(src, np.float32(scale), dtype=np.result_type(src.dtype, np.float32))
         overflow = not bool(np.all(np.abs(scaled) <= limit))
@@ -261,14 +261,3 @@ def accumulate_norms(u_out, v_out, u, v, g, momentum: float, chunk: int) -> np.n
     norms = np.empty((v.size + chunk - 1) // chunk, dtype=np.float32)
     fused(u_out, v_out, u, v, g, v.dtype.type(momentum), chunk, norms)
     return norms
-
-
-def _largest(dtype: np.dtype):
-    """The largest finite value of a floating dtype, as a NumPy scalar of it (a Python float would
-    compare in the array's dtype: float64's max is inf in float32). NumPy's finfo refuses bfloat16
-    under ml_dtypes 0.4."""
-    if is_bfloat16(dtype):
-        import ml_dtypes
-
-        return ml_dtypes.finfo(dtype).max
-    return np.finfo(dtype).max

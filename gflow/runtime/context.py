@@ -141,10 +141,7 @@ class CommContext:
         self._background = None
         # The background context the first failure's replaces, its duplicates made with the first's
         # (make_duplicates): no rank then waits for the others' next async call to make one (helper-84)
-        self._spare = None
-        if self._eager_background:
-            self._spare = CommContext(comm, background=True, by_parent=True)
-            self._spare.parent, self._spare.gone, self._spare.crossed = self, self.gone, self.crossed
+        self._spare = self._new_background(by_parent=True) if self._eager_background else None
         self._retired = None  # the last background context dropped after a failure (reset_background)
         self.topology = None  # collectives/topology.py, found on first use
         self.hierarchy = None  # collectives/hierarchical.py's communicators and window
@@ -358,13 +355,16 @@ class CommContext:
                 if not first and self._spare is not None and self._spare._pending is not _NOT_POSTED:
                     self._background, self._spare = self._spare, None
                 else:
-                    self._background = CommContext(self._user_comm, background=True, by_parent=first)
-                    self._background.parent = self
-                    self._background.gone = self.gone
-                    self._background.crossed = self.crossed
+                    self._background = self._new_background(by_parent=first)
                 self.backgrounds_made += 1
                 self._background.generation = self.backgrounds_made
             return self._background
+
+    def _new_background(self, by_parent: bool) -> "CommContext":
+        """A background context of this one, sharing what it hears of departures and crossed waits."""
+        child = CommContext(self._user_comm, background=True, by_parent=by_parent)
+        child.parent, child.gone, child.crossed = self, self.gone, self.crossed
+        return child
 
     def scratch(self, name: str, count: int, dtype, ops):
         """A reusable buffer of count elements of dtype, one per (name, memory): `ops` (or

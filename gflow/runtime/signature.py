@@ -38,6 +38,17 @@ def bfloat16() -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def finfo(dtype):
+    """The floating-point limits of a floating dtype, bfloat16's too (NumPy's finfo refuses it under
+    ml_dtypes 0.4); its values are NumPy scalars of the dtype's own precision."""
+    dtype = np.dtype(dtype)
+    if is_bfloat16(dtype):
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
+    return np.finfo(dtype)
+
+
 def dtype_code(dtype) -> int:
     """A supported dtype's code in a signature (KeyError for another)."""
     code = _NUMPY_CODE.get(dtype)

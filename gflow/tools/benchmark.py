@@ -98,11 +98,10 @@ def _wrong_elements(comm, x, y, op: str, dtype, compression) -> int:
     if np.dtype(dtype).kind in "iu" and not compression:
         wrong = int(np.count_nonzero(y != exact.astype(dtype)))
     else:
-        import ml_dtypes  # (its finfo knows bfloat16; imported here: gflow's import leaves it out)
-
         from ..arrays.codecs import wire_dtype
+        from ..runtime.signature import finfo
 
-        eps = ml_dtypes.finfo(wire_dtype(compression) if compression else dtype).eps
+        eps = finfo(wire_dtype(compression) if compression else dtype).eps
         magnitude = np.empty_like(wide)
         comm.Allreduce(np.abs(wide), magnitude, op=MPI.SUM)  # what the rounding errors scale with
         if op == "mean":
