@@ -192,13 +192,7 @@ def _answer(ctx) -> None:
         comm.Recv(number, status.Get_source(), TAG_ABANDONED)
         ctx.interrupted[status.Get_source()] = int(number[0])
         departures.append((ctx, status.Get_source()))
-    while comm.Iprobe(MPI.ANY_SOURCE, TAG_GOODBYE, status):
-        completed = np.empty(1, np.int64)
-        comm.Recv(completed, status.Get_source(), TAG_GOODBYE)
-        if completed[0] != LEFT_UNCOUNTED:
-            ctx.departed[status.Get_source()] = int(completed[0])
-        ctx.gone.setdefault(status.Get_source(), time.monotonic())
-        departures.append((ctx, status.Get_source()))
+    _hear_goodbyes(ctx, comm, status)
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_QUESTION, status):
         question = np.empty(2, np.int64)
         comm.Recv(question, status.Get_source(), TAG_QUESTION)
@@ -210,6 +204,17 @@ def _answer(ctx) -> None:
         answer = [question[0], entered, int(seconds * 1000), needs, int(background_seconds * 1000), blocked]
         answer.append(report)
         comm.Send(np.array(answer, np.int64), status.Get_source(), TAG_ANSWER)
+
+
+def _hear_goodbyes(ctx, comm, status) -> None:
+    """Take in the goodbyes of ranks that have left ctx's communicator (goodbye)."""
+    while comm.Iprobe(MPI.ANY_SOURCE, TAG_GOODBYE, status):
+        completed = np.empty(1, np.int64)
+        comm.Recv(completed, status.Get_source(), TAG_GOODBYE)
+        if completed[0] != LEFT_UNCOUNTED:
+            ctx.departed[status.Get_source()] = int(completed[0])
+        ctx.gone.setdefault(status.Get_source(), time.monotonic())
+        departures.append((ctx, status.Get_source()))
 
 
 def _where(ctx) -> tuple:
@@ -448,12 +453,17 @@ def abandoned(m: _Mark) -> None:
     ctx = m.ctx
     if ctx is None:
         return
+    if not ctx._made:  # interrupted while its duplicates were made: nothing of it can have been sent,
+        ctx.entered -= 1  # so the next call takes its place (a retry pairs with the peers' call)
+        m.ctx = None  # (counted back once, however many handlers the exception passes)
+        return
     first = ctx.abandoned is None
     ctx.abandoned = ctx.entered
     if first and ctx.monitor_comm is not None and ctx.size > 1 and not MPI.Is_finalized():
         told = np.array([ctx.abandoned], np.int64)
         with _lock:
-            sends = [ctx.monitor_comm.Isend(told, r, TAG_ABANDONED) for r in range(ctx.size) if r != ctx.rank]
+            peers = (r for r in range(ctx.size) if r != ctx.rank and r not in ctx.gone)  # (_processes_gone)
+            sends = [ctx.monitor_comm.Isend(told, r, TAG_ABANDONED) for r in peers]
         _sent_within(sends, 1.0)
 
 
@@ -496,6 +506,7 @@ def goodbye() -> None:
     busy = [m.ctx for m in busy_elsewhere()]
     sends, payloads = [], []
     with _lock:
+        gone = _processes_gone()
         for ctx in _watched:
             if ctx.monitor_comm is None or ctx.size == 1:
                 continue
@@ -506,9 +517,35 @@ def goodbye() -> None:
                 completed = LEFT_UNCOUNTED
             completed = np.array([completed], np.int64)
             payloads.append(completed)
-            peers = (r for r in range(ctx.size) if r != ctx.rank)
+            world = _world_ranks_of(ctx.monitor_comm)
+            peers = (r for r in range(ctx.size) if r != ctx.rank and world[r] not in gone)
             sends += [ctx.monitor_comm.Isend(completed, r, TAG_GOODBYE) for r in peers]
     _sent_within(sends, 1.0)
+
+
+def _processes_gone() -> set:
+    """The world ranks of the processes that said goodbye on any watched context, their goodbyes
+    taken in first. No goodbye goes to them: under MPICH's TCP transport (ch4:ofi, FI_PROVIDER=tcp),
+    a send to a process whose connection the progress engine saw close never returns (it reconnects
+    to a port no one listens on), and a rank that ended later than its peers hung in its goodbye."""
+    status, gone = MPI.Status(), set()
+    watched = [ctx for ctx in _watched if ctx.monitor_comm is not None]
+    for ctx in watched:
+        _hear_goodbyes(ctx, ctx.monitor_comm, status)
+    for ctx in watched:
+        world = _world_ranks_of(ctx.monitor_comm)
+        gone.update(world[r] for r in ctx.gone)
+    return gone
+
+
+def _world_ranks_of(comm) -> list:
+    """The world rank of each rank of comm."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+    finally:
+        group.Free()
+        world.Free()
 
 
 def _sent_within(sends: list, seconds: float) -> None:
@@ -656,6 +693,7 @@ def _ask(asked, about, peers) -> dict:
     global _questions
     _questions += 1
     comm, answers = asked.monitor_comm, {}
+    peers = [r for r in peers if r not in asked.gone]  # (no message to a process that left: _processes_gone)
     question = np.array([_questions, about], np.int64)
     sends = [comm.Isend(question, r, TAG_QUESTION) for r in peers]
     buffers = {r: np.empty(7, np.int64) for r in peers}
@@ -727,7 +765,7 @@ def _check_crossed(ctx, number: int) -> None:
     fresh = _after_a_failure(background is not None, generation, making)
     cause = _FRESH_CHANNEL_CAUSE if fresh else _CROSSED_CAUSE
     told = np.array([position, generation, number, fresh], np.int64)
-    peers = [r for r in range(ctx.size) if r != ctx.rank]
+    peers = [r for r in range(ctx.size) if r != ctx.rank and r not in ctx.gone]  # (_processes_gone)
     MPI.Request.Waitall([asked.monitor_comm.Isend(told, r, TAG_CROSSED) for r in peers])
     world = world_ranks(ctx)
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
