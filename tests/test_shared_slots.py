@@ -540,8 +540,8 @@ import gflow
 where, rank = sys.argv[1], MPI.COMM_WORLD.rank
 victim = 0 if where == "outside a wait" else 1
 comm = MPI.COMM_WORLD.Dup()
-if where == "outside a wait" and rank == 0:  # (rank 0 makes the file: slowly, so the others wait for it)
-    make = os.memfd_create
+if where != "in an exchange over MPI" and rank == 0:  # (rank 0 makes the file: slowly, so the
+    make = os.memfd_create  # others wait for it, once gflow's duplicates are made)
     os.memfd_create = lambda *args: (time.sleep(3), make(*args))[1]
 if where == "in an exchange over MPI":  # (a later call, its messages MPI's: set up, then interrupted)
     gflow.config.shared_slots = False
@@ -553,10 +553,8 @@ if where == "in an exchange over MPI":  # (a later call, its messages MPI's: set
             raise KeyboardInterrupt  # (where a compile, a fold or a signal handler may raise one)
 
         recursive_doubling._run_plan = interrupted
-elif rank == victim:
+elif rank == victim:  # (rank 1 is in the set-up's first wait by then)
     threading.Timer(0.5, _thread.interrupt_main).start()
-elif where == "in a wait":
-    time.sleep(2)  # (rank 1 is in the set-up's first wait by then)
 try:
     gflow.allreduce(np.ones(10), comm=comm)
 except KeyboardInterrupt:
@@ -572,8 +570,9 @@ except KeyboardInterrupt:
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("where", ["in a wait", "outside a wait", "in an exchange over MPI"])
 def test_an_interrupted_call_refuses_the_next_and_nothing_hangs(size, where):
-    """Ctrl-C on one rank during a communicator's set-up of its slots (its first call), in a wait or
-    between (making the file): the set-up is out of step with the others', so that rank's next calls
+    """Ctrl-C on one rank during a communicator's set-up of its slots (its first call, once gflow's
+    duplicates are made: an interrupt before is test_failures.py's), in a wait or between (making
+    the file): the set-up is out of step with the others', so that rank's next calls
     on the communicator raise instead of starting another one (which met the others' next steps and
     hung every rank); the others name the rank as gone once it leaves. So too for a later call whose
     messages are MPI's, interrupted outside a wait (in a compile, say): its next call met the

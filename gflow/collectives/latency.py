@@ -60,8 +60,8 @@ def allreduce(ctx: CommContext, x: np.ndarray, op: str, out, algorithm: str):
             key = (x.dtype, x.shape, op, algorithm, config.small_message_bytes)
             ctx.small_calls[key] = _learn(ctx, x, op, algorithm)
         return None  # (a first call takes the general path: it makes the plan, and the context)
-    if not x.flags.c_contiguous:
-        return None
+    if not x.flags.c_contiguous or ctx.slots is None:  # (None: the context's first exchange, which sets
+        return None  # them up, has not been made: its first call was interrupted before it, say)
     if small.plan is None:
         small.plan = recursive_doubling.plan_for(ctx, small.sig, latency_path_bytes(ctx.size), x)
     if out is None:
