@@ -129,21 +129,43 @@ def test_ranks_that_end_at_different_times_are_not_taken_for_failures(size):
     assert "left the job" not in output and "MPI_Abort" not in output, output
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_ranks_that_end_at_different_times_exit_over_mpichs_tcp_transport(size):
-    """The same over MPICH's TCP transport (a cluster's Ethernet): a send to a process whose
-    connection MPI saw close never returns there, and the rank that ended last hung in its goodbye
-    to the others (stall._processes_gone); in the suite, now and then, a job whose ranks left a second
-    apart (test_shared_slots.py's ranks on nodes of their own)."""
+# MPICH's TCP transport (a cluster's Ethernet), for one host's ranks: there a send to a process whose
+# connection MPI saw close never returns (its progress engine reconnects, and holds MPI meanwhile)
+MPICH_TCP = dict(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+
+
+def skip_unless_mpich():
     from mpi4py import MPI
 
     if "MPICH" not in MPI.Get_library_version():
         pytest.skip("MPIR_CVAR_NOLOCAL and MPIR_CVAR_CH4_NETMOD are MPICH's")
-    tcp = dict(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
-    status, output, _ = run_job("ok", size, **tcp)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_that_end_at_different_times_exit_over_mpichs_tcp_transport(size):
+    """The same over MPICH's TCP transport: the rank that ended last hung in its goodbye to the
+    others, which had left (stall._processes_gone); in the suite, now and then, a job whose ranks
+    left a second apart (test_shared_slots.py's ranks on nodes of their own)."""
+    skip_unless_mpich()
+    status, output, _ = run_job("ok", size, **MPICH_TCP)
     assert status == 0, output
     assert all(f"rank {r} finished" in output for r in range(size)), output
     assert "left the job" not in output and "MPI_Abort" not in output, output
+
+
+@pytest.mark.parametrize("mode", ["exit-before-first-async", "exit-before-first-blocking", "exit-inside"])
+def test_a_rank_that_leaves_is_named_by_the_others_over_mpichs_tcp_transport(mode):
+    """A rank that left before the others' first call on a communicator it never used: their
+    duplicate of it, posted there, never returned over TCP (its first send went to the process that
+    had exited; nothing, stall abort included, could end the job). Now the goodbye heard on another
+    communicator refuses the call before anything is posted (stall.refuse_if_gone)."""
+    skip_unless_mpich()
+    status, output, after = run_job(mode, 3, **MPICH_TCP)
+    assert status != 0, output
+    pattern = rf"gflow rank (\d+): uncaught GflowError: rank {FAILING} has left the job \(its process exited"
+    named_by = {int(r) for r in re.findall(pattern, output)}  # (the first to abort may end the other)
+    assert named_by and named_by <= {0, 2}, output
+    assert after is not None and after < ENDS_WITHIN_S, (after, output)
 
 
 def test_with_the_switch_off_the_rank_exits_and_the_others_name_it():

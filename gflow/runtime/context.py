@@ -541,6 +541,7 @@ def context(comm=None) -> CommContext:
         _keyval = MPI.Comm.Create_keyval(delete_fn=_delete_context)
     ctx = comm.Get_attr(_keyval)
     if ctx is None:
+        stall.refuse_if_gone(comm)  # (before the duplicate is posted)
         ctx = CommContext(comm)
         comm.Set_attr(_keyval, ctx)
     _by_handle[ctx.user_handle] = ctx

@@ -196,6 +196,9 @@ def _answer(ctx) -> None:
     while comm.Iprobe(MPI.ANY_SOURCE, TAG_QUESTION, status):
         question = np.empty(2, np.int64)
         comm.Recv(question, status.Get_source(), TAG_QUESTION)
+        _hear_goodbyes(ctx, comm, MPI.Status())  # (the asker may have left since: no answer then,
+        if status.Get_source() in ctx.gone:  # _processes_gone)
+            continue
         about = (ctx, ctx._background, ctx.parent)[int(question[1])]
         entered, seconds = _where(about)
         needs, background_seconds, blocked = _background_wait(ctx if ctx.is_background else ctx._background)
@@ -536,6 +539,34 @@ def _processes_gone() -> set:
         world = _world_ranks_of(ctx.monitor_comm)
         gone.update(world[r] for r in ctx.gone)
     return gone
+
+
+def refuse_if_gone(comm) -> None:
+    """Raise GflowError, before gflow's first duplicate of comm is posted, where a process of comm said
+    goodbye on another communicator (hear_elsewhere's news, taken in first): the duplicate can never
+    be made without it, and under MPICH's TCP transport posting it never returned (its first send goes
+    to the process that exited, _processes_gone), stall abort included."""
+    with _lock:
+        gone = _processes_gone()
+    if not gone:
+        return
+    world = _world_ranks_of(comm)
+    left = [r for r, w in enumerate(world) if w in gone]
+    if left:
+        named = world_ranks(_Named(comm))
+        verb = "has" if len(left) == 1 else "have"
+        raise GflowError(
+            f"{ranks_text(left)}{named(left)} {verb} left the job (its process exited before this "
+            f"rank's first gflow call on this communicator of {comm.Get_size()} ranks), so no "
+            f"collective on it can finish on gflow rank {comm.Get_rank()}{named(None)}"
+        )
+
+
+class _Named:
+    """What world_ranks needs of a context, for a communicator gflow has no context of yet."""
+
+    def __init__(self, comm):
+        self._comm, self._pending, self.rank = comm, None, comm.Get_rank()
 
 
 def _world_ranks_of(comm) -> list:
