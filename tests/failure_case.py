@@ -89,6 +89,15 @@ elif mode == "exit-before-async":  # the others' first async call on a communica
         fail(how)
     time.sleep(0.5)
     gflow.allreduce_async(x, comm=sub).wait()
+elif mode == "exit-after-freeing":  # it frees a communicator the others call on again (an error of the
+    # program's, met over TCP: MPI_Comm_free is collective), so says goodbye on the world's only
+    sub = world.Split(0, me)
+    gflow.allreduce(x, comm=sub)
+    if me == failing:
+        sub.Free()
+        fail(how)
+    time.sleep(0.5)
+    gflow.allreduce(x, comm=sub)
 elif mode in ("exit-before-first-async", "exit-before-first-blocking"):  # the others' first call on a
     # communicator it never used: it said goodbye on the world's channel only (stall.hear_elsewhere)
     sub = world.Split(0, me)

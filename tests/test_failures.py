@@ -153,12 +153,15 @@ def test_ranks_that_end_at_different_times_exit_over_mpichs_tcp_transport(size):
     assert "left the job" not in output and "MPI_Abort" not in output, output
 
 
-@pytest.mark.parametrize("mode", ["exit-before-first-async", "exit-before-first-blocking", "exit-inside"])
+@pytest.mark.parametrize(
+    "mode", ["exit-before-first-async", "exit-before-first-blocking", "exit-after-freeing", "exit-inside"]
+)
 def test_a_rank_that_leaves_is_named_by_the_others_over_mpichs_tcp_transport(mode):
     """A rank that left before the others' first call on a communicator it never used: their
     duplicate of it, posted there, never returned over TCP (its first send went to the process that
     had exited; nothing, stall abort included, could end the job). Now the goodbye heard on another
-    communicator refuses the call before anything is posted (stall.refuse_if_gone)."""
+    communicator refuses the call before anything is posted (stall.refuse_if_gone). So too for a
+    later call on a communicator it freed before it left (stall._raise_left_unsaid; helper-88)."""
     skip_unless_mpich()
     status, output, after = run_job(mode, 3, **MPICH_TCP)
     assert status != 0, output

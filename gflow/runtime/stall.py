@@ -108,6 +108,8 @@ def entered(ctx, sig) -> None:
         _raise_departed(ctx, ctx.entered + 1, sig)
     if ctx.interrupted:
         raise _interrupted_error(ctx, ctx.entered + 1, sig)
+    if ctx.heard_departures != len(departures):  # (news of a departure since: cheap to ask)
+        _raise_left_unsaid(ctx, sig)
     ctx.entered += 1
     ctx.last_sig = sig
     try:
@@ -386,10 +388,11 @@ LEFT_UNCOUNTED = -1
 
 
 def hear_elsewhere(ctx) -> None:
-    """Add to ctx.gone the ranks of ctx that said goodbye on another communicator this rank watches,
-    while ctx's duplicates are being made (its first collective): a rank that left before its first
+    """Add to ctx.gone the ranks of ctx that said goodbye on another communicator this rank watches:
+    while ctx's duplicates are being made (its first collective), a rank that left before its first
     call on ctx had no channel of ctx's to say so on, and the duplicates can never be made without
-    it. (Looked up again only when news came since.)"""
+    it; as a collective begins, one that freed ctx's communicator before it left (entered). (Looked
+    up again only when news came since.)"""
     count, user = len(departures), ctx._user_comm  # (once: another thread may free it meanwhile)
     if ctx.heard_departures == count or user is None:
         return
@@ -416,6 +419,17 @@ def hear_elsewhere(ctx) -> None:
         ctx.heard_departures = count
     finally:
         group.Free()
+
+
+def _raise_left_unsaid(ctx, sig) -> None:
+    """Raise GflowError, before collective #entered + 1 on ctx sends anything, for ranks of ctx that
+    left having said goodbye elsewhere only (they freed ctx's communicator first, say): that
+    collective needs their part (its agreement does), so it can never finish. Over MPICH's TCP
+    transport its first send to them never returned (helper-88: stall abort included)."""
+    hear_elsewhere(ctx)
+    unsaid = sorted(r for r in ctx.gone if r not in ctx.departed)
+    if unsaid:
+        raise _left_the_job(ctx, unsaid, ctx.entered + 1, sig, "")
 
 
 def _raise_unheard(ctx, m: _Mark) -> None:
