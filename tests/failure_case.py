@@ -40,12 +40,14 @@ def fail(how):
 
 
 how = "raise" if mode.startswith("raise") else "exit"
-if mode == "ok":  # no failure: the ranks end at different times, and nobody is told anyone left
-    for _ in range(3):
+if mode in ("ok", "ok-finalize"):  # no failure: the ranks end at different times, nobody is told
+    for _ in range(3):  # anyone left (and with "ok-finalize", each calls MPI.Finalize() itself)
         gflow.allreduce(x)
     lazy.push(grads[0])
     lazy.flush()
     time.sleep(0.5 * me)
+    if mode == "ok-finalize":
+        MPI.Finalize()
 elif mode in ("raise", "exit"):  # before a collective: the others enter a 4 MB allreduce
     if me == failing:
         time.sleep(0.5)  # the others are waiting in it

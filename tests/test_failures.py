@@ -129,6 +129,18 @@ def test_ranks_that_end_at_different_times_are_not_taken_for_failures(size):
     assert "left the job" not in output and "MPI_Abort" not in output, output
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_program_that_calls_mpi_finalize_itself_ends_cleanly(size):
+    """Ranks that call MPI.Finalize() themselves, at different times: MPICH's waits there for the
+    others', and the stall inspector's next question met it ("after finalizing", exit status 1:
+    helper-88). gflow's exit work now runs as MPI_Finalize begins (lifecycle.py), the inspector
+    stopped."""
+    status, output, _ = run_job("ok-finalize", size)
+    assert status == 0, output
+    assert all(f"rank {r} finished" in output for r in range(size)), output
+    assert "finaliz" not in output.lower() and "left the job" not in output, output
+
+
 # MPICH's TCP transport (a cluster's Ethernet), for one host's ranks: there a send to a process whose
 # connection MPI saw close never returns (its progress engine reconnects, and holds MPI meanwhile)
 MPICH_TCP = dict(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
@@ -229,8 +241,16 @@ if rank == 2:
 if rank == 1:
     threading.Timer(1.0, _thread.interrupt_main).start()
 try:
+    if then == "join" and rank == 1:
+        gflow.join()  # (its first call: the others' allreduces wait for it)
     got = [gflow.allreduce(x), gflow.allreduce(y)]
 except KeyboardInterrupt:
+    if then == "join":  # (join's serving threads were given up: refused, the others told it left)
+        try:
+            gflow.join()
+        except gflow.GflowError as exc:
+            print(f"[{rank} refused: {exc}]", flush=True)
+        sys.exit(0)
     if then == "leave":
         sys.exit(0)  # (it leaves; the others wait in the first collective's making of duplicates)
     got = [gflow.allreduce(x), gflow.allreduce(y)]  # the retry is the first collective: it pairs
@@ -243,14 +263,16 @@ print(f"[{rank} {'matches' if close else 'DIFFERS from'} MPI's allreduce]", flus
 
 
 @pytest.mark.parametrize("size", [3, 4])
-@pytest.mark.parametrize("then", ["retry", "leave"])
+@pytest.mark.parametrize("then", ["retry", "leave", "join"])
 def test_a_rank_interrupted_in_the_first_collectives_making_may_retry_or_leave(then, size):
     """Ctrl-C on one rank while the first collective on a communicator waits for a late rank to make
     gflow's duplicates. Nothing of that call was sent (no duplicate to send it on), so its retry is
     the first collective and pairs with the others' (helper-87 found it refused, the others left
     waiting); a rank that leaves instead is named by the others, still in that first collective.
     They waited forever before (helper-31): the goodbye goes on the monitor duplicate, made after
-    the first, which the leaving rank never had (context.py, finish_duplicates, at exit)."""
+    the first, which the leaving rank never had (context.py, finish_duplicates, at exit). join() as
+    that first call is refused after the interrupt (its serving threads were given up), as collective
+    #1 (it said #0, and its goodbye lost the count: helper-88)."""
     environment = dict(
         os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GFLOW_ABORT_ON_EXCEPTION="0"
     )
@@ -263,5 +285,9 @@ def test_a_rank_interrupted_in_the_first_collectives_making_may_retry_or_leave(t
     assert done.returncode == 0, output
     if then == "retry":
         assert output.count("matches MPI's allreduce]") == size, output
+    elif then == "join":
+        assert "[1 refused: collective #1 on this communicator was interrupted" in output, output
+        told = "told: rank 1 has left the job (its process exited: rank 1 after #0)"
+        assert output.count(told) == size - 1, output
     else:
         assert output.count("told: rank 1 has left the job") == size - 1, output

@@ -218,8 +218,8 @@ def serve(ctx: CommContext) -> None:
         _serve(ctx)
     except GflowError:
         raise
-    except BaseException:
-        ctx.abandoned = ctx.entered
+    except BaseException:  # (before its duplicates were made, in its first collective, which
+        ctx.abandoned = ctx.entered if ctx._made else 1  # stall.abandoned counted back: helper-88)
         raise
 
 

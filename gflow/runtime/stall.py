@@ -61,6 +61,7 @@ _marks: list = []  # every thread's _Mark
 _watched: list = []  # contexts whose questions the monitor answers
 _lock = threading.RLock()  # held while the monitor talks on a context's duplicate, and to free it
 _monitor = None
+_stopped = False  # this process is leaving: the monitor calls MPI no more (stop)
 _questions = 0
 _warned_off = False
 # A rank's stall report of the collective it waits in, told in its answers (one line per stall).
@@ -157,11 +158,23 @@ def unwatch(ctx) -> None:
             _watched.remove(ctx)
 
 
+def stop() -> None:
+    """This process is leaving (lifecycle.at_exit, after its goodbye): from now on the monitor thread
+    calls MPI no more. A program's own MPI.Finalize() waits there for the other ranks' (seconds,
+    where ranks end apart), and the monitor's next question met it: MPICH's "after finalizing" error,
+    exit status 1 (helper-88)."""
+    global _stopped
+    with _lock:  # (once a talk in progress has ended: each begins by looking, under the lock)
+        _stopped = True
+
+
 def _run() -> None:
     while not MPI.Is_finalized():
         time.sleep(POLL_S)
         try:
             with _lock:
+                if _stopped:
+                    return
                 for ctx in _watched:
                     _answer(ctx)
                 marks = list(_marks)
@@ -618,6 +631,8 @@ def _inspect(m: _Mark) -> None:
     ):
         m.crossed_at = waited
         with _lock:
+            if _stopped:
+                return
             _check_crossed(ctx, number)
     due_abort = abort > 0 and waited >= abort
     due_warning = warn > 0 and waited >= warn and (m.warned_at is None or waited - m.warned_at >= warn)
@@ -626,12 +641,16 @@ def _inspect(m: _Mark) -> None:
     m.warned_at = float("inf")  # once per wait (the abort, if set, still comes)
     ctx.stall_report = (number, _ABOUT_TO_REPORT)  # (peers that ask meanwhile leave it to this rank)
     with _lock:
+        if _stopped:
+            return
         text, reporter = _report(ctx, m, since)
     for _ in range(_DECIDE_TRIES):  # a higher-ranked peer about to report may yet leave it to this one
         if reporter is not _UNDECIDED or due_abort:
             break
         _answer_for(_DECIDE_PAUSE_S)
         with _lock:
+            if _stopped:
+                return
             text, reporter = _report(ctx, m, since)
     if due_abort:
         from .failures import end_job
@@ -725,8 +744,11 @@ def _answer_for(seconds: float) -> None:
     """Answer the peers' questions for `seconds` (the monitor thread, between its own questions)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        for other in _watched:
-            _answer(other)
+        with _lock:
+            if _stopped:
+                return
+            for other in _watched:
+                _answer(other)
         time.sleep(0.005)
 
 
