@@ -7,6 +7,17 @@ import numpy as np
 from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
+# MPICH's TCP transport (a cluster's Ethernet) for one host's ranks, each on a node of its own: where a
+# send to a process whose connection MPI saw close never returns (its progress engine reconnects)
+MPICH_TCP = dict(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+
+
+def skip_unless_mpich() -> None:
+    """Skip a test of MPICH_TCP under another MPI (Open MPI has no switch that splits one host's ranks)."""
+    import pytest
+
+    if "MPICH" not in MPI.Get_library_version():
+        pytest.skip("MPIR_CVAR_NOLOCAL and MPIR_CVAR_CH4_NETMOD are MPICH's")
 
 
 def on_all_ranks(fn, label: str = ""):

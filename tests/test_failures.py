@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from helpers import MPICH_TCP, skip_unless_mpich
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAILING = 1  # the rank that fails, in every world size
@@ -139,18 +140,6 @@ def test_a_program_that_calls_mpi_finalize_itself_ends_cleanly(size):
     assert status == 0, output
     assert all(f"rank {r} finished" in output for r in range(size)), output
     assert "finaliz" not in output.lower() and "left the job" not in output, output
-
-
-# MPICH's TCP transport (a cluster's Ethernet), for one host's ranks: there a send to a process whose
-# connection MPI saw close never returns (its progress engine reconnects, and holds MPI meanwhile)
-MPICH_TCP = dict(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
-
-
-def skip_unless_mpich():
-    from mpi4py import MPI
-
-    if "MPICH" not in MPI.Get_library_version():
-        pytest.skip("MPIR_CVAR_NOLOCAL and MPIR_CVAR_CH4_NETMOD are MPICH's")
 
 
 @pytest.mark.parametrize("size", [2, 3])

@@ -6,12 +6,14 @@ the payload and latency-path limits each is."""
 import numpy as np
 import pytest
 from helpers import (
+    MPICH_TCP,
     WORLD,
     assert_close_to_reference,
     assert_same_on_all_ranks,
     on_all_ranks,
     random_array,
     rank_rng,
+    skip_unless_mpich,
 )
 from mpi4py import MPI
 
@@ -135,11 +137,8 @@ def test_ranks_mpi_keeps_apart_on_one_host_keep_its_messages(size):
     import subprocess
     import sys
 
-    if "MPICH" not in MPI.Get_library_version():
-        pytest.skip("MPIR_CVAR_NOLOCAL is MPICH's (Open MPI has no switch that splits one host's ranks)")
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp"
-    )
+    skip_unless_mpich()
+    env = dict(os.environ, OMP_NUM_THREADS="1", **MPICH_TCP)
     done = subprocess.run(
         ["mpiexec", "-n", str(size), sys.executable, "-c", APART_BY_MPI],
         capture_output=True, text=True, timeout=60, env=env,

@@ -212,7 +212,7 @@ def _answer(ctx) -> None:
         question = np.empty(2, np.int64)
         comm.Recv(question, status.Get_source(), TAG_QUESTION)
         _hear_goodbyes(ctx, comm, MPI.Status())  # (the asker may have left since: no answer then,
-        if status.Get_source() in ctx.gone:  # _processes_gone)
+        if status.Get_source() in ctx.gone:  # _hear_every_goodbye)
             continue
         about = (ctx, ctx._background, ctx.parent)[int(question[1])]
         entered, seconds = _where(about)
@@ -414,24 +414,31 @@ def hear_elsewhere(ctx) -> None:
     except MPI.Exception:  # (freed meanwhile)
         return
     try:
-        for other in list(_watched):
-            monitor = other.monitor_comm  # (once, as above)
-            if not other.gone or monitor is None or other.gone is ctx.gone:
-                continue
-            try:
-                theirs = monitor.Get_group()
-            except MPI.Exception:  # (freed meanwhile)
-                continue
-            try:
-                mapped = MPI.Group.Translate_ranks(theirs, sorted(other.gone), group)
-            finally:
-                theirs.Free()
-            for rank in mapped:
-                if rank != MPI.UNDEFINED:
-                    ctx.gone.setdefault(rank, time.monotonic())
+        for rank in _gone_among(group, ctx.gone):
+            ctx.gone.setdefault(rank, time.monotonic())
         ctx.heard_departures = count
     finally:
         group.Free()
+
+
+def _gone_among(group, skip=None) -> set:
+    """The ranks of `group` that said goodbye on a context this rank watches (but those whose news
+    is the dict `skip`: a context's own, shared with its background contexts)."""
+    gone = set()
+    for other in list(_watched):
+        monitor = other.monitor_comm  # (once: another thread may free it meanwhile)
+        if not other.gone or monitor is None or other.gone is skip:
+            continue
+        try:
+            theirs = monitor.Get_group()
+        except MPI.Exception:  # (freed meanwhile)
+            continue
+        try:
+            mapped = MPI.Group.Translate_ranks(theirs, sorted(other.gone), group)
+        finally:
+            theirs.Free()
+        gone.update(rank for rank in mapped if rank != MPI.UNDEFINED)
+    return gone
 
 
 def _raise_left_unsaid(ctx, sig) -> None:
@@ -492,7 +499,7 @@ def abandoned(m: _Mark) -> None:
     if first and ctx.monitor_comm is not None and ctx.size > 1 and not MPI.Is_finalized():
         told = np.array([ctx.abandoned], np.int64)
         with _lock:
-            peers = (r for r in range(ctx.size) if r != ctx.rank and r not in ctx.gone)  # (_processes_gone)
+            peers = (r for r in range(ctx.size) if r != ctx.rank and r not in ctx.gone)  # (see goodbye)
             sends = [ctx.monitor_comm.Isend(told, r, TAG_ABANDONED) for r in peers]
         _sent_within(sends, 1.0)
 
@@ -536,7 +543,7 @@ def goodbye() -> None:
     busy = [m.ctx for m in busy_elsewhere()]
     sends, payloads = [], []
     with _lock:
-        gone = _processes_gone()
+        _hear_every_goodbye()
         for ctx in _watched:
             if ctx.monitor_comm is None or ctx.size == 1:
                 continue
@@ -547,63 +554,47 @@ def goodbye() -> None:
                 completed = LEFT_UNCOUNTED
             completed = np.array([completed], np.int64)
             payloads.append(completed)
-            world = _world_ranks_of(ctx.monitor_comm)
-            peers = (r for r in range(ctx.size) if r != ctx.rank and world[r] not in gone)
+            group = ctx.monitor_comm.Get_group()
+            try:
+                gone = _gone_among(group)
+            finally:
+                group.Free()
+            peers = (r for r in range(ctx.size) if r != ctx.rank and r not in gone)
             sends += [ctx.monitor_comm.Isend(completed, r, TAG_GOODBYE) for r in peers]
     _sent_within(sends, 1.0)
 
 
-def _processes_gone() -> set:
-    """The world ranks of the processes that said goodbye on any watched context, their goodbyes
-    taken in first. No goodbye goes to them: under MPICH's TCP transport (ch4:ofi, FI_PROVIDER=tcp),
-    a send to a process whose connection the progress engine saw close never returns (it reconnects
-    to a port no one listens on), and a rank that ended later than its peers hung in its goodbye."""
-    status, gone = MPI.Status(), set()
-    watched = [ctx for ctx in _watched if ctx.monitor_comm is not None]
-    for ctx in watched:
-        _hear_goodbyes(ctx, ctx.monitor_comm, status)
-    for ctx in watched:
-        world = _world_ranks_of(ctx.monitor_comm)
-        gone.update(world[r] for r in ctx.gone)
-    return gone
+def _hear_every_goodbye() -> None:
+    """Take in the goodbyes received on every watched context (the caller holds _lock). No message goes
+    to a process that said one: under MPICH's TCP transport (ch4:ofi, FI_PROVIDER=tcp), a send to a
+    process whose connection the progress engine saw close never returns (it reconnects to a port no
+    one listens on), and a rank that ended later than its peers hung in its goodbye."""
+    status = MPI.Status()
+    for ctx in _watched:
+        if ctx.monitor_comm is not None:
+            _hear_goodbyes(ctx, ctx.monitor_comm, status)
 
 
 def refuse_if_gone(comm) -> None:
     """Raise GflowError, before gflow's first duplicate of comm is posted, where a process of comm said
     goodbye on another communicator (hear_elsewhere's news, taken in first): the duplicate can never
     be made without it, and under MPICH's TCP transport posting it never returned (its first send goes
-    to the process that exited, _processes_gone), stall abort included."""
-    with _lock:
-        gone = _processes_gone()
-    if not gone:
-        return
-    world = _world_ranks_of(comm)
-    left = [r for r, w in enumerate(world) if w in gone]
+    to the process that exited, _hear_every_goodbye), stall abort included."""
+    group = comm.Get_group()
+    try:
+        with _lock:
+            _hear_every_goodbye()
+            left = sorted(_gone_among(group))
+    finally:
+        group.Free()
     if left:
-        named = world_ranks(_Named(comm))
-        verb = "has" if len(left) == 1 else "have"
+        named = _world_ranks_of(comm, comm.Get_rank())
+        verb, whose = ("has", "its process") if len(left) == 1 else ("have", "their processes")
         raise GflowError(
-            f"{ranks_text(left)}{named(left)} {verb} left the job (its process exited before this "
+            f"{ranks_text(left)}{named(left)} {verb} left the job ({whose} exited before this "
             f"rank's first gflow call on this communicator of {comm.Get_size()} ranks), so no "
             f"collective on it can finish on gflow rank {comm.Get_rank()}{named(None)}"
         )
-
-
-class _Named:
-    """What world_ranks needs of a context, for a communicator gflow has no context of yet."""
-
-    def __init__(self, comm):
-        self._comm, self._pending, self.rank = comm, None, comm.Get_rank()
-
-
-def _world_ranks_of(comm) -> list:
-    """The world rank of each rank of comm."""
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
-    finally:
-        group.Free()
-        world.Free()
 
 
 def _sent_within(sends: list, seconds: float) -> None:
@@ -760,7 +751,7 @@ def _ask(asked, about, peers) -> dict:
     global _questions
     _questions += 1
     comm, answers = asked.monitor_comm, {}
-    peers = [r for r in peers if r not in asked.gone]  # (no message to a process that left: _processes_gone)
+    peers = [r for r in peers if r not in asked.gone]  # (none to a process that left: _hear_every_goodbye)
     question = np.array([_questions, about], np.int64)
     sends = [comm.Isend(question, r, TAG_QUESTION) for r in peers]
     buffers = {r: np.empty(7, np.int64) for r in peers}
@@ -832,7 +823,7 @@ def _check_crossed(ctx, number: int) -> None:
     fresh = _after_a_failure(background is not None, generation, making)
     cause = _FRESH_CHANNEL_CAUSE if fresh else _CROSSED_CAUSE
     told = np.array([position, generation, number, fresh], np.int64)
-    peers = [r for r in range(ctx.size) if r != ctx.rank and r not in ctx.gone]  # (_processes_gone)
+    peers = [r for r in range(ctx.size) if r != ctx.rank and r not in ctx.gone]  # (_hear_every_goodbye)
     MPI.Request.Waitall([asked.monitor_comm.Isend(told, r, TAG_CROSSED) for r in peers])
     world = world_ranks(ctx)
     what = _brief(ctx.last_sig) if ctx.last_sig is not None else "a collective"
@@ -852,14 +843,18 @@ def world_ranks(ctx):
     """A function giving ' (world ranks ...)' for ranks of ctx's communicator, or '' where those are
     the world's own; with None, the same for this rank."""
     # (the user's communicator while gflow's duplicate is being made: ctx.comm would wait for it)
-    comm = ctx._comm if ctx._pending is None else ctx._user_comm
+    return _world_ranks_of(ctx._comm if ctx._pending is None else ctx._user_comm, ctx.rank)
+
+
+def _world_ranks_of(comm, rank: int):
+    """world_ranks, for the ranks of comm (`rank`: this one's), which may have no context yet."""
     group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
     same = MPI.Group.Compare(group, world) == MPI.IDENT
 
     def show(ranks):
         if same:
             return ""
-        ranks = [ctx.rank] if ranks is None else ranks
+        ranks = [rank] if ranks is None else ranks
         mapped = MPI.Group.Translate_ranks(group, ranks, world)
         return f" (world rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, mapped[:16]))})"
 
