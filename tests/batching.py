@@ -30,6 +30,9 @@ CHILD_FLAG = "_PYTEST_MPI_CHILD_PROCESS"  # mpi-pytest's: children run their tes
 REPORT_DIR = "GFLOW_TEST_REPORT_DIR"
 IN_MPI_CHILD = CHILD_FLAG in os.environ
 ENABLED = os.environ.get("GFLOW_TEST_BATCH", "1") != "0"
+# GFLOW_TEST_MAX_RANKS=N deselects (not skips) the multi-rank tests of more than N ranks: CI's second
+# MPI (.ci/openmpi) runs 2 and 3 ranks, the MPICH run every size.
+MAX_RANKS = int(os.environ.get("GFLOW_TEST_MAX_RANKS", "0")) or None
 OUTPUT_TAIL = 20000  # characters of a dead batch's output shown with the test it died in
 
 _verdicts = {}  # node id -> (outcome, text), filled by a batch in the parent
@@ -58,6 +61,15 @@ def _item_budget(item) -> float:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "isolated: run this multi-rank test in its own mpiexec")
+
+
+def pytest_collection_modifyitems(config, items):
+    if MAX_RANKS is None or IN_MPI_CHILD:
+        return
+    over = [it for it in items if _world_size(it) > MAX_RANKS]
+    if over:
+        config.hook.pytest_deselected(items=over)
+        items[:] = [it for it in items if _world_size(it) <= MAX_RANKS]
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

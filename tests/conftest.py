@@ -53,6 +53,7 @@ if "_PYTEST_MPI_CHILD_PROCESS" not in os.environ and "Open MPI" in MPI.Get_libra
 
 import pytest  # noqa: E402
 from batching import (  # noqa: E402, F401  (hooks: pytest finds them by name in this module)
+    pytest_collection_modifyitems,
     pytest_configure,
     pytest_pyfunc_call,
     pytest_runtest_logreport,

@@ -345,9 +345,19 @@ def test_model_command_refuses_bad_input_with_usage(tmp_path, args, message):
     assert "usage:" in done.stderr and message in done.stderr
 
 
+def measure_small(monkeypatch, repeats):
+    """What calibrate measures, not how steadily nor how large: fewer repeats, and its sizes an eighth to
+    a sixteenth of a real calibration's, each still above the one before (512 KiB, 1 MiB, 4 MiB, 8 MiB):
+    these tests' 31 s became 9 s."""
+    monkeypatch.setattr(model, "REPEATS", repeats)
+    monkeypatch.setattr(model, "RING_SCALE_BYTES", (2**20, 4 * 2**20))
+    monkeypatch.setattr(model, "LOCAL_BYTES", 4 * 2**20)
+    monkeypatch.setattr(model, "HUGE_BYTES", 8 * 2**20)
+
+
 @pytest.mark.parallel([2, 3])
 def test_calibrate_measures_every_constant(monkeypatch):
-    monkeypatch.setattr(model, "REPEATS", 2)  # (what is measured, not how steadily: a third of the time)
+    measure_small(monkeypatch, 2)
     cal = model.calibrate(progress=lambda line: None)
     base = model.Calibration(**{**vars(cal), "uncrowded": None})
     assert WORLD.allgather(json.dumps(vars(cal))) == [json.dumps(vars(cal))] * WORLD.size  # the same
@@ -397,7 +407,7 @@ def test_calibrate_on_nodes_of_different_sizes(monkeypatch):
     the others hung), and the node terms are the largest node's."""
     import gflow
 
-    monkeypatch.setattr(model, "REPEATS", 1)
+    measure_small(monkeypatch, 1)
 
     before = gflow.config.ranks_per_node
     gflow.config.ranks_per_node = 2

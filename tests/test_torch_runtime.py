@@ -148,7 +148,7 @@ def test_a_metric_reduced_on_rank_0_only_between_backward_and_step_fails_on_ever
     seconds: MismatchError (a HorovodInternalError on the ranks in step()) on every rank, in the first
     step (the background channel still being made) and later, whether the gradients went during
     backward or at step. On every rank, the same metric works."""
-    status, output = run_case(size, "metric", CASE_DEADLINE_S="60")
+    status, output = run_case(size, "metric", CASE_DEADLINE_S="60", CASE_CROSSED_S="0.25")
     assert status == 0, output
     for when in ("first", "third"):
         for threshold in (1, 1 << 20):
@@ -160,7 +160,7 @@ def test_a_metric_reduced_on_rank_0_only_between_backward_and_step_fails_on_ever
 
 
 def test_a_blocking_collective_on_one_rank_inside_a_data_parallel_step_fails_on_every_rank():
-    status, output = run_case(3, "kit-metric")
+    status, output = run_case(3, "kit-metric", CASE_CROSSED_S="0.25")
     assert status == 0, output
     for r in range(3):
         said = re.search(rf"\[rank {r}: raised after ([0-9.]+) s, crossed True\]", output)

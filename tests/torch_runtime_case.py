@@ -2,7 +2,8 @@
 
 argv: the mode (see below). Once every rank has loaded torch, each arms a watchdog: a rank still
 running CASE_DEADLINE_S (default 20) seconds later prints its stack and exits, so a hang fails its
-test within seconds of the start, however long the ranks took to import torch.
+test within seconds of the start, however long the ranks took to import torch. CASE_CROSSED_S, where
+set, is how long a blocking wait lasts before the stall inspector checks it for crossed waits (1 s).
 """
 
 import faulthandler
@@ -15,8 +16,10 @@ from mpi4py import MPI
 
 import gflow
 import gflow.torch as hvd
+from gflow.runtime import stall
 
 torch.set_num_threads(1)
+stall.CROSSED_S = float(os.environ.get("CASE_CROSSED_S", stall.CROSSED_S))
 world = MPI.COMM_WORLD
 me, p = world.rank, world.size
 mode = sys.argv[1]
