@@ -1,5 +1,7 @@
 """Helpers for tests that run on every rank at once: collective assertions and references."""
 
+import contextlib
+import signal
 import traceback
 import warnings
 
@@ -10,6 +12,27 @@ WORLD = MPI.COMM_WORLD
 # MPICH's TCP transport (a cluster's Ethernet) for one host's ranks, each on a node of its own: where a
 # send to a process whose connection MPI saw close never returns (its progress engine reconnects)
 MPICH_TCP = dict(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp")
+
+
+class Interrupt(BaseException):
+    """Ctrl-C's kind of exception (a BaseException, as KeyboardInterrupt), which pytest does not take
+    for the user stopping the whole session."""
+
+
+@contextlib.contextmanager
+def interrupted_after(seconds: float):
+    """A signal handler raises Interrupt in the main thread after `seconds`, as Ctrl-C's would."""
+
+    def interrupt(*_):
+        raise Interrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def skip_unless_mpich() -> None:

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from helpers import (
     WORLD,
+    Interrupt,
     assert_close_to_reference,
     assert_same_on_all_ranks,
+    interrupted_after,
     mpi_allreduce,
     on_all_ranks,
     random_array,
@@ -495,3 +497,65 @@ def test_a_failure_no_wait_collected_is_said_at_exit_once():
     assert engine.shutdown() == []  # (said once)
     with pytest.raises(TypeError):
         kept.wait()  # (still the program's to collect)
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("kit", ["LazyAllreduce", "DataParallel"])
+def test_a_flush_interrupted_while_it_waits_is_finished_by_the_next(kit):
+    """Ctrl-C on rank 0 while its step's flush() (synchronize()) waits for a late peer: the step's
+    segments run on in the background, so the peers finish the step; the next flush() on rank 0
+    finishes it too, with the same results, and a push before it is refused on rank 0 alone, sending
+    nothing (pushing the step again met the peers' next step: helper-88's MismatchError, or, had the
+    interrupt come between segments, the peers' next batch, silently). Then the ranks go on in step."""
+    comm = WORLD.Dup()
+    rng = rank_rng(91)
+    shapes = {"w": (300, 200), "v": (50_000,), "b": (7,)}
+    if kit == "LazyAllreduce":
+        lazy = gflow.LazyAllreduce(threshold_bytes=1 << 18, op="sum", comm=comm)
+        grads = {name: np.empty(shape, np.float32) for name, shape in shapes.items()}
+        push, flush, op = lambda name: lazy.push(grads[name]), lazy.flush, "sum"
+        interrupted = lambda: lazy.flush_interrupted  # noqa: E731
+    else:
+        dp = gflow.DataParallel(
+            {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, comm=comm
+        )
+        grads = dp.gradient_buffers()
+        push, flush, op = dp.push, dp.synchronize, "mean"
+        interrupted = lambda: dp.synchronize_interrupted  # noqa: E731
+    late = WORLD.rank == WORLD.size - 1
+    for step in range(3):  # a step, the interrupted one, and one after it
+        inputs = {name: random_array(rng, shape, np.float32) for name, shape in shapes.items()}
+        if step == 1 and late:
+            time.sleep(1.5)  # rank 0's flush waits for this rank's segments
+        for name in reversed(shapes):  # (backward's order)
+            grads[name][...] = inputs[name]
+            push(name)
+        if step != 1:
+            on_all_ranks(flush, f"step {step}")
+        else:
+
+            def interrupt_then_push(inputs=inputs):  # (plain asserts: on_all_ranks catches Exception)
+                try:
+                    with interrupted_after(0.3):
+                        flush()
+                except Interrupt:
+                    pass
+                else:
+                    raise AssertionError("flush() finished before the interrupt: the late rank was not late")
+                assert interrupted()
+                try:
+                    push("b")
+                except RuntimeError as refused:
+                    assert "interrupted while it waited" in str(refused), refused
+                else:
+                    raise AssertionError("a push after the interrupted flush() was taken")
+                for name in shapes:  # nothing written yet
+                    np.testing.assert_array_equal(grads[name], inputs[name])
+
+            # Rank 0 is interrupted, then flushes again; the others flush once, meanwhile.
+            first, then = (interrupt_then_push, flush) if WORLD.rank == 0 else (flush, lambda: None)
+            on_all_ranks(first, "rank 0 interrupted in flush(), a push refused; the others' flush()")
+            on_all_ranks(then, "rank 0's flush() again")
+        on_all_ranks(lambda: None if not interrupted() else 1 / 0, "still interrupted after flush()")
+        for name in shapes:
+            assert_close_to_reference(grads[name], inputs[name], op)

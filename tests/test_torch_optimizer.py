@@ -9,13 +9,14 @@ import copy
 import gc
 import io
 import re
+import time
 import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import WORLD, assert_same_on_all_ranks, on_all_ranks
+from helpers import WORLD, Interrupt, assert_same_on_all_ranks, interrupted_after, on_all_ranks
 
 import gflow
 import gflow.torch as hvd
@@ -1773,3 +1774,46 @@ def test_a_layer_in_two_reentrant_checkpoints_is_named_as_the_cause():
             gc.collect()
 
     on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_step_interrupted_while_it_waits_is_finished_by_the_next_step():
+    """Ctrl-C on rank 0 in step() while the last rank is late: the reduction goes on in the background
+    and the others apply the step, so on rank 0 zero_grad() and a backward refuse (RuntimeError,
+    sending nothing), and step() again finishes the step. The replicas stay identical, at the float64
+    reference of every step (a step pushed again met the others' next step: helper-88)."""
+    r, last = WORLD.rank, WORLD.size - 1
+    data = batches(3)
+    hvd.init(comm=WORLD.Dup())
+
+    def check():
+        model, ref, opt, ref_opt = sgd_and_reference()
+        for step, (x, y) in enumerate(data):
+            opt.zero_grad()
+            rank_loss(model, x, y, r)
+            if step == 1 and r == last:
+                time.sleep(1.5)  # rank 0's step waits for this rank's gradients
+            if step == 1 and r == 0:
+                try:
+                    with interrupted_after(0.3):
+                        opt.step()
+                except Interrupt:
+                    pass
+                else:
+                    raise AssertionError("step() finished before the interrupt: the last rank was not late")
+                for refused in (opt.zero_grad, lambda x=x, y=y: rank_loss(model, x, y, r)):
+                    try:
+                        refused()
+                    except RuntimeError as error:
+                        assert "interrupted while it waited" in str(error), error
+                    else:
+                        raise AssertionError(f"{refused} was taken after the interrupted step()")
+            opt.step()
+            reference_step(ref, ref_opt, x, y)
+        assert_identical(model)
+        assert_close_to(model, ref, atol=1e-5)
+
+    try:
+        on_all_ranks(check)
+    finally:
+        hvd.init()

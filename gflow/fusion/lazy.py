@@ -147,6 +147,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         self._pool = GradientPool()  # what gradient_buffers() handed out
         self._solo = None  # whether the communicator has one rank (found at the first push)
         self._uncommitted: list = []  # sparse segments of a flush(commit=False), awaiting commit_step()
+        self._unfinished = None  # the rest of a flush() interrupted while it waited (Ctrl-C): _collect
         self._follow = None  # after a join(): the rank whose tuning position to take (joined)
         if self._tuner is not None:
             tell_after_join(self, comm)
@@ -207,6 +208,11 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         """
         if self._error is not None:
             return  # this step already failed here
+        if self._unfinished is not None:  # (a new step's pushes would meet the peers' next step)
+            raise RuntimeError(
+                "LazyAllreduce.push: the last flush() was interrupted while it waited for its step's "
+                "results, which the other ranks have; call flush() again to finish that step, then push"
+            )
         if not self._pushes:
             if self._uncommitted:  # (a caller's bug: DataParallel always decides)
                 raise RuntimeError(
@@ -475,6 +481,8 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
                 every rank; the pushed arrays hold the reduced values, inf/NaN included).
         """
         with timeline.span("lazy flush"):
+            if self._unfinished is not None:  # the last flush() was interrupted: finish it instead
+                return self._unfinished()
             return self._flush(commit, agree, refuse)
 
     def commit_step(self) -> None:
@@ -530,12 +538,25 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         started, step_bytes = self._step_started, self._step_bytes
         fired, error = self._fired, self._error
         self._reset()
+        step = (fired, error, commit, refuse, step_agreed, tuning, agreed, ctx, started, step_bytes)
+        self._unfinished = functools.partial(self._collect, step)
+        return self._unfinished()
+
+    def _collect(self, step: tuple):
+        """flush()'s second half: wait for the step's segments, then write their results. Its segments
+        run on the background thread whatever happens here, so a wait interrupted by a signal (Ctrl-C:
+        KeyboardInterrupt) leaves this for the next flush() to finish, with the peers' results; a retry
+        that pushed the step again would meet their next step (helper-88). (A threshold being tuned
+        takes the interrupted step's time as it is: every rank must count the step alike.)"""
+        fired, error, commit, refuse, step_agreed, tuning, agreed, ctx, started, step_bytes = step
+        tuner = self._tuner
         results = []
         for handle, _, _ in fired:
             try:
                 results.append(handle.wait())
             except Exception as exc:  # noqa: BLE001 - raised below, once every segment has finished
                 error = error or exc
+        self._unfinished = None
         if error is not None:
             parent = context(self._comm)
             for handle, _, csc in fired:
@@ -625,7 +646,18 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
     def tuning_results(self) -> dict | None:
         return None if self._tuner is None else self._tuner.results
 
+    @property
+    def flush_interrupted(self) -> bool:
+        """The last flush() was interrupted while it waited (Ctrl-C): the next flush() finishes it, and
+        no array can be pushed until then."""
+        return self._unfinished is not None
+
     def _in_step(self) -> bool:
         return bool(
-            self._pushes or self._members or self._fired or self._error is not None or self._uncommitted
+            self._pushes
+            or self._members
+            or self._fired
+            or self._error is not None
+            or self._uncommitted
+            or self._unfinished is not None
         )

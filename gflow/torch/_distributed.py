@@ -71,6 +71,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         _LIVE.add(self)  # (a parameter two live optimizers hook fails in _on_grad: its message says so)
         self._gflow_params: list = []
         self._should_synchronize = True
+        self._held = []  # hooks refusing a backward after an interrupted step (_hold_backward)
         self._reduced = False  # synchronize() ended this step: p.grad holds the reduced gradients
         self._reduced_grads: list = []  # (each p.grad then, its version, its memory), for _still_reduced
         self._user_synchronized = False  # ... and the program called it (Horovod's warning in step)
@@ -377,6 +378,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             self._gflow_begin_step()
         params = self._gflow_params
         stale = any(p.grad is g and g._version == v for p, g, v in self._refused)
+        interrupted = False
         try:
             for index, p in enumerate(params):
                 if self._pushed[index] is None and index not in self._sparse_pushed and p.grad is not None:
@@ -421,18 +423,45 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 self._gather_sparse(sparse)
                 self._learn_absent(used, sparse)
         except BaseException:
-            # Gradients reduced where they are (no compression, no copy) hold the reduced value now
-            self._refused = [
-                (p, entry[2], entry[2]._version)
-                for p, entry in zip(params, self._pushed, strict=False)
-                if entry is not None and entry[0] is entry[2]
-            ]
+            # Ctrl-C while the reduction waited: it goes on, and the other ranks apply it, so the step
+            # stays in flight for step() (or synchronize()) to finish; zero_grad() and backward refuse.
+            interrupted = self._dp.synchronize_interrupted
+            if not interrupted:  # Gradients reduced where they are (no copy) hold the reduced value now
+                self._refused = [
+                    (p, entry[2], entry[2]._version)
+                    for p, entry in zip(params, self._pushed, strict=False)
+                    if entry is not None and entry[0] is entry[2]
+                ]
             raise
         finally:
-            self._gflow_reset_step()
+            if interrupted:
+                self._hold_backward()
+            else:
+                self._gflow_reset_step()
+                self._release_backward()
         self._refused = []
         self._reduced = True
         self._reduced_grads = _grads_now(params)
+
+    def _hold_backward(self) -> None:
+        """After a step interrupted in its wait: a backward before step() finishes it is refused before
+        it adds to any gradient (a hook on each parameter's incoming gradient): the reduction may
+        still read them (gradient_as_bucket_view), and the step must apply what the others applied."""
+
+        def refuse(grad):
+            raise RuntimeError(
+                "loss.backward(): the last optimizer.step() (or synchronize()) was interrupted while it "
+                "waited for the step's reduction, which goes on and which the other ranks apply: call "
+                "step() again to finish that step first"
+            )
+
+        if not self._held:
+            self._held = [p.register_hook(refuse) for p in self._gflow_params if p.requires_grad]
+
+    def _release_backward(self) -> None:
+        for hook in self._held:
+            hook.remove()
+        self._held = []
 
     def _set_anew_anywhere(self, unchanged: bool, after: str) -> bool:
         """Whether on some rank the gradients are no longer those the last synchronize() reduced
@@ -865,6 +894,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             self._gflow_synchronize()
 
     def zero_grad(self, set_to_none: bool = True):
+        if self._dp.synchronize_interrupted:  # (its gradients are the step's: kept for step() to finish it)
+            raise RuntimeError(
+                "optimizer.zero_grad(): the last step() (or synchronize()) was interrupted while it waited "
+                "for the step's reduction, which goes on and which the other ranks apply: call step() again "
+                "to finish that step first"
+            )
         if self._touched and self._dp.cut_short() is not None:
             self._forget_cut_step()
         if self._touched:

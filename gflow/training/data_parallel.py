@@ -335,7 +335,8 @@ class DataParallel:
 
         Raises:
             KeyError: no such parameter. ValueError: this parameter was already pushed in this step,
-                or grad is None and gradient_buffers() was never called. The step is unchanged.
+                or grad is None and gradient_buffers() was never called. RuntimeError: the last
+                synchronize() was interrupted (Ctrl-C) and not called again. The step is unchanged.
 
         A grad that fails its checks (not an array, another shape or dtype, read-only) fails the step:
         synchronize() raises its TypeError/ValueError on this rank and MismatchError on the others.
@@ -346,6 +347,12 @@ class DataParallel:
             slot = None
         if slot is None:
             raise KeyError(f"DataParallel.push: unknown parameter {key!r}; the parameters are {self._keys}")
+        if self._lazy.flush_interrupted:
+            raise RuntimeError(
+                "DataParallel.push: the last synchronize() (in gflow.torch, step()) was interrupted while it "
+                "waited for its step's results, which the other ranks have; call it again to finish that "
+                "step, then push"
+            )
         if self._ready[slot] is _ABSENT:
             raise ValueError(
                 f"DataParallel.push: parameter {key!r} is out of the fusion (set_absent()); its gradient "
@@ -531,6 +538,13 @@ class DataParallel:
         if commit:
             self.commit_step()
         return apply
+
+    @property
+    def synchronize_interrupted(self) -> bool:
+        """The last synchronize() was interrupted while it waited (Ctrl-C): its step's reduction went
+        on, and the other ranks have its results; the next synchronize() finishes it here, and no
+        gradient can be pushed until then."""
+        return self._lazy.flush_interrupted
 
     def join(self) -> int:
         """This rank has run out of data (uneven inputs: Horovod's join, DDP's Join): until every rank
