@@ -448,12 +448,16 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         it adds to any gradient (a hook on each parameter's incoming gradient): the reduction may
         still read them (gradient_as_bucket_view), and the step must apply what the others applied."""
 
+        held = weakref.ref(self)  # (an optimizer dropped since refuses nothing)
+
         def refuse(grad):
-            raise RuntimeError(
-                "loss.backward(): the last optimizer.step() (or synchronize()) was interrupted while it "
-                "waited for the step's reduction, which goes on and which the other ranks apply: call "
-                "step() again to finish that step first"
-            )
+            optimizer = held()
+            if optimizer is not None and optimizer._dp.synchronize_interrupted:
+                raise RuntimeError(
+                    "loss.backward(): the last optimizer.step() (or synchronize()) was interrupted while it "
+                    "waited for the step's reduction, which goes on and which the other ranks apply: call "
+                    "step() again to finish that step first"
+                )
 
         if not self._held:
             self._held = [p.register_hook(refuse) for p in self._gflow_params if p.requires_grad]
