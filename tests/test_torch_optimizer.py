@@ -1777,38 +1777,58 @@ def test_a_layer_in_two_reentrant_checkpoints_is_named_as_the_cause():
 
 
 @pytest.mark.parallel([2, 3])
-def test_a_step_interrupted_while_it_waits_is_finished_by_the_next_step():
-    """Ctrl-C on rank 0 in step() while the last rank is late: the reduction goes on in the background
-    and the others apply the step, so on rank 0 zero_grad() and a backward refuse (RuntimeError,
-    sending nothing), and step() again finishes the step. The replicas stay identical, at the float64
-    reference of every step (a step pushed again met the others' next step: helper-88)."""
+@pytest.mark.parametrize("how", ["step", "model.zero_grad", "synchronize"])
+def test_a_step_interrupted_while_it_waits_is_finished_by_the_next_step(how):
+    """Ctrl-C on rank 0 in step() (or, Horovod's clipping recipe, in synchronize()) while the last rank
+    is late: the reduction goes on in the background and the others apply the step, so on rank 0
+    zero_grad() and a backward refuse (RuntimeError, sending nothing), as does step() inside
+    skip_synchronize(); the same call again finishes the step, also after model.zero_grad() set the
+    gradients to None (the pushed ones are put back). The replicas stay identical, at the float64
+    reference of every step (a step pushed again met the others' next step: helper-88, helper-89)."""
     r, last = WORLD.rank, WORLD.size - 1
     data = batches(3)
     hvd.init(comm=WORLD.Dup())
 
+    def expect_refused(call, label):
+        try:
+            call()
+        except RuntimeError as error:
+            assert "interrupted" in str(error) and "again" in str(error), error
+        else:
+            raise AssertionError(f"{label} was taken after the interrupted step")
+
     def check():
         model, ref, opt, ref_opt = sgd_and_reference()
-        for step, (x, y) in enumerate(data):
+
+        def step():
+            if how == "synchronize":
+                opt.synchronize()
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+
+        for n, (x, y) in enumerate(data):
             opt.zero_grad()
             rank_loss(model, x, y, r)
-            if step == 1 and r == last:
+            if n == 1 and r == last:
                 time.sleep(1.5)  # rank 0's step waits for this rank's gradients
-            if step == 1 and r == 0:
+            if n == 1 and r == 0:
                 try:
                     with interrupted_after(0.3):
-                        opt.step()
+                        opt.synchronize() if how == "synchronize" else opt.step()
                 except Interrupt:
                     pass
                 else:
                     raise AssertionError("step() finished before the interrupt: the last rank was not late")
-                for refused in (opt.zero_grad, lambda x=x, y=y: rank_loss(model, x, y, r)):
-                    try:
-                        refused()
-                    except RuntimeError as error:
-                        assert "interrupted while it waited" in str(error), error
-                    else:
-                        raise AssertionError(f"{refused} was taken after the interrupted step()")
-            opt.step()
+                expect_refused(opt.zero_grad, "optimizer.zero_grad()")
+                expect_refused(lambda x=x, y=y: rank_loss(model, x, y, r), "a backward")
+                if how == "synchronize":
+                    with opt.skip_synchronize():
+                        expect_refused(opt.step, "step() inside skip_synchronize()")
+                if how == "model.zero_grad":
+                    model.zero_grad()  # (the gradients become None: the pushed ones are put back)
+            step()
             reference_step(ref, ref_opt, x, y)
         assert_identical(model)
         assert_close_to(model, ref, atol=1e-5)

@@ -186,11 +186,14 @@ class PooledGradients:
 
         Called while this rank has a step in flight, it abandons that step (as a failed one: the
         pushed arrays keep their values) and raises RuntimeError; the other ranks' call raises
-        MismatchError.
+        MismatchError. After a flush() interrupted in its wait (Ctrl-C), it first finishes that step,
+        which the other ranks finished.
 
         private=True: the pool is in this rank's private memory, and the call is not collective (for
         a caller that may rebuild its pool on one rank alone; the node phase copies it in).
         """
+        if self.flush_interrupted:
+            self.flush()
         if self._in_step():
             self.fail_step(RuntimeError("gradient_buffers: a step was in flight (pushed, not flushed)"))
             self.flush()  # raises, once the step's segments are done: this rank starts clean

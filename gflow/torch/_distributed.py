@@ -72,6 +72,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._gflow_params: list = []
         self._should_synchronize = True
         self._held = []  # hooks refusing a backward after an interrupted step (_hold_backward)
+        self._interrupted_scale = None  # the GradScaler scale of the step interrupted (_resume)
         self._reduced = False  # synchronize() ended this step: p.grad holds the reduced gradients
         self._reduced_grads: list = []  # (each p.grad then, its version, its memory), for _still_reduced
         self._user_synchronized = False  # ... and the program called it (Horovod's warning in step)
@@ -374,6 +375,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         """synchronize(); with `scale` (a GradScaler's), the ranks also agree that they scaled their
         losses alike, or raise MismatchError on every rank."""
         self._check_set()
+        if self._dp.synchronize_interrupted:
+            self._resume(scale)
         if not self._touched:
             self._gflow_begin_step()
         params = self._gflow_params
@@ -426,6 +429,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             # Ctrl-C while the reduction waited: it goes on, and the other ranks apply it, so the step
             # stays in flight for step() (or synchronize()) to finish; zero_grad() and backward refuse.
             interrupted = self._dp.synchronize_interrupted
+            self._interrupted_scale = scale  # (the call that finishes it must unscale alike)
             if not interrupted:  # Gradients reduced where they are (no copy) hold the reduced value now
                 self._refused = [
                     (p, entry[2], entry[2]._version)
@@ -443,6 +447,22 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._reduced = True
         self._reduced_grads = _grads_now(params)
 
+    def _resume(self, scale) -> None:
+        """Before finishing a step interrupted in its wait: it must be finished by the same kind of
+        call (torch.amp's scaler.step(optimizer) unscales what it reduced, a plain step() would apply
+        it scaled), and a gradient set to None since (model.zero_grad()) is the one pushed: the
+        reduction writes into it, and the step applies what the other ranks applied."""
+        if (scale is None) != (self._interrupted_scale is None):
+            raise RuntimeError(
+                "the step interrupted (Ctrl-C) while it waited for its reduction was begun by "
+                + ("scaler.step(optimizer) (torch.amp.GradScaler): call that again" if scale is None else
+                   "optimizer.step() or synchronize(), not scaler.step(optimizer): call that again")
+                + " to finish it"
+            )  # fmt: skip
+        for p, entry in zip(self._gflow_params, self._pushed, strict=False):
+            if entry is not None and p.grad is None:
+                p.grad = entry[2]
+
     def _hold_backward(self) -> None:
         """After a step interrupted in its wait: a backward before step() finishes it is refused before
         it adds to any gradient (a hook on each parameter's incoming gradient): the reduction may
@@ -454,9 +474,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             optimizer = held()
             if optimizer is not None and optimizer._dp.synchronize_interrupted:
                 raise RuntimeError(
-                    "loss.backward(): the last optimizer.step() (or synchronize()) was interrupted while it "
-                    "waited for the step's reduction, which goes on and which the other ranks apply: call "
-                    "step() again to finish that step first"
+                    "loss.backward(): the last optimizer.step() (or synchronize(), scaler.step(optimizer)) "
+                    "was interrupted while it waited for the step's reduction, which goes on and which the "
+                    "other ranks apply: make that call again to finish the step first"
                 )
 
         if not self._held:
@@ -797,6 +817,12 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 overflowed (see synchronize); the step is not applied.
         """
         self._check_synced("step()")
+        if not self._should_synchronize and self._dp.synchronize_interrupted:  # (it would apply local ones)
+            raise RuntimeError(
+                "optimizer.step() inside skip_synchronize(): the last optimizer.synchronize() was "
+                "interrupted (Ctrl-C) while it waited for the step's reduction, which goes on and which the "
+                "other ranks apply: call optimizer.synchronize() again first"
+            )
         if closure is not None:
             return super().step(self._synchronized_closure(closure))
         if self._should_synchronize and self._applied_again():
@@ -900,9 +926,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
     def zero_grad(self, set_to_none: bool = True):
         if self._dp.synchronize_interrupted:  # (its gradients are the step's: kept for step() to finish it)
             raise RuntimeError(
-                "optimizer.zero_grad(): the last step() (or synchronize()) was interrupted while it waited "
-                "for the step's reduction, which goes on and which the other ranks apply: call step() again "
-                "to finish that step first"
+                "optimizer.zero_grad(): the last step() (or synchronize(), scaler.step(optimizer)) was "
+                "interrupted while it waited for the step's reduction, which goes on and which the other "
+                "ranks apply: make that call again to finish the step first"
             )
         if self._touched and self._dp.cut_short() is not None:
             self._forget_cut_step()
