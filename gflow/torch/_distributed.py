@@ -953,7 +953,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         if any(entry is not None for entry in self._pushed) or self._sparse_pushed:
             raise RuntimeError(
                 "hvd.join(): this rank's DistributedOptimizer has a step in flight (gradients pushed, "
-                "step() or synchronize() not called yet): finish it with step() before join()"
+                "step() or synchronize() not called yet, or interrupted while it waited): finish it with "
+                "step() before join()"
             )
         passes = self.backward_passes_per_step - min(self._delay, default=self.backward_passes_per_step)
         warnings.warn(
@@ -972,7 +973,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         if self._touched:
             raise RuntimeError(
                 f"DistributedOptimizer.{who}: a step is in flight (backward ran, step() or synchronize() "
-                "did not yet): call it between steps"
+                "did not yet, or was interrupted while it waited: make that call again): call it between "
+                "steps"
             )
 
 
