@@ -410,34 +410,34 @@ def hear_elsewhere(ctx) -> None:
     if ctx.heard_departures == count or user is None:
         return
     try:
-        group = user.Get_group()
+        gone = _gone_among(user, ctx.gone)
     except MPI.Exception:  # (freed meanwhile)
         return
+    for rank in gone:
+        ctx.gone.setdefault(rank, time.monotonic())
+    ctx.heard_departures = count
+
+
+def _gone_among(comm, skip=None) -> set:
+    """The ranks of `comm` that said goodbye on a context this rank watches (but those whose news is
+    the dict `skip`: a context's own, shared with its background contexts)."""
+    group, gone = comm.Get_group(), set()
     try:
-        for rank in _gone_among(group, ctx.gone):
-            ctx.gone.setdefault(rank, time.monotonic())
-        ctx.heard_departures = count
+        for other in list(_watched):
+            monitor = other.monitor_comm  # (once: another thread may free it meanwhile)
+            if not other.gone or monitor is None or other.gone is skip:
+                continue
+            try:
+                theirs = monitor.Get_group()
+            except MPI.Exception:  # (freed meanwhile)
+                continue
+            try:
+                mapped = MPI.Group.Translate_ranks(theirs, sorted(other.gone), group)
+            finally:
+                theirs.Free()
+            gone.update(rank for rank in mapped if rank != MPI.UNDEFINED)
     finally:
         group.Free()
-
-
-def _gone_among(group, skip=None) -> set:
-    """The ranks of `group` that said goodbye on a context this rank watches (but those whose news
-    is the dict `skip`: a context's own, shared with its background contexts)."""
-    gone = set()
-    for other in list(_watched):
-        monitor = other.monitor_comm  # (once: another thread may free it meanwhile)
-        if not other.gone or monitor is None or other.gone is skip:
-            continue
-        try:
-            theirs = monitor.Get_group()
-        except MPI.Exception:  # (freed meanwhile)
-            continue
-        try:
-            mapped = MPI.Group.Translate_ranks(theirs, sorted(other.gone), group)
-        finally:
-            theirs.Free()
-        gone.update(rank for rank in mapped if rank != MPI.UNDEFINED)
     return gone
 
 
@@ -554,11 +554,7 @@ def goodbye() -> None:
                 completed = LEFT_UNCOUNTED
             completed = np.array([completed], np.int64)
             payloads.append(completed)
-            group = ctx.monitor_comm.Get_group()
-            try:
-                gone = _gone_among(group)
-            finally:
-                group.Free()
+            gone = _gone_among(ctx.monitor_comm)
             peers = (r for r in range(ctx.size) if r != ctx.rank and r not in gone)
             sends += [ctx.monitor_comm.Isend(completed, r, TAG_GOODBYE) for r in peers]
     _sent_within(sends, 1.0)
@@ -580,13 +576,9 @@ def refuse_if_gone(comm) -> None:
     goodbye on another communicator (hear_elsewhere's news, taken in first): the duplicate can never
     be made without it, and under MPICH's TCP transport posting it never returned (its first send goes
     to the process that exited, _hear_every_goodbye), stall abort included."""
-    group = comm.Get_group()
-    try:
-        with _lock:
-            _hear_every_goodbye()
-            left = sorted(_gone_among(group))
-    finally:
-        group.Free()
+    with _lock:
+        _hear_every_goodbye()
+        left = sorted(_gone_among(comm))
     if left:
         named = _world_ranks_of(comm, comm.Get_rank())
         verb, whose = ("has", "its process") if len(left) == 1 else ("have", "their processes")

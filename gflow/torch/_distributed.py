@@ -26,6 +26,12 @@ from ._optimizer_state import OptimizerCheckpoint
 from .compression import wire_compression
 
 _VIEW_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # gradient_as_bucket_view
+# Why a call is refused after a step interrupted in its wait (Ctrl-C), and what to do.
+_INTERRUPTED_STEP = (
+    "the last optimizer.step() (or synchronize(), scaler.step(optimizer)) was interrupted while it waited "
+    "for the step's reduction, which goes on and which the other ranks apply: make that call again to "
+    "finish the step first"
+)
 _LIVE = weakref.WeakSet()  # every DistributedOptimizer not yet collected
 
 
@@ -429,8 +435,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
             # Ctrl-C while the reduction waited: it goes on, and the other ranks apply it, so the step
             # stays in flight for step() (or synchronize()) to finish; zero_grad() and backward refuse.
             interrupted = self._dp.synchronize_interrupted
-            self._interrupted_scale = scale  # (the call that finishes it must unscale alike)
-            if not interrupted:  # Gradients reduced where they are (no copy) hold the reduced value now
+            if interrupted:
+                self._interrupted_scale = scale  # (the call that finishes it must unscale alike)
+            else:  # Gradients reduced where they are (no copy) hold the reduced value now
                 self._refused = [
                     (p, entry[2], entry[2]._version)
                     for p, entry in zip(params, self._pushed, strict=False)
@@ -473,11 +480,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         def refuse(grad):
             optimizer = held()
             if optimizer is not None and optimizer._dp.synchronize_interrupted:
-                raise RuntimeError(
-                    "loss.backward(): the last optimizer.step() (or synchronize(), scaler.step(optimizer)) "
-                    "was interrupted while it waited for the step's reduction, which goes on and which the "
-                    "other ranks apply: make that call again to finish the step first"
-                )
+                raise RuntimeError(f"loss.backward(): {_INTERRUPTED_STEP}")
 
         if not self._held:
             self._held = [p.register_hook(refuse) for p in self._gflow_params if p.requires_grad]
@@ -925,11 +928,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
     def zero_grad(self, set_to_none: bool = True):
         if self._dp.synchronize_interrupted:  # (its gradients are the step's: kept for step() to finish it)
-            raise RuntimeError(
-                "optimizer.zero_grad(): the last step() (or synchronize(), scaler.step(optimizer)) was "
-                "interrupted while it waited for the step's reduction, which goes on and which the other "
-                "ranks apply: make that call again to finish the step first"
-            )
+            raise RuntimeError(f"optimizer.zero_grad(): {_INTERRUPTED_STEP}")
         if self._touched and self._dp.cut_short() is not None:
             self._forget_cut_step()
         if self._touched:

@@ -347,7 +347,7 @@ class DataParallel:
             slot = None
         if slot is None:
             raise KeyError(f"DataParallel.push: unknown parameter {key!r}; the parameters are {self._keys}")
-        if self._lazy.flush_interrupted:
+        if self.synchronize_interrupted:
             raise RuntimeError(
                 "DataParallel.push: the last synchronize() (in gflow.torch, step()) was interrupted while it "
                 "waited for its step's results, which the other ranks have; call it again to finish that "
