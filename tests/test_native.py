@@ -46,6 +46,38 @@ def test_the_compiled_loops_are_there():
     assert native.usable(host_ops), "the MPI entry points could not be bound: the ring runs in Python"
 
 
+@pytest.mark.parallel([2, 3])
+def test_collectives_compile_nothing_that_gflow_compile_leaves_out():
+    """`gflow compile` compiles precompile.signatures() ahead of a job; a collective that needs
+    another (a new argument, a layout) would compile it on every rank at a job's start again. Every
+    path's loops and kernels (latency, the slots, the ring; read-only inputs, mean, fp16 and bf16
+    compression, the engine thread), and whatever this process's earlier tests compiled."""
+    from gflow.tools import precompile
+
+    comm = WORLD.Dup()
+    for dtype in DTYPES:
+        for n in (3, 3_000, 300_000):
+            x = random_array(rank_rng(n), n, np.float32).astype(dtype)
+            for read_only in (False, True):
+                x.setflags(write=not read_only)
+                for op in ("sum", "mean") if np.dtype(dtype).kind != "i" else ("sum", "max"):
+                    y = gflow.allreduce(x, op, comm=comm)
+                    on_all_ranks(lambda: np.testing.assert_equal(y.shape, x.shape))  # noqa: B023
+                gflow.allreduce_async(x, comm=comm).wait()
+        if np.dtype(dtype).itemsize > 2 and np.dtype(dtype).kind == "f":
+            for compression in ("fp16", "bf16"):
+                gflow.allreduce(random_array(rank_rng(1), 300_000, dtype), compression=compression, comm=comm)
+    planned = precompile.signatures()
+    unplanned = [
+        (dispatcher.py_func.__name__, types)
+        for dispatcher in {d for d, _ in planned}
+        for types in dispatcher.signatures
+        if (dispatcher, types) not in planned
+    ]
+    assert not unplanned, unplanned
+    comm.Free()
+
+
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_same_bits_as_the_python_loop_and_mpis_answer(monkeypatch, dtype):

@@ -221,3 +221,22 @@ def divide_bf16(x, divisor):
     """x (bfloat16 bits) = x / divisor in place, in float32 with one rounding (op='mean')."""
     for i in range(x.size):
         x[i] = _to_bf16(_from_bf16(x[i]) / divisor)
+
+
+def kernel_signatures() -> list:
+    """(kernel, argument types) for what host_ops runs these kernels on: 2-byte float bits against
+    float32 or float64, operands read-only or not. `gflow compile` compiles them ahead."""
+    from numba import typeof
+
+    bits, f32, f64 = np.zeros(1, np.uint16), np.zeros(1, np.float32), np.zeros(1, np.float64)
+    read_only = bits.copy()
+    read_only.setflags(write=False)
+    op, scale = np.int64(0), np.float32(1)
+    plan = [(_encode, (bits, f32)), (divide_bf16, (bits, scale))]
+    for src in (bits, read_only):
+        plan += [(_decode, (f32, src)), (_reduce_bf16_into, (bits, src, op, True))]
+        plan += [(_reduce_bf16, (bits, src, bits, op)), (_reduce_bf16, (bits, bits, src, op))]
+    for wide in (f32, f64):
+        plan += [(kernel, (bits, wide, scale)) for kernel in (encode_half, encode_bf16)]
+        plan += [(kernel, (wide, bits, scale)) for kernel in (decode_half, decode_bf16)]
+    return [(kernel, tuple(typeof(x) for x in args)) for kernel, args in plan]

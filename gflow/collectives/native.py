@@ -82,14 +82,53 @@ def _bind():
         return False
 
 
-def usable(ops) -> bool:
-    """Whether a phase over buffers of `ops` can run compiled: host memory, the native loops on."""
+def _loops():
+    """The compiled phases (native_loops), bound on first use; False where they cannot be."""
     global _compiled
-    if not config.native or ops.memory != "host":
-        return False
     if _compiled is None:
         _compiled = _bind()
-    return _compiled is not False
+    return _compiled
+
+
+def usable(ops) -> bool:
+    """Whether a phase over buffers of `ops` can run compiled: host memory, the native loops on."""
+    if not config.native or ops.memory != "host":
+        return False
+    return _loops() is not False
+
+
+# The element types the loops run on (2-byte floats travel as their bits: _plain)
+LOOP_DTYPES = (np.uint16, np.float32, np.float64, np.int32, np.int64)
+
+
+def loop_signatures() -> list:
+    """(loop, argument types) for every compiled loop and element type the collectives run, read-only
+    sources included: what `gflow compile` compiles ahead (tests/test_native.py checks that the
+    collectives compile nothing else). Empty where the loops cannot be bound."""
+    loops = _loops()
+    if loops is False:
+        return []
+    from numba import typeof
+
+    ints, space = np.zeros(1, np.int64), np.zeros(1, np.uint8)
+    steps, slots = np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.uint8)
+    plan = [(loops.recursive_doubling, (space,) * 5 + (ints, steps, space))]  # (a header alone)
+    for dtype in LOOP_DTYPES:
+        a = np.zeros(1, dtype)
+        read_only = a.copy()
+        read_only.setflags(write=False)
+        plan += [
+            (loops.allgather, (a, ints, space)),
+            (loops.recursive_doubling, (a, a, a, space, space, ints, steps, space)),
+        ]
+        for src in (a, read_only):
+            plan += [
+                (loops.reduce_scatter, (src, a, a, ints, space)),
+                (loops.allreduce, (src, a, a, a, ints, space)),
+                (loops.slots_step, (src, a, slots, ints)),
+                (loops.slots_scatter_step, (src, a, slots, ints, ints)),
+            ]
+    return [(loop, tuple(typeof(x) for x in args)) for loop, args in plan]
 
 
 def _plain(a, half: int):
