@@ -97,9 +97,10 @@ def _compile_ahead(config) -> None:
     """Once, before the first batch: `gflow compile`, its processes sharing the work. Otherwise
     every rank of a batch compiles the loops its first tests use at once while its peers wait on
     it: from a cold cache the 4-rank batch took 430 s here, from a warm one 143 s. A failure here
-    is shown and the tests go on (each compiles what it needs)."""
+    is shown and the tests go on (each compiles what it needs). GFLOW_TEST_COMPILE_AHEAD=0: not
+    (test_harness.py's own pytest runs)."""
     global _compiled_ahead
-    if _compiled_ahead:
+    if _compiled_ahead or os.environ.get("GFLOW_TEST_COMPILE_AHEAD") == "0":
         return
     _compiled_ahead = True
     processes = str(max(1, min(4, os.cpu_count() or 1)))

@@ -66,7 +66,11 @@ def test_collectives_compile_nothing_that_gflow_compile_leaves_out():
                 gflow.allreduce_async(x, comm=comm).wait()
         if np.dtype(dtype).itemsize > 2 and np.dtype(dtype).kind == "f":
             for compression in ("fp16", "bf16"):
-                gflow.allreduce(random_array(rank_rng(1), 300_000, dtype), compression=compression, comm=comm)
+                x = random_array(rank_rng(1), 300_000, dtype)
+                for read_only in (False, True):
+                    x.setflags(write=not read_only)
+                    gflow.allreduce(x, compression=compression, comm=comm)
+    comm.Free()
     planned = precompile.signatures()
     unplanned = [
         (dispatcher.py_func.__name__, types)
@@ -75,7 +79,6 @@ def test_collectives_compile_nothing_that_gflow_compile_leaves_out():
         if (dispatcher, types) not in planned
     ]
     assert not unplanned, unplanned
-    comm.Free()
 
 
 @pytest.mark.parallel(SIZES)

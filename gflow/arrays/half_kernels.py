@@ -237,6 +237,9 @@ def kernel_signatures() -> list:
         plan += [(_decode, (f32, src)), (_reduce_bf16_into, (bits, src, op, True))]
         plan += [(_reduce_bf16, (bits, src, bits, op)), (_reduce_bf16, (bits, bits, src, op))]
     for wide in (f32, f64):
-        plan += [(kernel, (bits, wide, scale)) for kernel in (encode_half, encode_bf16)]
+        fixed = wide.copy()
+        fixed.setflags(write=False)
+        for src in (wide, fixed):
+            plan += [(kernel, (bits, src, scale)) for kernel in (encode_half, encode_bf16)]
         plan += [(kernel, (wide, bits, scale)) for kernel in (decode_half, decode_bf16)]
     return [(kernel, tuple(typeof(x) for x in args)) for kernel, args in plan]

@@ -25,9 +25,13 @@ def signatures() -> list:
 
 
 def compile_part(part: int, parts: int) -> tuple:
-    """Compile (or load from the cache) every parts-th signature from part; (compiled, loaded)."""
+    """Compile (or load from the cache) every signature of every parts-th function from part;
+    (compiled, loaded). Whole functions: Numba rewrites a function's cache index without a lock, so
+    two processes saving signatures of one function at once can lose one or mix them (helper-90)."""
+    every = signatures()
+    mine = list(dict.fromkeys(dispatcher for dispatcher, _ in every))[part::parts]
     compiled = loaded = 0
-    for dispatcher, types in signatures()[part::parts]:
+    for dispatcher, types in (each for each in every if each[0] in mine):
         hits = sum(dispatcher.stats.cache_hits.values())
         dispatcher.compile(types)
         if sum(dispatcher.stats.cache_hits.values()) > hits:
