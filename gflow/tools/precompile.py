@@ -16,19 +16,13 @@ def signatures() -> list:
     from ..arrays import half_kernels
     from ..collectives import native
 
-    seen, unique = set(), []
-    for dispatcher, types in native.loop_signatures() + half_kernels.kernel_signatures():
-        if (dispatcher, types) not in seen:
-            seen.add((dispatcher, types))
-            unique.append((dispatcher, types))
-    return unique
+    return list(dict.fromkeys(native.loop_signatures() + half_kernels.kernel_signatures()))
 
 
-def compile_part(part: int, parts: int) -> tuple:
-    """Compile (or load from the cache) every signature of every parts-th function from part;
-    (compiled, loaded). Whole functions: Numba rewrites a function's cache index without a lock, so
-    two processes saving signatures of one function at once can lose one or mix them (helper-90)."""
-    every = signatures()
+def compile_part(every: list, part: int, parts: int) -> tuple:
+    """Compile (or load from the cache) every signature in `every` of every parts-th function from
+    part; (compiled, loaded). Whole functions: Numba rewrites a function's cache index without a lock,
+    so two processes saving signatures of one function at once can lose one or mix them (helper-90)."""
     mine = list(dict.fromkeys(dispatcher for dispatcher, _ in every))[part::parts]
     compiled = loaded = 0
     for dispatcher, types in (each for each in every if each[0] in mine):
@@ -47,11 +41,11 @@ def run() -> int:
 
     comm = MPI.COMM_WORLD
     started = time.perf_counter()
-    mine = compile_part(comm.rank, comm.size)
-    counts = comm.gather(mine, root=0)
+    every = signatures()
+    counts = comm.gather(compile_part(every, comm.rank, comm.size), root=0)
     if comm.rank == 0:
         compiled, loaded = (sum(c[i] for c in counts) for i in (0, 1))
-        where = signatures()[0][0].stats.cache_path
+        where = every[0][0].stats.cache_path
         print(
             f"gflow compile: {compiled} compiled, {loaded} already in Numba's cache, on {comm.size} "
             f"process(es), in {time.perf_counter() - started:.1f} s (cache: {where})"
