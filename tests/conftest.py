@@ -61,6 +61,7 @@ from batching import (  # noqa: E402, F401  (hooks: pytest finds them by name in
     pytest_terminal_summary,
 )
 from hypothesis import HealthCheck, settings  # noqa: E402
+from shm_sweep import pytest_sessionfinish, pytest_sessionstart  # noqa: E402, F401  (hooks)
 
 # mpi-pytest calls plain `mpiexec`: make it the one installed beside this Python (the MPICH wheel's).
 _bindir = os.path.dirname(sys.executable)

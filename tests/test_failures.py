@@ -10,6 +10,7 @@ import time
 
 import pytest
 from helpers import MPICH_TCP, skip_unless_mpich
+from mpi4py import MPI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAILING = 1  # the rank that fails, in every world size
@@ -35,6 +36,16 @@ def run_job(mode: str, size: int, **env):
 SIZES = [2, 3, 4]
 
 
+def assert_no_segment_left(output: str) -> None:
+    """MPICH's shared-memory file of the job (failure_case.py prints it) is gone after its abort."""
+    if "MPICH" not in MPI.Get_library_version():
+        return  # (Open MPI's launcher removes its own)
+    printed = re.search(r"segments: (.*)", output)
+    assert printed and printed.group(1).split(), output
+    left = [path for path in printed.group(1).split() if os.path.exists(path)]
+    assert not left, f"an aborted job left {left} in /dev/shm"
+
+
 def every_mode_at_2_and_3(modes, at_4):
     """(mode, size): every mode at 2 and 3 ranks (3: not a power of two, and a rank that is neither
     the failing one nor rank 0), and `at_4` at 4 too: each case is a real job of a few seconds, and a
@@ -53,6 +64,7 @@ def test_an_uncaught_exception_ends_the_job_naming_the_rank(mode, size):
     assert "Traceback" in output, output  # Python's own report comes first
     assert after is not None and after < ENDS_WITHIN_S, (after, output)
     assert "finished" not in output, output
+    assert_no_segment_left(output)
 
 
 LEAVING = ["exit", "exit-early", "exit-inside", "exit-before-async", "exit-before-blocking", "exit-lazy"]
@@ -71,6 +83,7 @@ def test_a_rank_that_leaves_is_named_by_the_others(mode, size):
     named_by = {int(r) for r in re.findall(pattern, output)}
     assert named_by and named_by <= set(others), output
     assert after is not None and after < ENDS_WITHIN_S, (after, output)
+    assert_no_segment_left(output)
     if mode == "exit-in-flush":  # what it pushed before leaving is reduced: the others' step succeeds
         assert all(f"rank {r} finished the step" in output for r in others), output
 
