@@ -111,6 +111,8 @@ def _compile_ahead(config) -> None:
         status, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
         status, output = "killed after 900 s", _text(e.stdout) + _text(e.stderr)
+    except OSError as e:  # no mpiexec on PATH: the batches then fail with the same error, each
+        status, output = "not started", str(e)
     _batch_seconds.append((time.monotonic() - started, "gflow compile", int(processes), 0))
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if status != 0 and reporter is not None:

@@ -12,8 +12,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def run_pytest(case: str, *options: str, timeout: float = 120, env=None):
     """pytest on `case` in a process of its own: (its exit status, its output)."""
-    # (no `gflow compile` before its first batch: from a cold cache it outlasts these runs' bounds)
+    # (no `gflow compile` before its first batch: from a cold cache it outlasts these runs' bounds;
+    # and its cases are multi-rank, whatever GFLOW_TEST_MAX_RANKS the suite runs under)
     env = dict(os.environ if env is None else env, GFLOW_TEST_COMPILE_AHEAD="0")
+    env.pop("GFLOW_TEST_MAX_RANKS", None)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", *options, "-p", "no:cacheprovider", case],
         env=env,
