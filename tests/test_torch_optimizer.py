@@ -518,10 +518,11 @@ def test_step_again_without_a_backward_applies_the_reduced_gradients_on_its_own(
         assert_identical(model)
 
 
-def a_step_on_a_new_communicator(model, ref, batch, r, momentum=0.0, **kw):
-    """After a communicator ended: hvd.init() on a new one, where one SGD(lr=0.1, momentum) step,
-    DistributedOptimizer with `kw`, gives identical replicas equal to the float64 reference's."""
-    hvd.init(comm=WORLD.Dup())
+def a_step_on_a_new_communicator(model, ref, batch, r, momentum=0.0, init=None, **kw):
+    """After a communicator ended: hvd.init() on a new one (or `init()`), where one SGD(lr=0.1,
+    momentum) step, DistributedOptimizer with `kw`, gives identical replicas equal to the float64
+    reference's."""
+    hvd.init(comm=WORLD.Dup()) if init is None else init()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     opt = hvd.DistributedOptimizer(sgd, model.named_parameters(), **kw)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum)
@@ -681,6 +682,44 @@ def test_after_crossed_waits_or_a_stray_async_call_no_rank_steps_again(
         assert_identical(model)
         assert_close_to(model, ref, atol=1e-5)
         a_step_on_a_new_communicator(model, ref, data[0], r)
+
+    try:
+        on_all_ranks(check)
+    finally:
+        hvd.init()
+
+
+@pytest.mark.parallel([2, 3])
+def test_shutdown_and_init_go_on_after_crossed_waits(monkeypatch):
+    """As in Horovod, where init() duplicates its communicator every time: hvd.shutdown() then
+    hvd.init() on the communicator that crossed waits ended goes on, on a duplicate of it (it stayed
+    ended before: helper-83), while gflow's own calls on that communicator are still refused."""
+    monkeypatch.setattr(stall, "CROSSED_S", 0.25)
+    r, last = WORLD.rank, WORLD.size - 1
+    comm = WORLD.Dup()
+    (x, y), after = batches(2)
+    hvd.init(comm=comm)
+
+    def check():
+        model, ref, opt, _ = sgd_and_reference()
+        opt.zero_grad()
+        rank_loss(model, x, y, r)
+        with pytest.raises(gflow.GflowError, match="crossed waits"):
+            if r == last:  # a metric reduced on this rank only, between backward and step()
+                hvd.allreduce(torch.ones(1), name="metric")
+            opt.step()
+        with pytest.raises(gflow.GflowError, match="crossed waits"):
+            hvd.allreduce(torch.ones(1))
+        assert_identical(model)  # (no step was taken anywhere)
+        hvd.shutdown()
+
+        def init_again():
+            hvd.init(comm=comm)
+            assert (hvd.rank(), hvd.size()) == (r, WORLD.size)
+
+        a_step_on_a_new_communicator(model, ref, after, r, init=init_again)
+        with pytest.raises(gflow.GflowError, match="crossed waits"):  # gflow's own calls: still ended
+            gflow.allreduce(np.ones(1), comm=comm)
 
     try:
         on_all_ranks(check)

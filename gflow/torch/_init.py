@@ -5,6 +5,7 @@ from mpi4py import MPI
 
 import gflow
 
+from ..runtime.context import ended as gflow_ended
 from . import _basics, _settings
 from . import process_sets as process_sets_module
 
@@ -43,6 +44,15 @@ def init(comm=None, process_sets=None) -> None:
         raise TypeError(
             "init: comm must be None, an mpi4py intracommunicator or a list of ranks, got COMM_NULL"
         )
+    if state.comm is None:  # (the first init(), or the first after shutdown())
+        # On a communicator whose collectives gflow ended (crossed waits, a stray async call that met
+        # a step), go on on a duplicate: Horovod's init() starts afresh (it duplicates its
+        # communicator every time). The ranks decide together (MPI's own Allreduce: mpi4py's
+        # lowercase one would make a duplicate of its own at its first call, pmodels/mpich#3794).
+        refused = np.array([gflow_ended(comm)], np.int32)
+        comm.Allreduce(MPI.IN_PLACE, refused, op=MPI.MAX)
+        if refused[0]:
+            comm = comm.Dup()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
     state.rank, state.size = comm.Get_rank(), comm.Get_size()
