@@ -2,7 +2,14 @@
 
 import numpy as np
 import pytest
-from helpers import WORLD, assert_close_to_reference, on_all_ranks, random_array, rank_rng
+from helpers import (
+    WORLD,
+    assert_close_to_reference,
+    assert_same_on_all_ranks,
+    on_all_ranks,
+    random_array,
+    rank_rng,
+)
 from numba import cuda
 
 import gflow
@@ -113,6 +120,32 @@ def test_ranks_that_disagree_fail_together():
     csc(np.ones(100, np.float32))
     changed = np.ones(110 if last else 100, np.float32)
     on_all_ranks(lambda: pytest.raises(ValueError if last else gflow.MismatchError, csc, changed))
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_a_sparse_step_that_pushes_its_tensors_the_other_way_round_is_refused():
+    """Every rank pushes A (100 elements) then B (50), then B then A: the segment's size is the same,
+    and A's residual went into B, silently (helper-92). Now ValueError on every rank, before anything
+    is sent; the step in the first order then goes on, every residual kept."""
+    rng = rank_rng(93)
+    lazy = gflow.LazyAllreduce(sparse={"density": 0.25, "chunk_elems": 10}, op="sum")
+    a, b = rng.standard_normal(100).astype(np.float32), rng.standard_normal(50).astype(np.float32)
+    lazy.push(a.copy())
+    lazy.push(b.copy())
+    lazy.flush()
+
+    def check():
+        with pytest.raises(ValueError, match=r"shapes \[\(50,\), \(100,\)\] in this step"):
+            lazy.push(b.copy())
+            lazy.push(a.copy())
+            lazy.flush()
+
+    on_all_ranks(check)
+    out = [a.copy(), b.copy()]
+    for x in out:
+        lazy.push(x)
+    lazy.flush()
+    assert_same_on_all_ranks(np.concatenate(out))  # (each rank's own residual: none sent twice)
 
 
 @pytest.mark.parallel([1, 2, 4])

@@ -1229,6 +1229,36 @@ def test_gradient_as_bucket_view_reduces_in_the_pool_and_matches_mpi(set_to_none
 
 
 @pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("named", [False, True])
+@pytest.mark.parametrize("views", [False, True])
+def test_ranks_that_freeze_two_layers_of_one_shape_one_each_fail_on_every_rank(named, views):
+    """Even ranks freeze one layer, odd ranks another of the same shape: without named_parameters the
+    gradients were keyed by their place among those reduced, so one rank's layer was averaged with
+    another's, silently, and the replicas parted (helper-91). Every rank now raises MismatchError
+    naming both, by Horovod's "allreduce.noname.<i>" where unnamed, and no weight moves."""
+    r = WORLD.rank
+
+    def check():
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh()]
+        model = torch.nn.Sequential(*layers, torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)).double()
+        named_parameters = model.named_parameters() if named else None
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = hvd.DistributedOptimizer(sgd, named_parameters, gradient_as_bucket_view=views)
+        x = torch.from_numpy(np.random.default_rng([47, r]).standard_normal((4, 5)))
+        model[2 if r % 2 == 0 else 4].requires_grad_(False)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        frozen = ["2.bias", "4.bias"] if named else ["allreduce.noname.3", "allreduce.noname.5"]
+        with pytest.raises(gflow.MismatchError, match=f"pushed ({frozen[0]}|{frozen[1]}) .*pushed"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    on_all_ranks(check)
+
+
+@pytest.mark.parallel([2, 3])
 def test_gradient_as_bucket_view_retried_after_a_refused_step_matches_mpi():
     """The pool is reduced in place (DDP's way): a step refused on every rank (a gradient changed after
     backward on one rank) is retried by recomputing the gradients, and then holds MPI's average."""

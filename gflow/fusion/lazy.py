@@ -350,7 +350,7 @@ class LazyAllreduce(LazyCheckpoint, PooledGradients):
         ctx = context(self._comm).for_async(f"gradient step segment {index}")
         name = check_op(self.op, holds(members[0][0].dtype))
         try:
-            strategy.check_size(index, total)
+            strategy.check_size(index, total, members)
             buffer, memory = self._buffers[index] if index < len(self._buffers) else (None, None)
             # (a step pushes the kind of array the last one did, or the segment's buffer moves with it:
             # a host buffer kept for device pushes would send device gradients as host ones)

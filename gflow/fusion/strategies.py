@@ -85,8 +85,9 @@ class Dense:
         """The dtype the segment's buffer holds (and the threshold counts in)."""
         return holds(dtype)
 
-    def check_size(self, index: int, total: int) -> None:
-        """Whether segment `index` may hold `total` elements this step (any size: nothing is kept)."""
+    def check_size(self, index: int, total: int, members: list) -> None:
+        """Whether segment `index` may hold `total` elements this step, of `members` ((array, kind,
+        scale) each) (any: nothing is kept)."""
 
     def fill(self, ops, piece, flat, op: str, size: int, scale: float) -> None:
         """Put one pushed array (times scale) into its piece of the segment's buffer (size: the
@@ -148,15 +149,23 @@ class Sparse(Dense):
     def __init__(self, op: str, compression, comm, settings: dict):
         self.op, self.compression, self.comm, self.settings = op, compression, comm, settings
         self.segments: dict = {}  # segment index -> its SparseAllreduce
+        self.layouts: dict = {}  # segment index -> its arrays' (shape, dtype) when its residual began
 
-    def check_size(self, index: int, total: int) -> None:
-        """Each segment keeps its residual: every step must fuse the same elements into it."""
+    def check_size(self, index: int, total: int, members: list) -> None:
+        """Each segment keeps its residual: every step must fuse the same arrays into it. The same
+        number of elements is not enough: two tensors pushed the other way round took each other's
+        residual, silently (helper-92)."""
+        layout = tuple((array.shape, array.dtype.str) for array, _, _ in members)
         csc = self.segments.get(index)
-        if csc is not None and csc.residual is not None and csc.residual.size != total:
+        if csc is None or csc.residual is None:
+            self.layouts[index] = layout
+            return
+        if csc.residual.size != total or self.layouts.get(index, layout) != layout:
             raise ValueError(
-                f"LazyAllreduce(sparse=...): segment {index} holds {total} elements in this step "
-                f"and {csc.residual.size} in earlier ones; each sparse segment keeps its own "
-                "residual, so every step must push the same tensors in the same order"
+                f"LazyAllreduce(sparse=...): segment {index} holds {total} elements of shapes "
+                f"{[shape for shape, _ in layout]} in this step and {csc.residual.size} of shapes "
+                f"{[shape for shape, _ in self.layouts.get(index, ())]} in earlier ones; each sparse "
+                "segment keeps its own residual, so every step must push the same tensors in the same order"
             )
 
     def start(self, segment: Segment, kind):

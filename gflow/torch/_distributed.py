@@ -118,23 +118,32 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         named += [p for p in grouped if p not in self._gflow_names]
         return [p for p in named if p.requires_grad]
 
-    def _gflow_key(self, p, position: int):
-        if self._gflow_names is None:
-            return position
-        name = self._gflow_names.get(p)
-        if name is None:  # added to the param groups after wrapping, unnamed: named by its place
-            group, index = next(
-                (g, i) for g, group in enumerate(self.param_groups) for i, q in enumerate(group["params"])
-                if q is p
-            )  # fmt: skip
-            name = f"param_groups.{group}.{index}"
-        return name
+    def _gflow_key(self, p) -> str:
+        """The name p's gradient is reduced under, which joins the push-order checksum: its name in
+        named_parameters; one added to the param groups after wrapping, unnamed, by its place there;
+        without named_parameters, Horovod's "allreduce.noname.<i>", by its place in the param groups
+        (not among the parameters reduced now: ranks that froze two layers of one shape, one each,
+        had their gradients averaged together, silently: helper-91)."""
+        name = None if self._gflow_names is None else self._gflow_names.get(p)
+        if name is not None:
+            return name
+        flat = 0
+        for g, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return (
+                        f"allreduce.noname.{flat + i}"
+                        if self._gflow_names is None
+                        else f"param_groups.{g}.{i}"
+                    )
+            flat += len(group["params"])
+        raise ValueError("DistributedOptimizer: a parameter to reduce is in none of the param groups")
 
     def _gflow_build(self, params: list) -> None:
         """The data-parallel kit for these parameters, and a gradient hook on each that has none."""
         if not params:
             raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires grad")
-        keys = [self._gflow_key(p, i) for i, p in enumerate(params)]
+        keys = [self._gflow_key(p) for p in params]
         self._gflow_layouts = _layouts(params)
         # What the kit reduces per parameter: the gradient itself, or (predivided, compressed) a new
         # tensor; a probe gives its shape and dtype, and the ctx to decompress a zero gradient with.
@@ -164,7 +173,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
     def _new_kit(self, keys: list, probes: list) -> DataParallel:
         """The data-parallel kit reducing arrays like `probes` (each parameter's, keyed as `keys`)."""
-        kit_params = dict(zip(keys, probes, strict=True)) if isinstance(keys[0], str) else probes
+        kit_params = dict(zip(keys, probes, strict=True))
         return DataParallel(
             kit_params,
             op="mean" if self.op == Average else "sum",
@@ -603,10 +612,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
 
     def _name_of(self, index: int) -> str:
         """A reduced parameter as messages name it: its name, or Horovod's for an unnamed one."""
-        key = self._gflow_keys[index]
-        if isinstance(key, str):
-            return repr(key)
-        return repr(self._parameter_names.get(self._gflow_params[index], f"allreduce.noname.{key}"))
+        return repr(self._gflow_keys[index])
 
     def _names_of(self, indices) -> str:
         """Up to five parameters' names, and how many more."""
@@ -677,7 +683,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     p.shape,
                     check_invariants=True,
                 )
-            name = str(self._gflow_keys[index])  # (a position when no names were given)
+            name = self._gflow_keys[index]
             p.grad = sparse_allreduce_on(grad, self._gflow_comm, self.op, "DistributedOptimizer", name)
 
     def _changed_message(self, changed: list, changed_on) -> str:
