@@ -15,6 +15,7 @@ from helpers import (
     random_array,
     rank_rng,
 )
+from mpi4py import MPI
 
 import gflow
 from gflow.runtime.context import context
@@ -394,6 +395,19 @@ def test_ranks_with_different_loss_scaler_settings_fail_the_first_step_on_every_
             alone.update(False)
 
     on_all_ranks(refused)
+
+
+def test_a_loss_scaler_on_the_world_is_taken_however_the_world_is_named():
+    """comm=None means MPI.COMM_WORLD, for both; mpi4py objects of one communicator are one
+    (helper-92: compared by identity, these were refused). Another communicator still is."""
+    params = make_params(2)
+    DataParallel(params, loss_scaler=gflow.LossScaler(comm=MPI.COMM_WORLD))
+    DataParallel(params, comm=MPI.COMM_WORLD, loss_scaler=gflow.LossScaler())
+    DataParallel(params, comm=MPI.Intracomm(MPI.COMM_WORLD), loss_scaler=gflow.LossScaler())
+    other = MPI.COMM_WORLD.Dup()
+    with pytest.raises(ValueError, match="loss_scaler must agree on overflow over DataParallel's"):
+        DataParallel(params, comm=other, loss_scaler=gflow.LossScaler())
+    other.Free()
 
 
 @pytest.mark.parallel([2, 3])

@@ -27,6 +27,7 @@ import zlib
 from collections.abc import Mapping
 
 import numpy as np
+from mpi4py import MPI
 
 from ..arrays.codecs import check_compression
 from ..arrays.kinds import check_array, check_writable
@@ -66,6 +67,11 @@ def _shape_of(x) -> tuple:
     if shape is None:  # a bare __cuda_array_interface__ object
         shape = x.__cuda_array_interface__["shape"]
     return tuple(int(s) for s in shape)
+
+
+def _same_communicator(a, b) -> bool:
+    """Whether a and b are one communicator (None: MPI.COMM_WORLD; two mpi4py objects of one handle)."""
+    return (MPI.COMM_WORLD if a is None else a) == (MPI.COMM_WORLD if b is None else b)
 
 
 def _named(params, who: str):
@@ -233,7 +239,7 @@ class DataParallel:
             raise TypeError(
                 f"loss_scaler must be a gflow.LossScaler or None, got {type(loss_scaler).__name__}"
             )
-        if loss_scaler is not None and loss_scaler.comm is not comm:
+        if loss_scaler is not None and not _same_communicator(loss_scaler.comm, comm):
             raise ValueError(
                 "loss_scaler must agree on overflow over DataParallel's communicator: make it with "
                 "gflow.LossScaler(comm=...) and the same comm you pass here"
