@@ -397,6 +397,34 @@ def test_ranks_with_different_loss_scaler_settings_fail_the_first_step_on_every_
     on_all_ranks(refused)
 
 
+@pytest.mark.parallel([2, 3])
+def test_an_async_call_between_pushes_in_other_orders_is_said_to_meet_the_step():
+    """Every rank makes the async call between its pushes, but the last rank pushes in the other order,
+    so DataParallel holds its first push back and the call comes first in its queue: MismatchError on
+    every rank, which said "rank 1 called allreduce" alone, though every rank called it (helper-92).
+    It now says what meets what, and where to make the call."""
+    comm = WORLD.Dup()  # (the step that met another call ends its communicator's collectives)
+    params = make_params(2, shapes={"w1": (300, 10), "w2": (300, 10)})  # (each fills a segment)
+    dp = DataParallel(params, threshold_bytes=1024, comm=comm)
+    grads = random_grads(rank_rng(94), params)
+    order = list(params)[::-1] if WORLD.rank == WORLD.size - 1 else list(params)
+    dp.push(order[0], grads[order[0]])
+    metric = gflow.allreduce_async(np.ones(3), comm=comm)
+    dp.push(order[1], grads[order[1]])
+
+    def check():
+        errors = []
+        for wait in (dp.synchronize, metric.wait):  # (each rank's error in full comes from one of them)
+            with pytest.raises(gflow.GflowError) as raised:
+                wait()
+            errors.append(raised.value)
+        full = [str(e) for e in errors if isinstance(e, gflow.MismatchError)]
+        hint = "a gradient step met another call: one made on some ranks only, or at another point"
+        assert full and all(hint in text for text in full), errors
+
+    on_all_ranks(check)
+
+
 def test_a_loss_scaler_on_the_world_is_taken_however_the_world_is_named():
     """comm=None means MPI.COMM_WORLD, for both; mpi4py objects of one communicator are one
     (helper-92: compared by identity, these were refused). Another communicator still is."""

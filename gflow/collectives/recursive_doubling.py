@@ -1056,4 +1056,18 @@ def _mismatch_message(header, world=lambda ranks: "", passed=()) -> str:
             (rank_b, sig_b, sig_a, words_b, rejected[1]),
         )
     ]
+    lazy = [int(sig[0]) == COLLECTIVE_CODE["lazy"] for sig in (sig_a, sig_b)]
+    if lazy[0] != lazy[1] and not any(rejected):
+        details[1] += ";\n" + _STEP_MET_ANOTHER_CALL
     return "\n".join([headline, details[0] + ";", details[1]])
+
+
+# helper-92: every rank made the async call, between pushes, and the ranks pushed in other orders
+# (DataParallel holds a push back until those before it in its order came): "rank 1 called
+# allreduce" alone pointed at a call that every rank had made.
+_STEP_MET_ANOTHER_CALL = (
+    "  a gradient step met another call: one made on some ranks only, or at another point of the step "
+    "(an async call between a step's pushes meets whatever segment those pushes fired, which differs "
+    "between ranks that push in other orders): make it before the step's first push or after its "
+    "synchronize()/flush()"
+)
