@@ -146,6 +146,40 @@ def test_a_sparse_step_that_pushes_its_tensors_the_other_way_round_is_refused():
         lazy.push(x)
     lazy.flush()
     assert_same_on_all_ranks(np.concatenate(out))  # (each rank's own residual: none sent twice)
+    # A restart from a checkpoint knows the layout too (helper-93: a fresh object took the swap).
+    restarted = gflow.LazyAllreduce(sparse={"density": 0.25, "chunk_elems": 10}, op="sum")
+    restarted.load_state_dict(lazy.state_dict())
+
+    def swapped_after_the_restart():
+        with pytest.raises(ValueError, match=r"shapes \[\(50,\), \(100,\)\] in this step"):
+            restarted.push(b.copy())
+            restarted.push(a.copy())
+            restarted.flush()
+
+    on_all_ranks(swapped_after_the_restart)
+    restarted.push(a.copy())
+    restarted.push(b.copy())
+    restarted.flush()
+
+
+@pytest.mark.parallel([1, 2])
+def test_a_sparse_step_that_swaps_two_shapes_of_one_size_is_refused():
+    """(6, 5) then (5, 6), then (5, 6) then (6, 5): the segment's flat views are alike, the tensors'
+    shapes are not (helper-93: the check compared the flat views)."""
+    rng = rank_rng(95)
+    lazy = gflow.LazyAllreduce(sparse={"density": 0.25, "chunk_elems": 10}, op="sum")
+    a, b = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal((5, 6)).astype(np.float32)
+    lazy.push(a.copy())
+    lazy.push(b.copy())
+    lazy.flush()
+
+    def check():
+        with pytest.raises(ValueError, match=r"shapes \[\(5, 6\), \(6, 5\)\] in this step"):
+            lazy.push(b.copy())
+            lazy.push(a.copy())
+            lazy.flush()
+
+    on_all_ranks(check)
 
 
 @pytest.mark.parallel([1, 2, 4])

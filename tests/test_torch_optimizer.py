@@ -727,6 +727,35 @@ def test_shutdown_and_init_go_on_after_crossed_waits(monkeypatch):
         hvd.init()
 
 
+@pytest.mark.isolated  # (it ends COMM_WORLD's collectives: no later test of a batch could use them)
+@pytest.mark.parallel([2])
+def test_shutdown_and_init_go_on_after_crossed_waits_on_the_world(monkeypatch):
+    """hvd.init() with no argument (or a list of ranks) after crossed waits on COMM_WORLD: its check
+    that every rank passed the same ranks ran on the ended world and raised (helper-93). A second
+    init() with no shutdown() between stays on the duplicate (it went back to the ended world)."""
+    monkeypatch.setattr(stall, "CROSSED_S", 0.25)
+    r, last = WORLD.rank, WORLD.size - 1
+    hvd.init()
+    (x, y), after = batches(2)
+
+    def check():
+        model, ref, opt, _ = sgd_and_reference()
+        opt.zero_grad()
+        rank_loss(model, x, y, r)
+        with pytest.raises(gflow.GflowError, match="crossed waits"):
+            if r == last:
+                hvd.allreduce(torch.ones(1), name="metric")
+            opt.step()
+        hvd.shutdown()
+        a_step_on_a_new_communicator(model, ref, after, r, init=hvd.init)
+        hvd.init()  # (again, as wrappers do)
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == WORLD.size
+        hvd.init(comm=list(range(WORLD.size)))
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == WORLD.size
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([1, 2])
 def test_bad_arguments_are_named():
     r = WORLD.rank

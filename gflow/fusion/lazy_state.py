@@ -105,6 +105,9 @@ class LazyCheckpoint:
             segment = csc.state_dict()
             # The segments' SparseAllreduce objects run on this object's communicator (see _fire).
             segment["rank"], segment["world_size"] = rank, size
+            layout = getattr(self._strategy, "layouts", {}).get(index)  # (its residual's: check_size)
+            if layout is not None:
+                segment["layout"] = [[list(shape), dtype] for shape, dtype in layout]
             segments[index] = segment
         state = st.header("LazyAllreduce")
         state.update(self._settings())
@@ -139,13 +142,20 @@ class LazyCheckpoint:
             raise ValueError(f"{who}: segments must be a dict, got {type(segments).__name__}")
         if segments and self.sparse is None:
             raise ValueError(f"{who}: the state holds sparse segments; this object is dense")
-        loaded = {}
+        loaded, layouts = {}, {}
         for index, segment in segments.items():
             csc = SparseAllreduce(op=self.op, compression=self.compression, comm=self._comm, **self.sparse)
             try:
                 csc.load_state_dict(segment)
+                layout = segment.get("layout")  # (none in a state of older gflow: the next step sets it)
+                if layout is not None:
+                    layouts[int(index)] = tuple(
+                        (tuple(int(n) for n in shape), str(dtype)) for shape, dtype in layout
+                    )
             except ValueError as exc:
                 raise ValueError(f"{who}: segment {index}: {exc}") from None
+            except (TypeError, AttributeError):
+                raise ValueError(f"{who}: segment {index}: layout must be a list of [shape, dtype]") from None
             loaded[int(index)] = csc
         tuned = st.plain_value(state.get("tuned_threshold_bytes"))
         if tuned is not None and (isinstance(tuned, bool) or not isinstance(tuned, int) or tuned < 1):
@@ -160,6 +170,7 @@ class LazyCheckpoint:
             tuner = tuned = None
         if isinstance(self._strategy, Sparse):
             self._strategy.segments = loaded
+            self._strategy.layouts = layouts
         if tuner is None:  # a state without the tuner's position (older gflow): tune again unless settled
             self.adopt_tuning(tuned)
         else:

@@ -155,16 +155,18 @@ class Sparse(Dense):
         """Each segment keeps its residual: every step must fuse the same arrays into it. The same
         number of elements is not enough: two tensors pushed the other way round took each other's
         residual, silently (helper-92)."""
-        layout = tuple((array.shape, array.dtype.str) for array, _, _ in members)
+        layout = tuple((tuple(pushed.shape), flat.dtype.str) for flat, _, pushed in members)
         csc = self.segments.get(index)
         if csc is None or csc.residual is None:
             self.layouts[index] = layout
             return
-        if csc.residual.size != total or self.layouts.get(index, layout) != layout:
+        if index not in self.layouts:  # (a residual loaded from a checkpoint, which keeps no layout)
+            self.layouts[index] = layout
+        if csc.residual.size != total or self.layouts[index] != layout:
             raise ValueError(
                 f"LazyAllreduce(sparse=...): segment {index} holds {total} elements of shapes "
                 f"{[shape for shape, _ in layout]} in this step and {csc.residual.size} of shapes "
-                f"{[shape for shape, _ in self.layouts.get(index, ())]} in earlier ones; each sparse "
+                f"{[shape for shape, _ in self.layouts[index]]} in earlier ones; each sparse "
                 "segment keeps its own residual, so every step must push the same tensors in the same order"
             )
 

@@ -118,32 +118,35 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         named += [p for p in grouped if p not in self._gflow_names]
         return [p for p in named if p.requires_grad]
 
-    def _gflow_key(self, p) -> str:
-        """The name p's gradient is reduced under, which joins the push-order checksum: its name in
-        named_parameters; one added to the param groups after wrapping, unnamed, by its place there;
-        without named_parameters, Horovod's "allreduce.noname.<i>", by its place in the param groups
-        (not among the parameters reduced now: ranks that froze two layers of one shape, one each,
-        had their gradients averaged together, silently: helper-91)."""
-        name = None if self._gflow_names is None else self._gflow_names.get(p)
-        if name is not None:
-            return name
-        flat = 0
+    def _gflow_keys_of(self, params: list) -> list:
+        """The name each parameter's gradient is reduced under, which joins the push-order checksum:
+        its name in named_parameters; one added to the param groups after wrapping, unnamed, by its
+        place there; without named_parameters, Horovod's "allreduce.noname.<i>", by its place in the
+        param groups (not among the parameters reduced now: ranks that froze two layers of one shape,
+        one each, had their gradients averaged together, silently: helper-91)."""
+        places, flat = {}, 0
         for g, group in enumerate(self.param_groups):
             for i, q in enumerate(group["params"]):
-                if q is p:
-                    return (
-                        f"allreduce.noname.{flat + i}"
-                        if self._gflow_names is None
-                        else f"param_groups.{g}.{i}"
-                    )
+                places[id(q)] = (g, i, flat + i)
             flat += len(group["params"])
-        raise ValueError("DistributedOptimizer: a parameter to reduce is in none of the param groups")
+        keys = []
+        for p in params:
+            name = None if self._gflow_names is None else self._gflow_names.get(p)
+            if name is None:
+                if id(p) not in places:
+                    raise ValueError(
+                        "DistributedOptimizer: a parameter to reduce is in none of the param groups"
+                    )
+                g, i, at = places[id(p)]
+                name = f"allreduce.noname.{at}" if self._gflow_names is None else f"param_groups.{g}.{i}"
+            keys.append(name)
+        return keys
 
     def _gflow_build(self, params: list) -> None:
         """The data-parallel kit for these parameters, and a gradient hook on each that has none."""
         if not params:
             raise ValueError("DistributedOptimizer: the optimizer has no parameter that requires grad")
-        keys = [self._gflow_key(p) for p in params]
+        keys = self._gflow_keys_of(params)
         self._gflow_layouts = _layouts(params)
         # What the kit reduces per parameter: the gradient itself, or (predivided, compressed) a new
         # tensor; a probe gives its shape and dtype, and the ctx to decompress a zero gradient with.

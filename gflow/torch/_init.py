@@ -9,6 +9,27 @@ from ..runtime.context import ended as gflow_ended
 from . import _basics, _settings
 from . import process_sets as process_sets_module
 
+# A communicator whose collectives gflow ended -> the duplicate init() goes on with (by handle).
+_replacements: dict = {}
+
+
+def _usable(comm):
+    """comm, or where gflow ended its collectives (crossed waits, a stray async call that met a step),
+    the duplicate init() goes on with: Horovod's init() starts afresh (it duplicates its communicator
+    every time), and `hvd.shutdown(); hvd.init()` must recover (helper-83). One duplicate per ended
+    communicator, kept for later init() calls on it (wrappers call init() again). The ranks decide
+    together: MPI's own Allreduce (mpi4py's lowercase one makes a duplicate of its own at its first
+    call: pmodels/mpich#3794)."""
+    replacement = _replacements.get(comm.handle)
+    if replacement is not None and gflow_ended(comm):  # (not a later communicator of that handle)
+        return _usable(replacement)  # (itself ended since, maybe)
+    refused = np.array([gflow_ended(comm)], np.int32)
+    comm.Allreduce(MPI.IN_PLACE, refused, op=MPI.MAX)
+    if not refused[0]:
+        return comm
+    replacement = _replacements[comm.handle] = comm.Dup()
+    return replacement
+
 
 def init(comm=None, process_sets=None) -> None:
     """Initialise gflow.torch (collective over the communicator's ranks; calling it again re-reads it,
@@ -30,12 +51,13 @@ def init(comm=None, process_sets=None) -> None:
         # anything else (not a list of ranks) fails on every rank too, never leaving the others in
         # Comm.Create.
         everyone = list(range(world.Get_size()))
-        ranks = _basics.same_ranks_everywhere(everyone if is_world else comm, world, "init: comm=")
+        base = _usable(world)
+        ranks = _basics.same_ranks_everywhere(everyone if is_world else comm, base, "init: comm=")
         if ranks == everyone:
-            comm = world
+            comm = base
         else:
-            group = world.Get_group().Incl(ranks)
-            sub = world.Create(group)  # collective over COMM_WORLD: every rank calls it
+            group = base.Get_group().Incl(ranks)
+            sub = base.Create(group)  # collective over COMM_WORLD: every rank calls it
             group.Free()
             if sub == MPI.COMM_NULL:
                 raise ValueError(f"init: this rank ({world.Get_rank()}) is not in comm={ranks}")
@@ -44,15 +66,8 @@ def init(comm=None, process_sets=None) -> None:
         raise TypeError(
             "init: comm must be None, an mpi4py intracommunicator or a list of ranks, got COMM_NULL"
         )
-    if state.comm is None:  # (the first init(), or the first after shutdown())
-        # On a communicator whose collectives gflow ended (crossed waits, a stray async call that met
-        # a step), go on on a duplicate: Horovod's init() starts afresh (it duplicates its
-        # communicator every time). The ranks decide together (MPI's own Allreduce: mpi4py's
-        # lowercase one would make a duplicate of its own at its first call, pmodels/mpich#3794).
-        refused = np.array([gflow_ended(comm)], np.int32)
-        comm.Allreduce(MPI.IN_PLACE, refused, op=MPI.MAX)
-        if refused[0]:
-            comm = comm.Dup()
+    else:
+        comm = _usable(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
     state.rank, state.size = comm.Get_rank(), comm.Get_size()

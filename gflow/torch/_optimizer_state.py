@@ -65,7 +65,8 @@ class OptimizerCheckpoint:
         saved = kit_state.get("names") if isinstance(kit_state, dict) else None
         if self._gflow_names is None or not isinstance(saved, list) or saved == self._gflow_keys:
             return  # (the kit's own load reports whatever else differs)
-        by_name = {self._gflow_key(p): p for p in self._gflow_reduced_params()}
+        reduced = self._gflow_reduced_params()
+        by_name = dict(zip(self._gflow_keys_of(reduced), reduced, strict=True))
         by_name.update((name, p) for p, name in self._gflow_names.items())
         params = [by_name.get(name) for name in saved]
         if all(p is not None for p in params) and len(set(map(id, params))) == len(params) and params:
