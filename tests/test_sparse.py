@@ -122,44 +122,45 @@ def test_ranks_that_disagree_fail_together():
     on_all_ranks(lambda: pytest.raises(ValueError if last else gflow.MismatchError, csc, changed))
 
 
+SWAP_CSC = {"density": 0.25, "chunk_elems": 10}
+
+
+def sparse_step(lazy, *arrays) -> None:
+    """One step of `lazy`: push each array, in this order, then flush."""
+    for x in arrays:
+        lazy.push(x)
+    lazy.flush()
+
+
+def swapped_step_refused(lazy, a, b, shapes: str) -> None:
+    """On every rank: a step that pushes copies of b then a (a then b before) raises ValueError naming
+    this step's `shapes` (a regular expression)."""
+
+    def check():
+        with pytest.raises(ValueError, match=rf"shapes {shapes} in this step"):
+            sparse_step(lazy, b.copy(), a.copy())
+
+    on_all_ranks(check)
+
+
 @pytest.mark.parallel([1, 2, 3])
 def test_a_sparse_step_that_pushes_its_tensors_the_other_way_round_is_refused():
     """Every rank pushes A (100 elements) then B (50), then B then A: the segment's size is the same,
     and A's residual went into B, silently (helper-92). Now ValueError on every rank, before anything
     is sent; the step in the first order then goes on, every residual kept."""
     rng = rank_rng(93)
-    lazy = gflow.LazyAllreduce(sparse={"density": 0.25, "chunk_elems": 10}, op="sum")
+    lazy = gflow.LazyAllreduce(sparse=SWAP_CSC, op="sum")
     a, b = rng.standard_normal(100).astype(np.float32), rng.standard_normal(50).astype(np.float32)
-    lazy.push(a.copy())
-    lazy.push(b.copy())
-    lazy.flush()
-
-    def check():
-        with pytest.raises(ValueError, match=r"shapes \[\(50,\), \(100,\)\] in this step"):
-            lazy.push(b.copy())
-            lazy.push(a.copy())
-            lazy.flush()
-
-    on_all_ranks(check)
+    sparse_step(lazy, a.copy(), b.copy())
+    swapped_step_refused(lazy, a, b, r"\[\(50,\), \(100,\)\]")
     out = [a.copy(), b.copy()]
-    for x in out:
-        lazy.push(x)
-    lazy.flush()
+    sparse_step(lazy, *out)
     assert_same_on_all_ranks(np.concatenate(out))  # (each rank's own residual: none sent twice)
     # A restart from a checkpoint knows the layout too (helper-93: a fresh object took the swap).
-    restarted = gflow.LazyAllreduce(sparse={"density": 0.25, "chunk_elems": 10}, op="sum")
+    restarted = gflow.LazyAllreduce(sparse=SWAP_CSC, op="sum")
     restarted.load_state_dict(lazy.state_dict())
-
-    def swapped_after_the_restart():
-        with pytest.raises(ValueError, match=r"shapes \[\(50,\), \(100,\)\] in this step"):
-            restarted.push(b.copy())
-            restarted.push(a.copy())
-            restarted.flush()
-
-    on_all_ranks(swapped_after_the_restart)
-    restarted.push(a.copy())
-    restarted.push(b.copy())
-    restarted.flush()
+    swapped_step_refused(restarted, a, b, r"\[\(50,\), \(100,\)\]")
+    sparse_step(restarted, a.copy(), b.copy())
 
 
 @pytest.mark.parallel([1, 2])
@@ -167,19 +168,10 @@ def test_a_sparse_step_that_swaps_two_shapes_of_one_size_is_refused():
     """(6, 5) then (5, 6), then (5, 6) then (6, 5): the segment's flat views are alike, the tensors'
     shapes are not (helper-93: the check compared the flat views)."""
     rng = rank_rng(95)
-    lazy = gflow.LazyAllreduce(sparse={"density": 0.25, "chunk_elems": 10}, op="sum")
+    lazy = gflow.LazyAllreduce(sparse=SWAP_CSC, op="sum")
     a, b = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal((5, 6)).astype(np.float32)
-    lazy.push(a.copy())
-    lazy.push(b.copy())
-    lazy.flush()
-
-    def check():
-        with pytest.raises(ValueError, match=r"shapes \[\(5, 6\), \(6, 5\)\] in this step"):
-            lazy.push(b.copy())
-            lazy.push(a.copy())
-            lazy.flush()
-
-    on_all_ranks(check)
+    sparse_step(lazy, a.copy(), b.copy())
+    swapped_step_refused(lazy, a, b, r"\[\(5, 6\), \(6, 5\)\]")
 
 
 @pytest.mark.parallel([1, 2, 4])

@@ -86,8 +86,8 @@ class Dense:
         return holds(dtype)
 
     def check_size(self, index: int, total: int, members: list) -> None:
-        """Whether segment `index` may hold `total` elements this step, of `members` ((array, kind,
-        scale) each) (any: nothing is kept)."""
+        """Whether segment `index` may hold `total` elements this step, of `members` ((flat view,
+        kind, the array pushed) each) (any: nothing is kept)."""
 
     def fill(self, ops, piece, flat, op: str, size: int, scale: float) -> None:
         """Put one pushed array (times scale) into its piece of the segment's buffer (size: the

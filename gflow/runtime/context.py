@@ -522,9 +522,9 @@ _by_handle: dict = {}
 def ended(comm) -> bool:
     """Whether gflow refuses every later collective on `comm` on this rank (crossed waits, or a step
     that met another kind of call, ended them), without making its context where there is none."""
-    ctx = _by_handle.get(comm.handle) if _keyval is not None else None
-    if ctx is None and _keyval is not None:
-        ctx = comm.Get_attr(_keyval)
+    if _keyval is None:  # (no context made yet, on any communicator)
+        return False
+    ctx = _by_handle.get(comm.handle) or comm.Get_attr(_keyval)
     return ctx is not None and (ctx.ended is not None or ctx.failed is not None)
 
 
