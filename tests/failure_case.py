@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import gflow
+from gflow.runtime import failures
 
 mode, failing = sys.argv[1], int(sys.argv[2])
 if mode.endswith("-over-mpi"):  # (the agreement's messages over MPI, as across hosts: no slots)
@@ -31,9 +32,7 @@ for g in grads:
     lazy.push(g)
 lazy.flush()
 if me == 0:  # MPICH's shared-memory file of this node, which the job's abort must remove
-    maps = [line.split() for line in open("/proc/self/maps")]
-    segments = sorted({f[-1] for f in maps if f and f[-1].startswith("/dev/shm/mpich_shm_")})
-    print(f"segments: {' '.join(segments)}", flush=True)
+    print(f"segments: {' '.join(sorted(failures.mpich_segments()))}", flush=True)
 
 
 def fail(how):

@@ -26,14 +26,11 @@ def _segments() -> set[str]:
 
 def _mapped() -> set[str]:
     """The files any live process maps (a job still running, this run's or anyone's)."""
-    mapped = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                mapped.update(line.split()[-1] for line in maps if f"{SHM}/{PREFIX}" in line)
-        except OSError:  # ended meanwhile, or another user's
-            continue
-    return mapped
+    from gflow.runtime.failures import mpich_segments
+
+    return set().union(
+        *(mpich_segments(f"/proc/{pid}/maps") for pid in filter(str.isdigit, os.listdir("/proc")))
+    )
 
 
 def pytest_sessionstart(session):

@@ -64,21 +64,26 @@ def remove_mpich_segments() -> list[str]:
     Only for a job about to end: a process of the node that had not yet opened the file could no
     longer open it (by then, MPI_Init has opened it on every rank of the node).
     """
-    try:
-        with open("/proc/self/maps") as maps:
-            fields = [line.split() for line in maps]
-        # a file already removed shows as "/dev/shm/mpich_shm_... (deleted)"
-        paths = {f[-1] for f in fields if f and f[-1].startswith("/dev/shm/mpich_shm_")}
-    except OSError:  # not Linux
-        return []
     removed = []
-    for path in sorted(paths):
+    for path in sorted(mpich_segments()):
         try:
             os.unlink(path)
             removed.append(path)
         except OSError:  # another rank of the node removed it first
             pass
     return removed
+
+
+def mpich_segments(maps: str = "/proc/self/maps") -> set[str]:
+    """The MPICH shared-memory files a process maps (this one's, or another's /proc/PID/maps); none
+    where that cannot be read (not Linux, a process that ended or is another user's)."""
+    try:
+        with open(maps) as lines:
+            fields = [line.split() for line in lines]
+    except OSError:
+        return set()
+    # (a file already removed shows as "/dev/shm/mpich_shm_... (deleted)": not matched)
+    return {f[-1] for f in fields if f and f[-1].startswith("/dev/shm/mpich_shm_")}
 
 
 def install() -> None:
