@@ -33,6 +33,7 @@ for g in grads:
 lazy.flush()
 if me == 0:  # MPICH's shared-memory file of this node, which the job's abort must remove
     print(f"segments: {' '.join(sorted(failures.mpich_segments()))}", flush=True)
+world.Barrier()  # read before any rank fails (a failing rank's abort removes the file: CI once saw none)
 
 
 def fail(how):
