@@ -592,19 +592,22 @@ def test_grad_scalers_at_different_scales_fail_on_every_rank():
 
 
 @pytest.mark.parallel(SIZES)
-def test_a_checkpoint_taken_after_unfreezing_resumes_where_the_layer_is_frozen_at_start():
+@pytest.mark.parametrize("named", [True, False])
+def test_a_checkpoint_taken_after_unfreezing_resumes_where_the_layer_is_frozen_at_start(named):
     """A restart builds the model as at the start (a layer frozen), wraps, loads a checkpoint taken
     after the layer was unfrozen: the kit took the saved parameters (it refused the load: the number
-    of parameters differs), and the run goes on equal to the run never stopped."""
+    of parameters differs; without named_parameters too, by Horovod's names "allreduce.noname.<i>"),
+    and the run goes on equal to the run never stopped."""
+
+    def wrap(model):
+        names = {"named_parameters": model.named_parameters()} if named else {}
+        return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), **names)
 
     def run(stop_at=None):
         torch.manual_seed(0)
         model = Net()
         model.body.weight.requires_grad_(False)
-        opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
-            named_parameters=model.named_parameters(),
-        )
+        opt = wrap(model)
         for step, (x, y) in enumerate(data(5)):
             if step == 1:
                 model.body.weight.requires_grad_(True)
@@ -613,10 +616,7 @@ def test_a_checkpoint_taken_after_unfreezing_resumes_where_the_layer_is_frozen_a
                 torch.manual_seed(1)
                 model = Net()
                 model.body.weight.requires_grad_(False)  # as at the start
-                opt = hvd.DistributedOptimizer(
-                    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
-                    named_parameters=model.named_parameters(),
-                )
+                opt = wrap(model)
                 model.load_state_dict(saved[0])
                 opt.load_state_dict(saved[1])
                 model.body.weight.requires_grad_(True)  # as the schedule has it by now

@@ -61,13 +61,15 @@ class OptimizerCheckpoint:
     def _gflow_adopt_saved_parameters(self, kit_state) -> None:
         """A checkpoint saved after a parameter was unfrozen or added (or frozen) names other
         parameters than this optimizer reduces now: reduce those it names, where each name is one of
-        this optimizer's (its next step takes the parameters as they then require grad)."""
+        this optimizer's (its next step takes the parameters as they then require grad). Without
+        named_parameters the names are Horovod's "allreduce.noname.<i>", by place in the groups."""
         saved = kit_state.get("names") if isinstance(kit_state, dict) else None
-        if self._gflow_names is None or not isinstance(saved, list) or saved == self._gflow_keys:
+        if not isinstance(saved, list) or saved == self._gflow_keys:
             return  # (the kit's own load reports whatever else differs)
-        reduced = self._gflow_reduced_params()
-        by_name = dict(zip(self._gflow_keys_of(reduced), reduced, strict=True))
-        by_name.update((name, p) for p, name in self._gflow_names.items())
+        grouped = list(dict.fromkeys(p for group in self.param_groups for p in group["params"]))
+        by_name = dict(zip(self._gflow_keys_of(grouped), grouped, strict=True))
+        if self._gflow_names is not None:
+            by_name.update((name, p) for p, name in self._gflow_names.items())
         params = [by_name.get(name) for name in saved]
         if all(p is not None for p in params) and len(set(map(id, params))) == len(params) and params:
             self._gflow_build(params)
