@@ -137,7 +137,7 @@ def swapped_step_refused(lazy, a, b, shapes: str) -> None:
     this step's `shapes` (a regular expression)."""
 
     def check():
-        with pytest.raises(ValueError, match=rf"shapes {shapes} in this step"):
+        with pytest.raises(ValueError, match=rf"shapes {shapes} of float32, in this step"):
             sparse_step(lazy, b.copy(), a.copy())
 
     on_all_ranks(check)
@@ -172,6 +172,15 @@ def test_a_sparse_step_that_swaps_two_shapes_of_one_size_is_refused():
     a, b = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal((5, 6)).astype(np.float32)
     sparse_step(lazy, a.copy(), b.copy())
     swapped_step_refused(lazy, a, b, r"\[\(5, 6\), \(6, 5\)\]")
+
+    def in_float64_refused():  # (the message named the shapes alone, alike: helper-95)
+        with pytest.raises(
+            ValueError, match=r"\(5, 6\)\] of float64, in this step .*\(5, 6\)\] of float32, in earlier"
+        ):
+            sparse_step(lazy, a.astype(np.float64), b.astype(np.float64))
+
+    on_all_ranks(in_float64_refused)
+    sparse_step(lazy, a.copy(), b.copy())
 
 
 @pytest.mark.parallel([1, 2, 4])

@@ -164,10 +164,10 @@ class Sparse(Dense):
             self.layouts[index] = layout
         if csc.residual.size != total or self.layouts[index] != layout:
             raise ValueError(
-                f"LazyAllreduce(sparse=...): segment {index} holds {total} elements of shapes "
-                f"{[shape for shape, _ in layout]} in this step and {csc.residual.size} of shapes "
-                f"{[shape for shape, _ in self.layouts[index]]} in earlier ones; each sparse "
-                "segment keeps its own residual, so every step must push the same tensors in the same order"
+                f"LazyAllreduce(sparse=...): segment {index} holds {total} elements, {_in_words(layout)}, "
+                f"in this step and {csc.residual.size}, {_in_words(self.layouts[index])}, in earlier "
+                "ones; each sparse segment keeps its own residual, so every step must push the same "
+                "tensors (shapes and dtypes) in the same order"
             )
 
     def start(self, segment: Segment, kind):
@@ -257,3 +257,9 @@ def checked(result, buffer):
             f"{buffer.dtype} (like segment.buffer), got {type(result).__name__}{shown}"
         )
     return result.reshape(-1)
+
+
+def _in_words(layout) -> str:
+    """A segment's arrays as "shapes [(7, 9)] of float32" (a layout of (shape, dtype.str) pairs)."""
+    dtypes = sorted({"bfloat16" if "V2" in code else str(np.dtype(code)) for _, code in layout})
+    return f"shapes {[shape for shape, _ in layout]} of {'/'.join(dtypes)}"

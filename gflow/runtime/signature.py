@@ -387,7 +387,8 @@ def difference(sig_a, sig_b, world=lambda ranks: "") -> tuple:
         unit = {"allgather": "elements per row", "alltoall": "elements per row"}.get(collective, "elements")
         if collective == "lazy":
             unit = "elements in a fused segment (a different model, a parameter frozen or set_absent() on "
-            unit += "some ranks only, or another fusion threshold)"
+            unit += "some ranks only, another fusion threshold, or a step one rank left half-pushed, an "
+            unit += "exception between its pushes, and went on with the next)"
         return f"the number of {unit}", *(f"passed {s[2]}" for s in (a, b))
     if a[4] != b[4]:
         if collective == "lazy" and 0 in (a[4], b[4]):  # (a step's final exchange: op max with agree=)
