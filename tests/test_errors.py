@@ -153,7 +153,9 @@ FIRST_LINES = {
                        "sent a segment of 13 float32 elements, rank {last} ended its step after 1 segment"),
     "int64 segments": (lambda: _lazy_step([10], np.int64, "max"), lambda: _lazy_step([12], np.int64, "max"),
                        "the number of elements in a fused segment (a different model, a parameter frozen or "
-                       "set_absent() on some ranks only, or another fusion threshold): rank {a} passed 10, "
+                       "set_absent() on some ranks only, another fusion threshold, or a step one rank left "
+                       "half-pushed, an exception between its pushes, and went on with the next): rank {a} "
+                       "passed 10, "
                        "rank {last} passed 12"),
     "CSC settings": (lambda: gflow.SparseAllreduce(density=0.1, chunk_elems=16)(np.ones(1000, np.float32)),
                      lambda: gflow.SparseAllreduce(density=0.1, chunk_elems=17)(np.ones(1000, np.float32)),
