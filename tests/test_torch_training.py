@@ -559,6 +559,48 @@ def test_momentum_is_applied_once_whatever_the_schedule_or_state_dict():
         on_all_ranks(check, label)
 
 
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("how", ["scheduler state on rank 0 only", "ReduceLROnPlateau on each rank's metric"])
+def test_ranks_stepping_at_different_learning_rates_fail_on_every_rank(how):
+    """The usual resume with the scheduler's state loaded on rank 0 alone, or ReduceLROnPlateau fed
+    each rank's own metric: the ranks stepped at different learning rates, and the replicas parted,
+    silently (helper-94). The ranks compare their optimizer settings in each step's agreement:
+    MismatchError on every rank, nothing applied; with the rates alike again, the steps go on."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), named_parameters=model.named_parameters()
+    )
+    if how.startswith("scheduler"):
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch))
+        if WORLD.rank == 0:
+            sched.load_state_dict(dict(sched.state_dict(), last_epoch=3))
+            sched.step()  # (as a resumed loop's first scheduler step would)
+    else:
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        for metric in (1.0, 2.0 + WORLD.rank):  # each rank's own validation loss: rank 0 alone improved
+            sched.step(metric if WORLD.rank else 1.0 - metric)
+    ((x, y),) = data(1)
+
+    def check():
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        local_loss(model, x, y).backward()
+        with pytest.raises(
+            gflow.MismatchError, match=r"optimizer settings differ \(this rank's: group 0: lr="
+        ):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        for group in opt.param_groups:
+            group["lr"] = 0.05
+        opt.zero_grad()
+        local_loss(model, x, y).backward()
+        opt.step()
+        assert_identical(model)
+
+    on_all_ranks(check, how)
+
+
 def _same_lr_schedule(label: str) -> dict:
     if label == "OneCycleLR":
         return dict(max_lr=0.2, total_steps=10, cycle_momentum=False)

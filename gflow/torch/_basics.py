@@ -64,20 +64,39 @@ class _SharedWithInner:
     with (helper-70: the ranks stepped with different rates, replicas apart, no error)."""
 
     def load_state_dict(self, state_dict):
-        groups, state = self.param_groups, self.state
-        dicts = list(groups)
-        super().load_state_dict(state_dict)
-        if self.param_groups is not groups:  # (its length is checked: one group per group)
-            for shared, loaded in zip(dicts, self.param_groups, strict=True):
-                shared.clear()
-                shared.update(loaded)
-            groups[:] = dicts
-            self.param_groups = groups
-        if self.state is not state:
-            loaded = self.state
-            state.clear()
-            state.update(loaded)
-            self.state = state
+        _load_keeping_shared(self, super().load_state_dict, state_dict)
+
+
+def _load_keeping_shared(optimizer, load, state_dict) -> None:
+    """load(state_dict), torch's load_state_dict of `optimizer`, with its param groups and state
+    loaded into the objects it had (which the wrapper or the wrapped optimizer shares)."""
+    groups, state = optimizer.param_groups, optimizer.state
+    dicts = list(groups)
+    load(state_dict)
+    if optimizer.param_groups is not groups:  # (its length is checked: one group per group)
+        for shared, loaded in zip(dicts, optimizer.param_groups, strict=True):
+            shared.clear()
+            shared.update(loaded)
+        groups[:] = dicts
+        optimizer.param_groups = groups
+    if optimizer.state is not state:
+        loaded = optimizer.state
+        state.clear()
+        state.update(loaded)
+        optimizer.state = state
+
+
+def _keep_sharing_on_load(optimizer) -> None:
+    """The wrapped optimizer's own load_state_dict (a checkpoint loaded into it after wrapping, the
+    program holding it too) loads into the objects the wrapper shares: torch's replaced them on the
+    wrapped optimizer alone, and the wrapper stepped and broadcast its empty state (helper-94)."""
+    load, held = type(optimizer).load_state_dict, weakref.ref(optimizer)  # (no reference cycle)
+
+    def load_state_dict(state_dict):
+        inner = held()
+        _load_keeping_shared(inner, lambda loaded: load(inner, loaded), state_dict)
+
+    optimizer.load_state_dict = load_state_dict
 
 
 def with_methods(mixin: type, optimizer):
@@ -93,6 +112,7 @@ def with_methods(mixin: type, optimizer):
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in hidden})
     if "step" in hidden and getattr(optimizer.step, "_wrapped_by_lr_sched", False):
         wrapped.step = _tracked_step(type(wrapped).step, optimizer, wrapped)
+    _keep_sharing_on_load(optimizer)
     return wrapped
 
 

@@ -8,6 +8,7 @@ import gc
 import math
 import warnings
 import weakref
+import zlib
 from contextlib import contextmanager, suppress
 
 import numpy as np
@@ -26,6 +27,7 @@ from ._optimizer_state import OptimizerCheckpoint
 from .compression import wire_compression
 
 _VIEW_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # gradient_as_bucket_view
+_SAMPLE_STRIDE = 1024  # of the reduced gradients the ranks compare with gradient_as_bucket_view
 # Why a call is refused after a step interrupted in its wait (Ctrl-C), and what to do.
 _INTERRUPTED_STEP = (
     "the last optimizer.step() (or synchronize(), scaler.step(optimizer)) was interrupted while it waited "
@@ -440,6 +442,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 self._dp.commit_step()
             overflow = self._reduce_absent(used) or overflow
             self._gflow_write_back(used, overflow, sparse if self._sparse_as_dense else None)
+            if self._views:
+                self._check_reduced_alike()
             if not self._sparse_as_dense:
                 self._gather_sparse(sparse)
                 self._learn_absent(used, sparse)
@@ -542,7 +546,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         ranks differ), and whether some rank steps on gradients a refused step reduced (`stale`: see
         self._refused)."""
         n, rank = len(self._pushed), self._gflow_comm.Get_rank()
-        mine = np.zeros(3 * n + 8, np.int64)
+        mine = np.zeros(3 * n + 10, np.int64)
         mine[:n] = [entry is not None for entry in self._pushed]
         mine[n : 2 * n] = [rank + 1 if c else 0 for c in changed]
         factor = self.gradient_predivide_factor
@@ -550,6 +554,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         mine[2 * n + 5 : 3 * n + 5] = [i in self._sparse_pushed or i in self._densified for i in range(n)]
         mine[3 * n + 5 : 3 * n + 7] = (int(self._sparse_as_dense), 1 - int(self._sparse_as_dense))
         mine[3 * n + 7] = int(stale)
+        mine[3 * n + 8 : 3 * n + 10] = bounds(float(zlib.crc32(_hyperparameters(self.param_groups))))
         return mine
 
     def _gflow_agree(self, mine: np.ndarray, agreed, changed: list, scale: float | None):
@@ -561,7 +566,11 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         kit's segments went out during backward or at synchronize() depends on which parameters each
         rank used, so a collective queued before them could meet a segment on another rank).
         `changed` and `scale` as _agreement took them (for the messages)."""
-        n, stale, factor = len(self._pushed), bool(mine[-1]), self.gradient_predivide_factor
+        n, stale, factor = (
+            len(self._pushed),
+            bool(mine[3 * len(self._pushed) + 7]),
+            self.gradient_predivide_factor,
+        )
         if agreed is None:
             agreed = self._over_ranks(mine, "max")
         if agreed[3 * n + 7]:
@@ -589,6 +598,18 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 gflow.MismatchError(
                     f"DistributedOptimizer: the ranks' gradient_predivide_factor differ (from "
                     f"{smallest:g} to {largest:g}; this rank's is {factor:g})"
+                )
+            )
+        largest, smallest = value_range(agreed[3 * n + 8 : 3 * n + 10])
+        if largest != smallest:
+            raise as_horovod_error(
+                gflow.MismatchError(
+                    "DistributedOptimizer: the ranks' optimizer settings differ (this rank's: "
+                    f"{_hyperparameters_in_words(self.param_groups)}): each rank would step its replica with "
+                    "its own, and the replicas would part; the step is not applied, on any rank. An LR "
+                    "scheduler whose state was loaded on one rank only (load it on every rank, or "
+                    "hvd.broadcast_object its state_dict()), or ReduceLROnPlateau fed each rank's own metric "
+                    "(reduce the metric first)?"
                 )
             )
         if agreed[3 * n + 5] and agreed[3 * n + 6]:
@@ -746,6 +767,26 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                 p.grad = p.grad.to_sparse()
         if overflow is not None:
             self._overflow = overflow
+
+    def _check_reduced_alike(self) -> None:
+        """gradient_as_bucket_view: the pool is reduced in place, where p.grad is. A rank that changed
+        a gradient through an alias torch's version counter does not see (p.grad.data.mul_() between
+        backward and step) once its segment had come back reduced kept the change alone, and the
+        replicas parted, silently (helper-94). The ranks compare a sample of what they reduced (every
+        _SAMPLE_STRIDE-th element of each gradient: a change to a whole tensor changes it) and raise
+        alike before anything is applied."""
+        grads = [p.grad for p in self._gflow_params if p.grad is not None and p.grad.layout == torch.strided]
+        sample = sum(float(g.reshape(-1)[::_SAMPLE_STRIDE].sum(dtype=torch.float64)) for g in grads)
+        bits = np.array([sample, len(grads)], np.float64).view(np.int64)
+        agreed = self._over_ranks(np.concatenate([bits, ~bits]), "max")
+        if np.any(agreed[:2] != ~agreed[2:]):  # (the largest of the bits, and of their complements)
+            raise RuntimeError(
+                "DistributedOptimizer(gradient_as_bucket_view=True): the reduced gradients differ between "
+                "the ranks (a sample of them, compared after the reduction): some rank changed a gradient "
+                "in its pool while it was reduced there, through p.grad.data or another alias torch's "
+                "version counter does not see, between backward() and step(); nothing was applied. Change "
+                "gradients after optimizer.synchronize(); zero_grad() and backward again"
+            )
 
     def _before_unscale(self, scaler) -> None:
         """torch.amp.GradScaler is about to read the gradients (unscale_, or its inf check before a
@@ -1084,3 +1125,28 @@ def check_passes(passes) -> int:
     if passes < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
     return passes
+
+
+def _hyperparameters(groups) -> bytes:
+    """The param groups' numeric settings (lr, momentum, betas, weight_decay, ...; not the
+    parameters) as bytes, in a fixed order: what the ranks compare at each step (_agreement)."""
+    values = []
+    for group in groups:
+        for key in sorted(k for k in group if k != "params"):
+            for v in group[key] if isinstance(group[key], (tuple, list)) else (group[key],):
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    v = v.item()
+                if isinstance(v, (bool, int, float)):
+                    values.append(float(v))
+    return np.array(values, np.float64).tobytes()
+
+
+def _hyperparameters_in_words(groups) -> str:
+    """This rank's learning rates, and the groups' other settings where there are few."""
+    words = []
+    for i, group in enumerate(groups):
+        lr = group.get("lr")
+        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        others = {k: v for k, v in group.items() if k not in ("params", "lr") and isinstance(v, (int, float))}
+        words.append(f"group {i}: lr={lr}" + "".join(f", {k}={v}" for k, v in sorted(others.items())))
+    return "; ".join(words)
