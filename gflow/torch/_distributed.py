@@ -65,6 +65,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._sparse_as_dense = sparse_as_dense
         self._bucket_view = bucket_view
         self._views: list = []  # with bucket_view: each parameter's gradient as a view of the pool
+        self._view_samples: list = []  # and every _SAMPLE_STRIDE-th element of each (NumPy views)
         self._compression_arg = compression
         cname, compressor = wire_compression(compression, "DistributedOptimizer")
         self._cname, self._compressor = cname, compressor
@@ -214,6 +215,9 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         in_place = not self._sparse_settings  # (CSC keeps its residuals apart: it may not)
         buffers = self._dp.gradient_buffers(private=bool(self._views), reduce_in_place=in_place)
         self._views = [torch.from_numpy(buffers[k]) for k in keys]
+        self._view_samples = [
+            buffers[k].reshape(-1)[::_SAMPLE_STRIDE] for k in keys
+        ]  # (_check_reduced_alike)
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, [None] * len(params)
         self._probes = None
         self._index_of = {p: i for i, p in enumerate(params)}
@@ -775,9 +779,14 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         replicas parted, silently (helper-94). The ranks compare a sample of what they reduced (every
         _SAMPLE_STRIDE-th element of each gradient: a change to a whole tensor changes it) and raise
         alike before anything is applied."""
-        grads = [p.grad for p in self._gflow_params if p.grad is not None and p.grad.layout == torch.strided]
-        sample = sum(float(g.reshape(-1)[::_SAMPLE_STRIDE].sum(dtype=torch.float64)) for g in grads)
-        bits = np.array([sample, len(grads)], np.float64).view(np.int64)
+        samples = []  # (a strided view of each pool view, made once: 0.4 ms for 160 gradients, 4 in torch)
+        for p, view, sample in zip(self._gflow_params, self._views, self._view_samples, strict=True):
+            g = p.grad
+            if g is not None and g.layout == torch.strided:
+                same = g.data_ptr() == view.data_ptr() and g.shape == view.shape
+                samples.append(sample if same else g.detach().reshape(-1)[::_SAMPLE_STRIDE].numpy())
+        sample = np.concatenate(samples).sum(dtype=np.float64) if samples else 0.0
+        bits = np.array([sample, len(samples)], np.float64).view(np.int64)
         agreed = self._over_ranks(np.concatenate([bits, ~bits]), "max")
         if np.any(agreed[:2] != ~agreed[2:]):  # (the largest of the bits, and of their complements)
             raise RuntimeError(

@@ -33,6 +33,8 @@ class OptimizerCheckpoint:
             self._probe_ctx,
             self._index_of,
             self._gflow_layouts,
+            self._views,
+            self._view_samples,
         )
         before = None
         try:
@@ -51,7 +53,7 @@ class OptimizerCheckpoint:
                 self._dp.load_state_dict(before[0])
                 self._dp.restore(before[1])
             self._dp, self._gflow_params, self._gflow_keys, self._probe_ctx, self._index_of = kit[:5]
-            self._gflow_layouts = kit[5]
+            self._gflow_layouts, self._views, self._view_samples = kit[5:]
             self._gflow_reset_step()
             raise
         self._gflow_reset_step()
