@@ -1213,24 +1213,31 @@ def test_a_mixed_layout_names_the_parameter_and_this_ranks_layout():
 
 
 @pytest.mark.parallel([2, 3])
-def test_a_gradient_changed_through_data_while_reduced_in_its_pool_fails_the_step_on_every_rank():
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_gradient_changed_through_data_while_reduced_in_its_pool_fails_the_step_on_every_rank(padded):
     """gradient_as_bucket_view: the last rank scales its gradients through p.grad.data after backward,
     once its pool's segments came back reduced (torch's version counter does not see a change through
     .data): its gradients differed from the others' and the replicas parted, silently (helper-94).
     The ranks compare a sample of the reduced gradients: RuntimeError on every rank, no weight moved,
-    and after zero_grad() the next step works."""
+    and after zero_grad() the next step works. `padded`: one small layer whose input's first column is
+    always 0, so its gradient's element 0 is (the sample was element 0 alone: helper-96)."""
     rng = torch.Generator().manual_seed(WORLD.rank)
 
     def check():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Tanh(), torch.nn.Linear(30, 5))
+        if padded:
+            model = torch.nn.Sequential(torch.nn.Linear(64, 1, bias=False))
+        else:
+            model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Tanh(), torch.nn.Linear(30, 5))
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1),
             named_parameters=model.named_parameters(),
             gradient_as_bucket_view=True,
             threshold_bytes=1,  # each gradient goes out as backward produces it
         )
-        x = torch.randn(8, 40, generator=rng)
+        x = torch.randn(8, 64 if padded else 40, generator=rng)
+        if padded:
+            x[:, 0] = 0.0
         model(x).pow(2).sum().backward()
         if WORLD.rank == WORLD.size - 1:
             time.sleep(1.0)  # meanwhile its segments came back reduced, into p.grad

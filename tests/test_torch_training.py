@@ -560,7 +560,9 @@ def test_momentum_is_applied_once_whatever_the_schedule_or_state_dict():
 
 
 @pytest.mark.parallel(SIZES)
-@pytest.mark.parametrize("how", ["scheduler state on rank 0 only", "ReduceLROnPlateau on each rank's metric"])
+@pytest.mark.parametrize(
+    "how", ["scheduler state on rank 0 only", "ReduceLROnPlateau on each rank's metric", "NumPy rates"]
+)
 def test_ranks_stepping_at_different_learning_rates_fail_on_every_rank(how):
     """The usual resume with the scheduler's state loaded on rank 0 alone, or ReduceLROnPlateau fed
     each rank's own metric: the ranks stepped at different learning rates, and the replicas parted,
@@ -576,6 +578,8 @@ def test_ranks_stepping_at_different_learning_rates_fail_on_every_rank(how):
         if WORLD.rank == 0:
             sched.load_state_dict(dict(sched.state_dict(), last_epoch=3))
             sched.step()  # (as a resumed loop's first scheduler step would)
+    elif how == "NumPy rates":  # (a schedule read out of a float32 array: helper-96)
+        opt.param_groups[0]["lr"] = np.float32(0.1 if WORLD.rank == 0 else 0.2)
     else:
         sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
         for metric in (1.0, 2.0 + WORLD.rank):  # each rank's own validation loss: rank 0 alone improved

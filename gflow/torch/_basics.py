@@ -90,11 +90,12 @@ def _keep_sharing_on_load(optimizer) -> None:
     """The wrapped optimizer's own load_state_dict (a checkpoint loaded into it after wrapping, the
     program holding it too) loads into the objects the wrapper shares: torch's replaced them on the
     wrapped optimizer alone, and the wrapper stepped and broadcast its empty state (helper-94)."""
+    own = optimizer.__dict__.get("load_state_dict")  # (one a library set on the instance: kept)
     load, held = type(optimizer).load_state_dict, weakref.ref(optimizer)  # (no reference cycle)
 
     def load_state_dict(state_dict):
         inner = held()
-        _load_keeping_shared(inner, lambda loaded: load(inner, loaded), state_dict)
+        _load_keeping_shared(inner, own or (lambda loaded: load(inner, loaded)), state_dict)
 
     optimizer.load_state_dict = load_state_dict
 

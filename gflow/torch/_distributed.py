@@ -4,8 +4,10 @@ agreement that keeps every rank's step alike (changed gradients, GradScaler, mom
 Long because a step's protocol is read as one; checkpoints are in _optimizer_state.py.
 """
 
+import decimal
 import gc
 import math
+import numbers
 import warnings
 import weakref
 import zlib
@@ -27,7 +29,9 @@ from ._optimizer_state import OptimizerCheckpoint
 from .compression import wire_compression
 
 _VIEW_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # gradient_as_bucket_view
-_SAMPLE_STRIDE = 1024  # of the reduced gradients the ranks compare with gradient_as_bucket_view
+_SAMPLE_STRIDE = 1024  # of the reduced gradients the ranks compare with gradient_as_bucket_view...
+_SETTING_ELEMENTS = 64  # a param-group setting held as a tensor or array of at most this many: compared too
+_SAMPLES_AT_LEAST = 16  # ...and at least this many elements of each (or all of a smaller one)
 # Why a call is refused after a step interrupted in its wait (Ctrl-C), and what to do.
 _INTERRUPTED_STEP = (
     "the last optimizer.step() (or synchronize(), scaler.step(optimizer)) was interrupted while it waited "
@@ -65,7 +69,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         self._sparse_as_dense = sparse_as_dense
         self._bucket_view = bucket_view
         self._views: list = []  # with bucket_view: each parameter's gradient as a view of the pool
-        self._view_samples: list = []  # and every _SAMPLE_STRIDE-th element of each (NumPy views)
+        self._view_samples: list = []  # and a sample of each (NumPy views: _sample)
         self._compression_arg = compression
         cname, compressor = wire_compression(compression, "DistributedOptimizer")
         self._cname, self._compressor = cname, compressor
@@ -215,9 +219,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         in_place = not self._sparse_settings  # (CSC keeps its residuals apart: it may not)
         buffers = self._dp.gradient_buffers(private=bool(self._views), reduce_in_place=in_place)
         self._views = [torch.from_numpy(buffers[k]) for k in keys]
-        self._view_samples = [
-            buffers[k].reshape(-1)[::_SAMPLE_STRIDE] for k in keys
-        ]  # (_check_reduced_alike)
+        self._view_samples = [_sample(buffers[k]) for k in keys]  # (_check_reduced_alike)
         self._gflow_params, self._gflow_keys, self._probe_ctx = params, keys, [None] * len(params)
         self._probes = None
         self._index_of = {p: i for i, p in enumerate(params)}
@@ -612,8 +614,10 @@ class _DistributedOptimizer(OptimizerCheckpoint):
                     f"{_hyperparameters_in_words(self.param_groups)}): each rank would step its replica with "
                     "its own, and the replicas would part; the step is not applied, on any rank. An LR "
                     "scheduler whose state was loaded on one rank only (load it on every rank, or "
-                    "hvd.broadcast_object its state_dict()), or ReduceLROnPlateau fed each rank's own metric "
-                    "(reduce the metric first)?"
+                    "hvd.broadcast_object its state_dict()), one stepped per batch on ranks that ran "
+                    "different numbers of batches before hvd.join() (broadcast its state_dict() from the "
+                    "rank join() returned), or ReduceLROnPlateau fed each rank's own metric (reduce the "
+                    "metric first)?"
                 )
             )
         if agreed[3 * n + 5] and agreed[3 * n + 6]:
@@ -777,14 +781,15 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         a gradient through an alias torch's version counter does not see (p.grad.data.mul_() between
         backward and step) once its segment had come back reduced kept the change alone, and the
         replicas parted, silently (helper-94). The ranks compare a sample of what they reduced (every
-        _SAMPLE_STRIDE-th element of each gradient: a change to a whole tensor changes it) and raise
+        _SAMPLE_STRIDE-th element of each gradient, at least _SAMPLES_AT_LEAST of each, spread: a
+        change to a whole tensor changes it unless every element sampled is 0) and raise
         alike before anything is applied."""
         samples = []  # (a strided view of each pool view, made once: 0.4 ms for 160 gradients, 4 in torch)
         for p, view, sample in zip(self._gflow_params, self._views, self._view_samples, strict=True):
             g = p.grad
             if g is not None and g.layout == torch.strided:
                 same = g.data_ptr() == view.data_ptr() and g.shape == view.shape
-                samples.append(sample if same else g.detach().reshape(-1)[::_SAMPLE_STRIDE].numpy())
+                samples.append(sample if same else _sample(g.detach().numpy()))
         sample = np.concatenate(samples).sum(dtype=np.float64) if samples else 0.0
         bits = np.array([sample, len(samples)], np.float64).view(np.int64)
         agreed = self._over_ranks(np.concatenate([bits, ~bits]), "max")
@@ -1143,9 +1148,11 @@ def _hyperparameters(groups) -> bytes:
     for group in groups:
         for key in sorted(k for k in group if k != "params"):
             for v in group[key] if isinstance(group[key], (tuple, list)) else (group[key],):
-                if isinstance(v, torch.Tensor) and v.numel() == 1:
-                    v = v.item()
-                if isinstance(v, (bool, int, float)):
+                if isinstance(v, torch.Tensor) and v.numel() <= _SETTING_ELEMENTS:
+                    values += v.detach().cpu().double().reshape(-1).tolist()
+                elif isinstance(v, np.ndarray) and v.size <= _SETTING_ELEMENTS and v.dtype.kind in "biuf":
+                    values += v.astype(np.float64).reshape(-1).tolist()
+                elif isinstance(v, numbers.Real) or isinstance(v, decimal.Decimal):  # (NumPy's scalars too)
                     values.append(float(v))
     return np.array(values, np.float64).tobytes()
 
@@ -1159,3 +1166,11 @@ def _hyperparameters_in_words(groups) -> str:
         others = {k: v for k, v in group.items() if k not in ("params", "lr") and isinstance(v, (int, float))}
         words.append(f"group {i}: lr={lr}" + "".join(f", {k}={v}" for k, v in sorted(others.items())))
     return "; ".join(words)
+
+
+def _sample(array: np.ndarray) -> np.ndarray:
+    """Every _SAMPLE_STRIDE-th element of the array, or, for one of fewer than
+    _SAMPLE_STRIDE * _SAMPLES_AT_LEAST elements, _SAMPLES_AT_LEAST of them spread over it (element
+    0 alone of a small gradient missed a change where a padding column kept it 0: helper-96)."""
+    flat = array.reshape(-1)
+    return flat[:: max(1, min(_SAMPLE_STRIDE, flat.size // _SAMPLES_AT_LEAST))]
