@@ -30,8 +30,8 @@ from .compression import wire_compression
 
 _VIEW_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # gradient_as_bucket_view
 _SAMPLE_STRIDE = 1024  # of the reduced gradients the ranks compare with gradient_as_bucket_view...
-_SETTING_ELEMENTS = 64  # a param-group setting held as a tensor or array of at most this many: compared too
 _SAMPLES_AT_LEAST = 16  # ...and at least this many elements of each (or all of a smaller one)
+_SETTING_ELEMENTS = 64  # a param-group setting held as a tensor or array of at most this many: compared too
 # Why a call is refused after a step interrupted in its wait (Ctrl-C), and what to do.
 _INTERRUPTED_STEP = (
     "the last optimizer.step() (or synchronize(), scaler.step(optimizer)) was interrupted while it waited "
@@ -572,11 +572,8 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         kit's segments went out during backward or at synchronize() depends on which parameters each
         rank used, so a collective queued before them could meet a segment on another rank).
         `changed` and `scale` as _agreement took them (for the messages)."""
-        n, stale, factor = (
-            len(self._pushed),
-            bool(mine[3 * len(self._pushed) + 7]),
-            self.gradient_predivide_factor,
-        )
+        n, factor = len(self._pushed), self.gradient_predivide_factor
+        stale = bool(mine[3 * n + 7])
         if agreed is None:
             agreed = self._over_ranks(mine, "max")
         if agreed[3 * n + 7]:
@@ -784,7 +781,7 @@ class _DistributedOptimizer(OptimizerCheckpoint):
         _SAMPLE_STRIDE-th element of each gradient, at least _SAMPLES_AT_LEAST of each, spread: a
         change to a whole tensor changes it unless every element sampled is 0) and raise
         alike before anything is applied."""
-        samples = []  # (a strided view of each pool view, made once: 0.4 ms for 160 gradients, 4 in torch)
+        samples = []  # (NumPy views of the pool's, made once: 0.4 ms for 160 gradients, 4 ms in torch)
         for p, view, sample in zip(self._gflow_params, self._views, self._view_samples, strict=True):
             g = p.grad
             if g is not None and g.layout == torch.strided:
@@ -1152,7 +1149,7 @@ def _hyperparameters(groups) -> bytes:
                     values += v.detach().cpu().double().reshape(-1).tolist()
                 elif isinstance(v, np.ndarray) and v.size <= _SETTING_ELEMENTS and v.dtype.kind in "biuf":
                     values += v.astype(np.float64).reshape(-1).tolist()
-                elif isinstance(v, numbers.Real) or isinstance(v, decimal.Decimal):  # (NumPy's scalars too)
+                elif isinstance(v, (numbers.Real, decimal.Decimal)):  # (NumPy's scalars too)
                     values.append(float(v))
     return np.array(values, np.float64).tobytes()
 
