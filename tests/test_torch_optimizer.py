@@ -1671,6 +1671,28 @@ def test_a_rank_that_replaces_its_optimizer_after_a_failed_step_trains_on(differ
     assert_close_to(model, ref, atol=1e-5)
 
 
+def test_a_load_state_dict_set_on_the_inner_optimizer_is_kept_by_wrapping():
+    """A library's own load_state_dict on the optimizer instance (set before wrapping) still runs when
+    the inner optimizer loads after wrapping, and the wrapper then holds what it loaded (helper-96)."""
+    model = make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    calls = []
+    torch_load = base.load_state_dict
+
+    def own(state_dict):
+        calls.append(len(state_dict["param_groups"]))
+        torch_load(state_dict)
+
+    base.load_state_dict = own
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    saved = copy.deepcopy(base.state_dict())
+    saved["param_groups"][0]["lr"] = 0.25
+    base.load_state_dict(saved)
+    assert calls == [1]
+    assert opt.param_groups[0]["lr"] == base.param_groups[0]["lr"] == 0.25
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+
+
 @pytest.mark.parallel([2, 3])
 @pytest.mark.parametrize("load", ["broadcast_optimizer_state", "checkpoint", "checkpoint into the inner"])
 def test_a_scheduler_made_before_wrapping_follows_a_loaded_state(load):
