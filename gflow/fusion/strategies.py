@@ -155,7 +155,7 @@ class Sparse(Dense):
         """Each segment keeps its residual: every step must fuse the same arrays into it. The same
         number of elements is not enough: two tensors pushed the other way round took each other's
         residual, silently (helper-92)."""
-        layout = tuple((tuple(pushed.shape), flat.dtype.str) for flat, _, pushed in members)
+        layout = tuple((tuple(pushed.shape), flat.dtype.name) for flat, _, pushed in members)
         csc = self.segments.get(index)
         if csc is None or csc.residual is None:
             self.layouts[index] = layout
@@ -260,6 +260,6 @@ def checked(result, buffer):
 
 
 def _in_words(layout) -> str:
-    """A segment's arrays as "shapes [(7, 9)] of float32" (a layout of (shape, dtype.str) pairs)."""
-    dtypes = sorted({"bfloat16" if "V2" in code else str(np.dtype(code)) for _, code in layout})
+    """A segment's arrays as "shapes [(7, 9)] of float32" (a layout of (shape, dtype name) pairs)."""
+    dtypes = sorted({name for _, name in layout})
     return f"shapes {[shape for shape, _ in layout]} of {'/'.join(dtypes)}"
